@@ -1,0 +1,50 @@
+# meshlm: `make run` serves the whole mesh, `make test` runs every test.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+PROTOS := $(shell find proto -name '*.proto')
+STAMP := $(VENV)/.installed
+
+.PHONY: install proto run test test-unit test-e2e bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP) proto
+
+# Generated code goes under services/ (gitignored): sglang.runtime.v1 and meshlm.v1.
+proto: $(STAMP) services/meshlm/v1/.stamp
+
+services/meshlm/v1/.stamp: $(PROTOS)
+	$(PY) -m grpc_tools.protoc -I proto -I $(SITE) \
+	  --python_out=services --pyi_out=services --grpc_python_out=services $(PROTOS)
+	touch services/sglang/__init__.py services/sglang/runtime/__init__.py \
+	  services/sglang/runtime/v1/__init__.py
+	touch $@
+
+run: install
+	$(PY) -m meshlm.launch
+
+test: install
+	$(PY) -m pytest -q tests
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
+
+test-e2e: install
+	$(PY) -m pytest -q tests/e2e
+
+bench: install
+	$(PY) -m meshlm.bench
+
+lint: install
+	$(PY) -m ruff check services tests
+	$(PY) -m mypy services
+
+clean:
+	rm -rf $(VENV) services/sglang services/meshlm/v1/*_pb2* services/meshlm/v1/.stamp

@@ -1,0 +1,93 @@
+"""Service configuration: one dataclass per service, filled from CLI flags and MESHLM_* env vars.
+
+A field `grpc_port` becomes the flag `--grpc-port` and the variable `MESHLM_GRPC_PORT`; the
+flag wins over the variable, the variable over the default. Field metadata "help" documents it.
+List fields (tuple[str, ...]) take a comma-separated value or a repeated flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+C = TypeVar("C")
+
+ENV_PREFIX = "MESHLM_"
+
+
+def field(default: Any, help: str) -> Any:
+    """A config field with its help text."""
+    if isinstance(default, list | dict | set):
+        raise TypeError("use a tuple for list defaults")
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def _base_type(tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _base_type(args[0])
+    return tp
+
+
+def _option(f: dataclasses.Field[Any], tp: Any) -> Callable[[Callable[..., Any]], Any]:
+    name = f.name.replace("_", "-")
+    env = ENV_PREFIX + f.name.upper()
+    help_text = f.metadata.get("help", "")
+    base = _base_type(tp)
+    default = f.default
+    if base is bool:
+        return click.option(
+            f"--{name}/--no-{name}", default=default, envvar=env, show_envvar=True,
+            show_default=True, help=help_text,
+        )
+    if typing.get_origin(base) is tuple:
+        return click.option(
+            f"--{name}", default=",".join(default), envvar=env, show_envvar=True,
+            show_default=True, help=help_text + " (comma-separated)",
+        )
+    click_type = {int: int, float: float, str: str}.get(base, str)
+    return click.option(
+        f"--{name}", type=click_type, default=default, envvar=env, show_envvar=True,
+        show_default=True, help=help_text,
+    )
+
+
+def from_values(cls: type[C], values: dict[str, Any]) -> C:
+    """Build the dataclass from raw option values (comma lists split into tuples)."""
+    hints = typing.get_type_hints(cls)
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        if typing.get_origin(_base_type(hints[f.name])) is tuple and isinstance(value, str):
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def command(cls: type[C], name: str) -> Callable[[Callable[[C], None]], click.Command]:
+    """Decorator: turn `main(config)` into a click command whose options are cls's fields."""
+    hints = typing.get_type_hints(cls)
+
+    def wrap(main: Callable[[C], None]) -> click.Command:
+        def run(**values: Any) -> None:
+            main(from_values(cls, values))
+
+        cmd: Any = run
+        for f in reversed(dataclasses.fields(cls)):  # type: ignore[arg-type]
+            cmd = _option(f, hints[f.name])(cmd)
+        return click.command(name=name, help=cls.__doc__)(cmd)
+
+    return wrap
+
+
+def as_dict(config: Any) -> dict[str, Any]:
+    """For the start-up log line; secrets are never config values (only paths to them)."""
+    return dataclasses.asdict(config)

@@ -1,0 +1,136 @@
+"""The two server interceptors every service installs: errors -> statuses, and tracing.
+
+Both wrap the method handler's behaviour. Handlers are coroutines (unary responses) or async
+generators (streamed responses), as in grpc's own aio examples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from meshlm.common.errors import MeshError
+from meshlm.common.logs import get_logger
+from meshlm.common.tracing import context_of, tracer
+
+log = get_logger(__name__)
+
+Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
+UnaryWrapper = Callable[[str, Behavior, Any, grpc.aio.ServicerContext], Awaitable[Any]]
+StreamWrapper = Callable[[str, Behavior, Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
+
+_FACTORIES = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _wrap(handler: grpc.RpcMethodHandler, method: str, unary: UnaryWrapper,
+          stream: StreamWrapper) -> grpc.RpcMethodHandler:
+    req_stream, resp_stream = handler.request_streaming, handler.response_streaming
+    behavior = {
+        (False, False): handler.unary_unary,
+        (False, True): handler.unary_stream,
+        (True, False): handler.stream_unary,
+        (True, True): handler.stream_stream,
+    }[(req_stream, resp_stream)]
+
+    if resp_stream:
+        def wrapped_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            return stream(method, behavior, request, context)
+        new_behavior: Any = wrapped_stream
+    else:
+        async def wrapped_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await unary(method, behavior, request, context)
+        new_behavior = wrapped_unary
+    return _FACTORIES[(req_stream, resp_stream)](
+        new_behavior,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class _WrappingInterceptor(grpc.aio.ServerInterceptor):
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        return _wrap(handler, handler_call_details.method, self.unary, self.stream)
+
+    async def unary(self, method: str, behavior: Behavior, request: Any,
+                    context: grpc.aio.ServicerContext) -> Any:
+        raise NotImplementedError
+
+    def stream(self, method: str, behavior: Behavior, request: Any,
+               context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        raise NotImplementedError
+
+
+class ErrorInterceptor(_WrappingInterceptor):
+    """MeshError -> its status code; anything unexpected -> INTERNAL (logged once)."""
+
+    async def _abort(self, method: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(exc, MeshError):
+            await context.abort(exc.code, exc.message)
+        log.exception("handler_failed", method=method, error=repr(exc))
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
+
+    async def unary(self, method: str, behavior: Behavior, request: Any,
+                    context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(request, context)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the one place errors become statuses
+            await self._abort(method, exc, context)
+
+    async def stream(self, method: str, behavior: Behavior, request: Any,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in behavior(request, context):
+                yield item
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await self._abort(method, exc, context)
+
+
+class TracingInterceptor(_WrappingInterceptor):
+    """One SERVER span per call, parented by the caller's traceparent metadata if any."""
+
+    def __init__(self, skip_prefixes: tuple[str, ...] = ("/grpc.health", "/grpc.reflection")):
+        self._tracer = tracer("meshlm.rpc")
+        self._skip = skip_prefixes
+
+    def _span(self, method: str, context: grpc.aio.ServicerContext) -> Any:
+        metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+        return self._tracer.start_as_current_span(
+            method.rsplit("/", 1)[-1], context=context_of(metadata),
+            kind=trace.SpanKind.SERVER, attributes={"rpc.system": "grpc", "rpc.method": method},
+        )
+
+    async def unary(self, method: str, behavior: Behavior, request: Any,
+                    context: grpc.aio.ServicerContext) -> Any:
+        if method.startswith(self._skip):
+            return await behavior(request, context)
+        with self._span(method, context):
+            return await behavior(request, context)
+
+    async def stream(self, method: str, behavior: Behavior, request: Any,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        if method.startswith(self._skip):
+            async for item in behavior(request, context):
+                yield item
+            return
+        with self._span(method, context):
+            async for item in behavior(request, context):
+                yield item

@@ -1,0 +1,106 @@
+"""The gRPC server every service runs: its own services plus grpc.health.v1 and reflection,
+the two interceptors, keepalive settings, and graceful shutdown on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from meshlm.common.interceptors import ErrorInterceptor, TracingInterceptor
+from meshlm.common.logs import get_logger
+
+log = get_logger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# Keepalive: detect dead peers within seconds, allow clients' pings on idle streams.
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+]
+
+
+@dataclass
+class Binding:
+    """One service implementation to register: `add(servicer, server)` from the generated
+    *_pb2_grpc module and the service's full name (for health and reflection)."""
+
+    add: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+    name: str
+
+
+class GrpcServer:
+    """A grpc.aio server with health (Check/Watch for "" and each service) and reflection."""
+
+    def __init__(self, bindings: Sequence[Binding]) -> None:
+        self.server = grpc.aio.server(
+            interceptors=[TracingInterceptor(), ErrorInterceptor()], options=SERVER_OPTIONS
+        )
+        self.health = HealthServicer()
+        self.names = [b.name for b in bindings]
+        for b in bindings:
+            b.add(b.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = 0
+
+    async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> str:
+        """Bind and start; returns the bound host:port (port 0 picks a free one)."""
+        address = f"{_bracket(host)}:{port}"
+        if credentials is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, credentials)
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {address}")
+        await self.server.start()
+        await self.set_serving(False)
+        return f"{_bracket(host)}:{self.port}"
+
+    async def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.names):
+            await self.health.set(name, status)
+
+    async def stop(self, grace: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutdown_requested")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(Exception):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,58 @@
+"""OpenTelemetry set-up and in-band context propagation.
+
+Each service has its own TracerProvider (service.name = meshlm-<role>); spans are exported over
+OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) is set. A request's trace
+context travels in-band as a W3C `traceparent` map inside the internal messages, so batched
+messages still join each request's trace.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(role: str) -> None:
+    global _provider
+    if _provider is not None:
+        return
+    _provider = TracerProvider(resource=Resource.create({"service.name": f"meshlm-{role}"}))
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+    ):
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    trace.set_tracer_provider(_provider)
+
+
+def shutdown_tracing() -> None:
+    """Flush spans still queued (called on graceful shutdown)."""
+    if _provider is not None:
+        _provider.force_flush(timeout_millis=3000)
+        _provider.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def carrier_of(span: trace.Span | None = None) -> dict[str, str]:
+    """W3C context of `span` (or the current span) as a string map for an internal message."""
+    carrier: dict[str, str] = {}
+    ctx = trace.set_span_in_context(span) if span is not None else None
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+def context_of(carrier: Mapping[str, str]) -> otel_context.Context:
+    """The parent context carried in-band (empty context when there is none)."""
+    return propagate.extract(dict(carrier))

@@ -1,0 +1,167 @@
+"""Detokenizer service: token ids in from schedulers (one batch per engine step), text out to
+each request's owning gateway (one batch per received batch and gateway). Stop strings are
+matched here; a match finishes the request for the client and tells its scheduler to stop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from meshlm.common import config as cfg
+from meshlm.common.channels import ChannelPool
+from meshlm.common.logs import get_logger
+from meshlm.common.server import Binding, GrpcServer, wait_for_signal
+from meshlm.common.service import ServiceConfig, advertised, resolve_model_path
+from meshlm.common.streams import BatchedStream, StreamPool
+from meshlm.common.tls import MeshTLS
+from meshlm.common.tracing import context_of, tracer
+from meshlm.detokenizer.incremental import IncrementalDetokenizer, make_detokenizer
+from meshlm.tokenizer.tokenization import TextTokenizer
+from meshlm.v1 import common_pb2, detokenizer_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from meshlm.v1 import detokenizer_pb2_grpc as pb_grpc
+from meshlm.v1 import scheduler_pb2_grpc
+
+log = get_logger(__name__)
+
+
+@dataclass
+class DetokenizerConfig(ServiceConfig):
+    """meshlm detokenizer service."""
+
+    port: int = cfg.field(50053, "mesh gRPC port (mutual TLS); 0 picks a free port")
+    model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
+
+
+@dataclass
+class DecodeState:
+    """Per-request state: where its text goes and how it is decoded."""
+
+    gateway: str
+    scheduler: str
+    decoder: IncrementalDetokenizer | None  # None: token ids only (Generate)
+    span: trace.Span
+
+
+class DetokenizerServicer(pb_grpc.DetokenizerServicer):
+    def __init__(self, tok: TextTokenizer, gateways: StreamPool[gateway_pb2.TextOutput],
+                 channels: ChannelPool) -> None:
+        self._tok = tok
+        self._gateways = gateways
+        self._channels = channels
+        self._states: dict[str, DecodeState] = {}
+        self._tracer = tracer("meshlm.detokenizer")
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def Push(self, request_iterator: AsyncIterator[detokenizer_pb2.TokenBatch],
+                   context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        async for batch in request_iterator:
+            by_gateway, stops = self.decode_batch(batch)
+            for address, items in by_gateway.items():
+                await self._gateways.get(address).put(items)
+            for scheduler, rids in stops.items():
+                self._stop_in_scheduler(scheduler, rids)
+        return common_pb2.Empty()
+
+    def decode_batch(self, batch: detokenizer_pb2.TokenBatch
+                     ) -> tuple[dict[str, list[gateway_pb2.TextOutput]], dict[str, list[str]]]:
+        """Decode one step's outputs; returns text outputs per gateway and, per scheduler, the
+        rids that matched a stop string (to be stopped there)."""
+        by_gateway: dict[str, list[gateway_pb2.TextOutput]] = {}
+        stops: dict[str, list[str]] = {}
+        for out in batch.outputs:
+            state = self._states.get(out.rid)
+            if out.HasField("header"):
+                state = self._open(out)
+            if state is None:
+                continue  # already finished here (stop string) or unknown: nothing to deliver
+            text_out = gateway_pb2.TextOutput(
+                rid=out.rid, token_ids=out.token_ids, prompt_tokens=out.prompt_tokens,
+                completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+            )
+            decoder = state.decoder
+            if decoder is not None:
+                text_out.text = decoder.push(out.token_ids)
+                if decoder.stopped:
+                    text_out.finished = True
+                    text_out.finish_reason = "stop"
+                    text_out.matched_text = decoder.matched_stop or ""
+                    stops.setdefault(state.scheduler, []).append(out.rid)
+            if out.finished and not text_out.finished:
+                if decoder is not None:
+                    text_out.text += decoder.finish()
+                text_out.finished = True
+                text_out.finish_reason = out.finish_reason
+                if out.HasField("matched_token"):
+                    text_out.matched_token = out.matched_token
+                if out.HasField("error"):
+                    text_out.error.CopyFrom(out.error)
+            if text_out.finished:
+                self._close(out.rid, state, text_out.finish_reason)
+            by_gateway.setdefault(state.gateway, []).append(text_out)
+        return by_gateway, stops
+
+    def _open(self, out: detokenizer_pb2.TokenOutput) -> DecodeState:
+        header = out.header
+        decoder = None
+        if header.return_text:
+            decoder = make_detokenizer(self._tok.tokenizer,
+                                       skip_special_tokens=header.skip_special_tokens,
+                                       stop=list(header.stop))
+        span = self._tracer.start_span("detokenizer.request", context=context_of(header.trace),
+                                       attributes={"meshlm.rid": out.rid})
+        state = DecodeState(gateway=header.route.gateway, scheduler=header.route.scheduler,
+                            decoder=decoder, span=span)
+        self._states[out.rid] = state
+        return state
+
+    def _close(self, rid: str, state: DecodeState, reason: str) -> None:
+        self._states.pop(rid, None)
+        state.span.set_attribute("meshlm.finish_reason", reason)
+        state.span.end()
+
+    def _stop_in_scheduler(self, scheduler: str, rids: list[str]) -> None:
+        stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(scheduler))
+
+        async def call() -> None:
+            try:
+                await stub.Abort(scheduler_pb2.AbortRequest(rids=rids, reason="stop"), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("stop_failed", scheduler=scheduler, error=exc.details(),
+                            rids=len(rids))
+
+        task = asyncio.create_task(call())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _lost(items: list[gateway_pb2.TextOutput], error: str) -> None:
+    log.error("outputs_lost", count=len(items), error=error)
+
+
+async def serve(config: DetokenizerConfig) -> None:
+    model_path = resolve_model_path(config.model_path)
+    tok = TextTokenizer.from_pretrained(model_path)
+    tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
+    channels = ChannelPool(tls.channel_credentials())
+
+    def open_gateway(address: str) -> BatchedStream[gateway_pb2.TextOutput]:
+        stub = gateway_pb2_grpc.GatewayInboxStub(channels.get(address))
+        return BatchedStream("detokenizer->gateway", address, stub.Deliver,
+                             lambda items: gateway_pb2.TextBatch(outputs=items), on_lost=_lost)
+
+    gateways: StreamPool[gateway_pb2.TextOutput] = StreamPool(open_gateway)
+    servicer = DetokenizerServicer(tok, gateways, channels)
+    server = GrpcServer([Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
+                                 "meshlm.v1.Detokenizer")])
+    bound = await server.start(config.host, config.port, tls.server_credentials())
+    await server.set_serving(True)
+    log.info("listening", address=advertised(config, bound), model_path=model_path)
+    await wait_for_signal()
+    await server.set_serving(False)
+    await server.stop(config.shutdown_grace)
+    await gateways.close()
+    await channels.close()

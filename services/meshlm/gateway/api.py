@@ -1,0 +1,345 @@
+"""The public API's behaviour, one method per SglangService RPC, shared by gRPC and HTTP.
+
+Handlers take (request, CallContext) and return a response or yield a stream of them; they
+raise MeshError for every failure. The gRPC servicer and the HTTP routes are thin adapters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from meshlm.common.channels import ChannelPool
+from meshlm.common.errors import MeshError
+from meshlm.common.logs import get_logger
+from meshlm.common.rpc import CallContext
+from meshlm.common.streams import BatchedStream
+from meshlm.common.tracing import carrier_of, tracer
+from meshlm.gateway.dependencies import Dependencies
+from meshlm.gateway.inbox import PendingRequest, RequestTable, Update
+from meshlm.gateway.registry import RidRegistry
+from meshlm.gateway.validation import (
+    Limits,
+    ValidatedRequest,
+    validate_detokenize,
+    validate_generate,
+    validate_text_generate,
+    validate_tokenize,
+)
+from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
+from meshlm.v1 import tokenizer_pb2_grpc
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+log = get_logger(__name__)
+
+CONTROL_TIMEOUT = 10.0  # seconds for internal unary calls
+
+
+@dataclass
+class GatewayIdentity:
+    inbox: str               # this gateway's inbox address (requests' reply address)
+    served_model_name: str
+
+
+class GatewayAPI:
+    def __init__(self, identity: GatewayIdentity, deps: Dependencies, table: RequestTable,
+                 registry: RidRegistry, channels: ChannelPool,
+                 submit_streams: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]]) -> None:
+        self.identity = identity
+        self.deps = deps
+        self.table = table
+        self.registry = registry
+        self.channels = channels
+        self.submit = submit_streams
+        self.info: common_pb2.ModelInfo | None = None
+        self._tracer = tracer("meshlm.gateway")
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- readiness ---------------------------------------------------------------------------
+
+    def is_healthy(self) -> bool:
+        return self.deps.ready and self.info is not None
+
+    async def refresh_info(self) -> None:
+        """Fetch model facts from a tokenizer (limits for validation, model cards)."""
+        address = self.deps.pick("tokenizer")
+        if address is None:
+            return
+        stub = tokenizer_pb2_grpc.TokenizerStub(self.channels.get(address))
+        try:
+            self.info = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=CONTROL_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("model_info_failed", tokenizer=address, error=exc.details())
+
+    async def _limits(self) -> Limits:
+        if self.info is None:
+            await self.refresh_info()
+        if self.info is None or not self.deps.ready:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE,
+                            f"not ready: waiting for {self._missing() or 'model info'}")
+        return Limits(max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size)
+
+    def _missing(self) -> str:
+        missing = [role for role in ("tokenizer", "scheduler", "detokenizer")
+                   if not self.deps.serving(role)]
+        return ", ".join(f"a serving {role}" for role in missing)
+
+    def _pick(self, role: str) -> str:
+        if role == "scheduler":
+            live = self.deps.serving("scheduler")
+            address = min(live, key=self.table.count_on) if live else None
+        else:
+            address = self.deps.pick(role)
+        if address is None:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no {role} is available")
+        return address
+
+    # -- generation --------------------------------------------------------------------------
+
+    async def TextGenerate(self, req: pb.TextGenerateRequest,
+                           ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse]:
+        v = validate_text_generate(req, await self._limits())
+        async for update, meta in self._generate(v):
+            yield pb.TextGenerateResponse(text=update.text, meta_info=meta,
+                                          finished=update.final is not None,
+                                          output_ids=update.token_ids)
+
+    async def Generate(self, req: pb.GenerateRequest,
+                       ctx: CallContext) -> AsyncIterator[pb.GenerateResponse]:
+        v = validate_generate(req, await self._limits())
+        async for update, meta in self._generate(v):
+            yield pb.GenerateResponse(output_ids=update.token_ids, meta_info=meta,
+                                      finished=update.final is not None)
+
+    async def _generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
+        """Dispatch one request into the mesh and yield its updates (merged into one when the
+        client did not ask to stream). Ends it in the mesh if the client goes away."""
+        rid = v.rid or uuid.uuid4().hex
+        tokenizer = self._pick("tokenizer")
+        pending = PendingRequest(rid=rid, scheduler=self._pick("scheduler"),
+                                 detokenizer=self._pick("detokenizer"), started_at=time.time())
+        self.table.add(pending)
+        finished = dispatched = False
+        with self._tracer.start_as_current_span("gateway.generate",
+                                                attributes={"meshlm.rid": rid}) as span:
+            try:
+                created = await self.registry.create(rid, {
+                    "gateway": self.identity.inbox, "tokenizer": tokenizer,
+                    "scheduler": pending.scheduler, "detokenizer": pending.detokenizer})
+                if not created:
+                    raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"rid: {rid!r} is already in use")
+                await self.submit[tokenizer].put([self._internal_request(v, rid, pending, span)])
+                dispatched = True
+                merged: list[Update] = []
+                while True:
+                    update = await pending.next()
+                    if update.error is not None:
+                        self.registry.finish(rid, "error", finish_reason="error")
+                        finished = True
+                        raise update.error
+                    if not pending.first_output:
+                        pending.first_output = True
+                        span.add_event("first_output")
+                        self.registry.update(rid, state="running")
+                    if update.final is None and not v.stream:
+                        merged.append(update)
+                        continue
+                    if merged:
+                        update = _merge([*merged, update])
+                        merged = []
+                    meta = self._meta(rid, update, pending)
+                    if update.final is not None:
+                        finished = True
+                        reason = update.final.finish_reason
+                        span.set_attribute("meshlm.finish_reason", reason)
+                        self.registry.finish(rid, "aborted" if reason == "abort" else "finished",
+                                             finish_reason=reason,
+                                             completion_tokens=update.completion_tokens)
+                    yield update, meta
+                    if finished:
+                        return
+            finally:
+                self.table.remove(rid)
+                if dispatched and not finished:
+                    # The client went away (cancelled call, closed connection): end it now.
+                    span.add_event("client_gone")
+                    self._spawn(self._abort_in_scheduler(pending.scheduler, [rid], False))
+                    self.registry.finish(rid, "aborted", finish_reason="abort")
+
+    def _internal_request(self, v: ValidatedRequest, rid: str, pending: PendingRequest,
+                          span: trace.Span) -> tokenizer_pb2.GenerateRequest:
+        msg = tokenizer_pb2.GenerateRequest(
+            rid=rid, sampling=v.sampling, stream=v.stream, return_text=v.return_text,
+            route=common_pb2.Route(gateway=self.identity.inbox, scheduler=pending.scheduler,
+                                   detokenizer=pending.detokenizer),
+            trace=carrier_of(span), add_special_tokens=True, arrival_time=pending.started_at,
+        )
+        if v.text is not None:
+            msg.text = v.text
+        else:
+            msg.input_ids.ids.extend(v.input_ids or [])
+        return msg
+
+    def _meta(self, rid: str, update: Update, pending: PendingRequest) -> dict[str, str]:
+        meta = {"id": rid, "prompt_tokens": str(update.prompt_tokens),
+                "completion_tokens": str(update.completion_tokens),
+                "cached_tokens": str(update.cached_tokens)}
+        final = update.final
+        if final is not None:
+            meta["finish_reason"] = final.finish_reason
+            matched = final.WhichOneof("matched")
+            if matched == "matched_token":
+                meta["matched_stop"] = str(final.matched_token)
+                meta["matched_stop_type"] = "token"
+            elif matched == "matched_text":
+                meta["matched_stop"] = final.matched_text
+                meta["matched_stop_type"] = "text"
+            meta["e2e_latency"] = f"{time.time() - pending.started_at:.6f}"
+        return meta
+
+    def on_rejections(self, batch: tokenizer_pb2.RejectionBatch) -> None:
+        """Requests a tokenizer refused (e.g. prompt too long) fail with its status."""
+        for rejection in batch.rejections:
+            self.table.fail(rejection.rid, MeshError.from_number(rejection.status.code,
+                                                                 rejection.status.message))
+
+    def on_submit_lost(self, items: list[tokenizer_pb2.GenerateRequest], error: str) -> None:
+        for item in items:
+            self.table.fail(item.rid, MeshError(grpc.StatusCode.UNAVAILABLE,
+                                                f"tokenizer unavailable: {error}"))
+
+    # -- abort -------------------------------------------------------------------------------
+
+    async def Abort(self, req: pb.AbortRequest, ctx: CallContext) -> pb.AbortResponse:
+        if req.abort_all:
+            results = await asyncio.gather(*(
+                self._abort_in_scheduler(s, [], True) for s in self.deps.serving("scheduler")))
+            return pb.AbortResponse(success=all(r is not None for r in results))
+        if not req.rid:
+            raise MeshError(grpc.StatusCode.INVALID_ARGUMENT, "rid: give a rid or abort_all")
+        pending = self.table.get(req.rid)
+        scheduler = pending.scheduler if pending is not None else None
+        if scheduler is None:
+            record = await self.registry.get(req.rid)
+            if record is None:
+                return pb.AbortResponse(success=False)
+            if record.get("state") not in ("queued", "running"):
+                return pb.AbortResponse(success=True)  # already over: nothing to do
+            scheduler = record.get("scheduler")
+        if not scheduler:
+            return pb.AbortResponse(success=False)
+        aborted = await self._abort_in_scheduler(scheduler, [req.rid], False)
+        return pb.AbortResponse(success=aborted is not None)
+
+    async def _abort_in_scheduler(self, scheduler: str, rids: list[str], all_: bool) -> int | None:
+        stub = scheduler_pb2_grpc.SchedulerStub(self.channels.get(scheduler))
+        try:
+            reply = await stub.Abort(scheduler_pb2.AbortRequest(rids=rids, all=all_,
+                                                                reason="abort"),
+                                     timeout=CONTROL_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("abort_failed", scheduler=scheduler, error=exc.details())
+            return None
+        return reply.aborted
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- tokenizer passthrough ---------------------------------------------------------------
+
+    def _tokenizer_stub(self) -> tokenizer_pb2_grpc.TokenizerStub:
+        return tokenizer_pb2_grpc.TokenizerStub(self.channels.get(self._pick("tokenizer")))
+
+    async def Tokenize(self, req: pb.TokenizeRequest, ctx: CallContext) -> pb.TokenizeResponse:
+        validate_tokenize(req)
+        add_special = req.add_special_tokens if req.HasField("add_special_tokens") else True
+        reply = await self._call(self._tokenizer_stub().Tokenize(
+            tokenizer_pb2.TokenizeRequest(text=req.text, add_special_tokens=add_special),
+            timeout=CONTROL_TIMEOUT))
+        return pb.TokenizeResponse(tokens=reply.tokens, count=len(reply.tokens),
+                                   max_model_len=reply.max_model_len, input_text=req.text)
+
+    async def Detokenize(self, req: pb.DetokenizeRequest,
+                         ctx: CallContext) -> pb.DetokenizeResponse:
+        validate_detokenize(req, await self._limits())
+        reply = await self._call(self._tokenizer_stub().Detokenize(
+            tokenizer_pb2.DetokenizeRequest(tokens=req.tokens, skip_special_tokens=False),
+            timeout=CONTROL_TIMEOUT))
+        return pb.DetokenizeResponse(text=reply.text)
+
+    @staticmethod
+    async def _call(call: object) -> object:
+        try:
+            return await call  # type: ignore[misc]
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise MeshError(grpc.StatusCode.UNAVAILABLE, f"internal service: {exc.details()}")
+            raise MeshError(code, exc.details() or code.name) from exc
+
+    # -- info --------------------------------------------------------------------------------
+
+    async def HealthCheck(self, req: pb.HealthCheckRequest,
+                          ctx: CallContext) -> pb.HealthCheckResponse:
+        return pb.HealthCheckResponse(healthy=self.is_healthy())
+
+    async def GetModelInfo(self, req: pb.GetModelInfoRequest,
+                           ctx: CallContext) -> pb.GetModelInfoResponse:
+        await self._limits()
+        assert self.info is not None
+        return pb.GetModelInfoResponse(model_path=self.info.model_path,
+                                       json_info=self.info.json_info)
+
+    def model_cards(self) -> list[pb.ModelCard]:
+        if self.info is None:
+            return []
+        return [pb.ModelCard(id=self.identity.served_model_name, root=self.info.model_path,
+                             max_model_len=self.info.max_model_len)]
+
+    async def ListModels(self, req: pb.ListModelsRequest,
+                         ctx: CallContext) -> pb.ListModelsResponse:
+        await self._limits()
+        return pb.ListModelsResponse(models=self.model_cards())
+
+    async def GetLoad(self, req: pb.GetLoadRequest, ctx: CallContext) -> pb.GetLoadResponse:
+        schedulers = self.deps.addresses["scheduler"]
+        if req.HasField("dp_rank"):
+            if not 0 <= req.dp_rank < len(schedulers):
+                raise MeshError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"dp_rank: must be in [0, {len(schedulers)}), got {req.dp_rank}")
+            schedulers = [schedulers[req.dp_rank]]
+        loads = []
+        for rank, address in enumerate(schedulers):
+            stub = scheduler_pb2_grpc.SchedulerStub(self.channels.get(address))
+            try:
+                load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=CONTROL_TIMEOUT)
+                loads.append({"dp_rank": rank, **json.loads(load.json_info),
+                              "address": address})
+            except grpc.aio.AioRpcError as exc:
+                loads.append({"dp_rank": rank, "address": address, "error": exc.details()})
+        return pb.GetLoadResponse(json_info=json.dumps(loads))
+
+    async def GetServerInfo(self, req: pb.GetServerInfoRequest,
+                            ctx: CallContext) -> pb.GetServerInfoResponse:
+        info = {"gateway": self.identity.inbox, "served_model_name":
+                self.identity.served_model_name, "dependencies": self.deps.status(),
+                "registry_degraded": self.registry.degraded,
+                "max_model_len": self.info.max_model_len if self.info else None}
+        return pb.GetServerInfoResponse(json_info=json.dumps(info))
+
+
+def _merge(updates: list[Update]) -> Update:
+    last = updates[-1]
+    return Update(text="".join(u.text for u in updates),
+                  token_ids=[t for u in updates for t in u.token_ids], final=last.final,
+                  error=last.error, prompt_tokens=last.prompt_tokens,
+                  completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens)

@@ -1,0 +1,325 @@
+"""The gateway's HTTP front (Starlette): every SglangService RPC transcoded from its
+google.api.http annotation, SGLang-native POST /generate, GET /health and OpenAI GET /v1/models.
+
+All routes call the same `api` object as the gRPC servicer: `await api.Rpc(req, ctx)` for unary
+RPCs, `api.Rpc(req, ctx)` -> async iterator for server streams. A stream's first message is
+fetched before the response starts, so an early error is a plain HTTP error; later errors are
+the stream's last line or event. When the client goes away the api iterator is closed, which
+aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Any, TypeVar
+
+import grpc
+import orjson
+from sglang.runtime.v1 import sglang_pb2
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Match, Route
+from starlette.types import Receive, Scope, Send
+
+from meshlm.common.errors import MeshError
+from meshlm.common.logs import get_logger
+from meshlm.common.rpc import CallContext
+from meshlm.gateway import transcode
+from meshlm.gateway.sse import SSE_DONE, NativeOutput, native_error, sse_event
+from meshlm.gateway.validation import DEFAULT_MAX_NEW_TOKENS
+
+log = get_logger(__name__)
+
+JSON = "application/json"
+_T = TypeVar("_T")
+
+
+def build_http_app(api: Any) -> Starlette:
+    """The ASGI app serving `api` over HTTP (uvicorn runs it in the gateway process)."""
+    h = _Handlers(api)
+    routes: list[BaseRoute] = [
+        Route("/generate", h.generate, methods=["POST"]),
+        Route("/health", h.health, methods=["GET"]),
+        Route("/v1/models", h.models, methods=["GET"]),
+    ]
+    routes += [_TranscodedRoute(b, partial(h.transcoded, b)) for b in transcode.routes()]
+    return Starlette(
+        routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed}
+    )
+
+
+def call_context(request: Request) -> CallContext:
+    """Lower-cased headers as metadata (repeated headers joined with ","), peer host:port."""
+    metadata: dict[str, str] = {}
+    for key, value in request.headers.items():
+        metadata[key] = f"{metadata[key]},{value}" if key in metadata else value
+    client = request.client
+    peer = f"{client.host}:{client.port}" if client else ""
+    return CallContext(metadata=metadata, peer=peer, transport="http")
+
+
+class _Handlers:
+    def __init__(self, api: Any) -> None:
+        self.api = api
+        self.created = int(time.time())
+
+    async def _invoke(self, rpc: str, req: Any, ctx: CallContext) -> Any:
+        """The reply of a unary RPC, or the async iterator of a server-streaming one."""
+        method = getattr(self.api, rpc, None)
+        if method is None:
+            raise MeshError(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is not implemented yet")
+        result = method(req, ctx)
+        return await result if inspect.isawaitable(result) else result
+
+    async def transcoded(self, binding: transcode.HttpBinding, request: Request) -> Response:
+        try:
+            req = transcode.bind_request(
+                binding, request.path_params, request.query_params.multi_items(),
+                await request.body(),
+            )
+            result = await self._invoke(binding.rpc, req, call_context(request))
+            if not binding.server_streaming:
+                return Response(transcode.message_json(result), media_type=JSON)
+            first = await _first(result)
+            return _StreamResponse(_ndjson(first, result, binding.rpc), result,
+                                   "application/x-ndjson")
+        except MeshError as e:
+            return _status_response(e)
+        except Exception:
+            log.exception("http_request_failed", rpc=binding.rpc, path=request.url.path)
+            return _status_response(_internal())
+
+    async def generate(self, request: Request) -> Response:
+        """SGLang-native /generate: JSON reply, or SSE with cumulative text when streaming."""
+        started = time.monotonic()
+        try:
+            req = transcode.native_generate_request(await request.body())
+            is_text = isinstance(req, sglang_pb2.TextGenerateRequest)
+            sampling = req.sampling_params
+            out = NativeOutput(
+                return_text=is_text,
+                max_new_tokens=sampling.max_new_tokens
+                if sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
+                started=started,
+            )
+            rpc = "TextGenerate" if is_text else "Generate"
+            stream = await self._invoke(rpc, req, call_context(request))
+            if req.stream:
+                first = await _first(stream)
+                return _StreamResponse(_sse(out, first, stream), stream, "text/event-stream")
+            try:
+                await _unless_disconnected(_drain(stream, out), request.receive)
+            except _ClientGone:
+                return Response(status_code=499)
+            finally:
+                await _aclose(stream)
+            return Response(orjson.dumps(out.to_dict()), media_type=JSON)
+        except MeshError as e:
+            return _native_error_response(e)
+        except Exception:
+            log.exception("http_request_failed", path="/generate")
+            return _native_error_response(_internal())
+
+    async def health(self, request: Request) -> Response:
+        try:
+            healthy = bool(self.api.is_healthy())
+        except Exception:
+            log.exception("health_check_failed")
+            healthy = False
+        return Response(b"", status_code=200 if healthy else 503)
+
+    async def models(self, request: Request) -> Response:
+        """OpenAI's model list."""
+        try:
+            if hasattr(self.api, "model_cards"):
+                cards = self.api.model_cards()
+                cards = await cards if inspect.isawaitable(cards) else cards
+            else:
+                reply = await self._invoke(
+                    "ListModels", sglang_pb2.ListModelsRequest(), call_context(request)
+                )
+                cards = reply.models
+            data = [self._model(c) for c in cards]
+            return Response(orjson.dumps({"object": "list", "data": data}), media_type=JSON)
+        except MeshError as e:
+            return _native_error_response(e)
+        except Exception:
+            log.exception("http_request_failed", path="/v1/models")
+            return _native_error_response(_internal())
+
+    def _model(self, card: sglang_pb2.ModelCard) -> dict[str, Any]:
+        return {
+            "id": card.id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "meshlm",
+            "root": card.root or card.id,
+            "parent": card.parent if card.HasField("parent") else None,
+            "max_model_len": card.max_model_len if card.HasField("max_model_len") else None,
+        }
+
+
+# ---- streams ---------------------------------------------------------------------------------
+
+_EMPTY = object()
+
+
+async def _first(stream: AsyncIterator[Any]) -> Any:
+    """The stream's first message (_EMPTY if none); closes the stream when that fails."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return _EMPTY
+    except BaseException:
+        await _aclose(stream)
+        raise
+
+
+async def _aclose(stream: Any) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _drain(stream: AsyncIterator[Any], out: NativeOutput) -> None:
+    async for message in stream:
+        out.add(message)
+
+
+async def _ndjson(first: Any, stream: AsyncIterator[Any], rpc: str) -> AsyncIterator[bytes]:
+    if first is _EMPTY:
+        return
+    yield transcode.result_line(first)
+    try:
+        async for message in stream:
+            yield transcode.result_line(message)
+    except MeshError as e:
+        yield transcode.error_line(e)
+    except Exception:
+        log.exception("http_stream_failed", rpc=rpc)
+        yield transcode.error_line(_internal())
+
+
+async def _sse(out: NativeOutput, first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    if first is not _EMPTY:
+        out.add(first)
+        yield sse_event(out.to_dict())
+        try:
+            async for message in stream:
+                out.add(message)
+                yield sse_event(out.to_dict())
+        except MeshError as e:
+            yield sse_event(native_error(e))
+        except Exception:
+            log.exception("http_stream_failed", path="/generate")
+            yield sse_event(native_error(_internal()))
+    yield SSE_DONE
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(work: Awaitable[_T], receive: Receive) -> _T:
+    """Run `work`; cancel it and raise _ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()  # no-op when done
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()
+
+
+class _StreamResponse(Response):
+    """Streams `chunks`. Whether the stream ends, fails or the client leaves, closes `chunks`
+    and then the api iterator `source` (which aborts the request if it is not finished)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], source: Any, media_type: str) -> None:
+        self.chunks = chunks
+        self.source = source
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await _unless_disconnected(self._pump(send), receive)
+        except (_ClientGone, OSError):
+            pass  # the client went away: nobody to tell
+        finally:
+            await _aclose(self.chunks)
+            await _aclose(self.source)
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+# ---- routing and errors ----------------------------------------------------------------------
+
+
+class _TranscodedRoute(Route):
+    """A route whose path is a google.api.http template; variables bind request fields
+    (path_params maps field path -> value)."""
+
+    def __init__(self, binding: transcode.HttpBinding, endpoint: Callable[..., Any]) -> None:
+        super().__init__(
+            binding.path.template, endpoint, methods=[binding.http_method], name=binding.rpc
+        )
+        self.binding = binding
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] != "http":
+            return Match.NONE, {}
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        params = self.binding.path.match(path)
+        if params is None:
+            return Match.NONE, {}
+        child = {"endpoint": self.endpoint, "path_params": params}
+        return (Match.FULL if scope["method"] in (self.methods or ()) else Match.PARTIAL), child
+
+
+def _internal() -> MeshError:
+    return MeshError(grpc.StatusCode.INTERNAL, "internal error")
+
+
+def _status_response(err: MeshError) -> Response:
+    return Response(transcode.status_json(err), status_code=err.http_status, media_type=JSON)
+
+
+def _native_error_response(err: MeshError) -> Response:
+    return Response(orjson.dumps(native_error(err)), status_code=err.http_status, media_type=JSON)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    err = MeshError(grpc.StatusCode.NOT_FOUND, f"no route for {request.method} {request.url.path}")
+    return _status_response(err)
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    err = MeshError(
+        grpc.StatusCode.UNIMPLEMENTED, f"{request.method} is not allowed on {request.url.path}"
+    )
+    headers = exc.headers if isinstance(exc, HTTPException) else None
+    return Response(transcode.status_json(err), status_code=405, headers=headers, media_type=JSON)

@@ -1,0 +1,120 @@
+"""Requests this gateway owns, and the inbox that detokenizers stream their text into.
+
+Each request has a mailbox that coalesces: outputs that arrive while the client is still
+reading the previous ones are merged, never queued without bound and never blocking the
+inbox. A slow client therefore costs only its own buffered text and stalls nobody else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from meshlm.common.errors import MeshError
+from meshlm.v1 import common_pb2, gateway_pb2
+from meshlm.v1 import gateway_pb2_grpc as pb_grpc
+
+
+@dataclass
+class Update:
+    """Everything that arrived for one request since the client last read."""
+
+    text: str
+    token_ids: list[int]
+    final: gateway_pb2.TextOutput | None  # the finishing output, if it arrived
+    error: MeshError | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class PendingRequest:
+    rid: str
+    scheduler: str
+    detokenizer: str
+    started_at: float
+    _text: list[str] = field(default_factory=list)
+    _ids: list[int] = field(default_factory=list)
+    _final: gateway_pb2.TextOutput | None = None
+    _error: MeshError | None = None
+    _counts: tuple[int, int, int] = (0, 0, 0)
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    first_output: bool = False
+    done: bool = False
+
+    def deliver(self, out: gateway_pb2.TextOutput) -> None:
+        if self._final is not None or self._error is not None:
+            return
+        if out.text:
+            self._text.append(out.text)
+        self._ids.extend(out.token_ids)
+        self._counts = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+        if out.finished:
+            if out.finish_reason == "error":
+                code = out.error.code or grpc.StatusCode.INTERNAL.value[0]
+                self._error = MeshError.from_number(code, out.error.message or "request failed")
+            else:
+                self._final = out
+        self._ready.set()
+
+    def fail(self, error: MeshError) -> None:
+        if self._final is None and self._error is None:
+            self._error = error
+            self._ready.set()
+
+    async def next(self) -> Update:
+        """Wait for news, then take all of it."""
+        await self._ready.wait()
+        self._ready.clear()
+        update = Update("".join(self._text), self._ids, self._final, self._error, *self._counts)
+        self._text, self._ids = [], []
+        if update.final is not None or update.error is not None:
+            self.done = True
+        return update
+
+
+class RequestTable:
+    """rid -> PendingRequest for every request this gateway owns."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, PendingRequest] = {}
+
+    def add(self, req: PendingRequest) -> None:
+        if req.rid in self.requests:
+            raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"rid: {req.rid!r} is already in use")
+        self.requests[req.rid] = req
+
+    def remove(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+
+    def get(self, rid: str) -> PendingRequest | None:
+        return self.requests.get(rid)
+
+    def fail(self, rid: str, error: MeshError) -> None:
+        req = self.requests.get(rid)
+        if req is not None:
+            req.fail(error)
+
+    def count_on(self, scheduler: str) -> int:
+        return sum(1 for r in self.requests.values() if r.scheduler == scheduler)
+
+
+class InboxServicer(pb_grpc.GatewayInboxServicer):
+    """Detokenizers' streams land here."""
+
+    def __init__(self, table: RequestTable) -> None:
+        self._table = table
+
+    async def Deliver(self, request_iterator: AsyncIterator[gateway_pb2.TextBatch],
+                      context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        requests = self._table.requests
+        async for batch in request_iterator:
+            for out in batch.outputs:
+                req = requests.get(out.rid)
+                if req is not None:
+                    req.deliver(out)
+        return common_pb2.Empty()

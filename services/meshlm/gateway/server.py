@@ -1,0 +1,155 @@
+"""Gateway process: public gRPC (SglangService) and HTTP on their ports, the internal inbox
+(mutual TLS) that detokenizers stream into, the dependency watchers and the RID registry."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from meshlm.common import config as cfg
+from meshlm.common.channels import ChannelPool
+from meshlm.common.logs import get_logger
+from meshlm.common.server import Binding, GrpcServer, wait_for_signal
+from meshlm.common.service import ServiceConfig, advertised
+from meshlm.common.streams import BatchedStream
+from meshlm.common.tls import MeshTLS, server_credentials
+from meshlm.gateway.api import GatewayAPI, GatewayIdentity
+from meshlm.gateway.dependencies import Dependencies
+from meshlm.gateway.http_app import build_http_app
+from meshlm.gateway.inbox import InboxServicer, RequestTable
+from meshlm.gateway.registry import RidRegistry
+from meshlm.gateway.servicer import SglangServicer
+from meshlm.v1 import gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from sglang.runtime.v1 import sglang_pb2_grpc
+
+log = get_logger(__name__)
+
+
+@dataclass
+class GatewayConfig(ServiceConfig):
+    """meshlm gateway: the public API (gRPC + HTTP)."""
+
+    port: int = cfg.field(50050, "internal inbox gRPC port (mutual TLS); 0 picks a free port")
+    http_port: int = cfg.field(30000, "public HTTP port; 0 picks a free port")
+    grpc_port: int = cfg.field(0, "public gRPC port; 0 = HTTP port + 10000 (free port if the "
+                                  "HTTP port is 0)")
+    public_host: str = cfg.field("127.0.0.1", "address to bind the public HTTP and gRPC ports on")
+    tls_cert: str = cfg.field("", "public TLS certificate (PEM); plaintext when empty")
+    tls_key: str = cfg.field("", "public TLS private key (PEM)")
+    tls_client_ca: str = cfg.field("", "require public clients' certificates signed by this CA")
+    tokenizers: tuple[str, ...] = cfg.field(("127.0.0.1:50051",), "tokenizer addresses")
+    schedulers: tuple[str, ...] = cfg.field(("127.0.0.1:50052",), "scheduler addresses")
+    detokenizers: tuple[str, ...] = cfg.field(("127.0.0.1:50053",), "detokenizer addresses")
+    redis_url: str = cfg.field("redis://127.0.0.1:6379/0", "Redis for the shared RID registry")
+    registry_ttl: float = cfg.field(3600.0, "seconds a live request's record is kept")
+    registry_finished_ttl: float = cfg.field(300.0, "seconds a finished request's record is kept")
+    served_model_name: str = cfg.field("", "model id in ListModels and /v1/models "
+                                           "(default: the checkpoint directory's name)")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _http_server(config: GatewayConfig, app: object) -> uvicorn.Server:
+    kwargs: dict[str, object] = {}
+    if config.tls_cert:
+        kwargs.update(ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key)
+        if config.tls_client_ca:
+            kwargs.update(ssl_ca_certs=config.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                               timeout_graceful_shutdown=int(config.shutdown_grace),
+                               http="httptools", loop="none", **kwargs)  # type: ignore[arg-type]
+    return uvicorn.Server(uv_config)
+
+
+async def serve(config: GatewayConfig) -> None:
+    tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
+    channels = ChannelPool(tls.channel_credentials())
+    table = RequestTable()
+    registry = RidRegistry(config.redis_url, config.registry_ttl, config.registry_finished_ttl)
+
+    inbox = GrpcServer([Binding(gateway_pb2_grpc.add_GatewayInboxServicer_to_server,
+                                InboxServicer(table), "meshlm.v1.GatewayInbox")])
+    inbox_address = advertised(config, await inbox.start(config.host, config.port,
+                                                         tls.server_credentials()))
+    identity = GatewayIdentity(inbox=inbox_address, served_model_name=config.served_model_name)
+
+    submit: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]] = {}
+    public: GrpcServer | None = None
+    api_ref: list[GatewayAPI] = []
+
+    def on_change(ready: bool) -> None:
+        asyncio.ensure_future(_set_ready(ready))
+
+    async def _set_ready(ready: bool) -> None:
+        api = api_ref[0]
+        if ready and api.info is None:
+            await api.refresh_info()
+            if api.info is not None and not identity.served_model_name:
+                identity.served_model_name = Path(api.info.model_path).name
+        serving = ready and api.info is not None
+        log.info("ready" if serving else "not_ready", missing=api._missing())
+        for server in (inbox, public):
+            if server is not None:
+                await server.set_serving(serving)
+
+    deps = Dependencies(channels, {"tokenizer": config.tokenizers,
+                                   "scheduler": config.schedulers,
+                                   "detokenizer": config.detokenizers}, on_change)
+    api = GatewayAPI(identity, deps, table, registry, channels, submit)
+    api_ref.append(api)
+    for address in config.tokenizers:
+        stub = tokenizer_pb2_grpc.TokenizerStub(channels.get(address))
+        stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
+            "gateway->tokenizer", address, stub.Submit,
+            lambda items: tokenizer_pb2.GenerateBatch(requests=items),
+            on_reply=api.on_rejections, on_lost=api.on_submit_lost)
+        stream.start()
+        submit[address] = stream
+
+    public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
+                                 SglangServicer(api), "sglang.runtime.v1.SglangService")])
+    public_creds = None
+    if config.tls_cert:
+        public_creds = server_credentials(config.tls_cert, config.tls_key,
+                                          config.tls_client_ca or None,
+                                          bool(config.tls_client_ca))
+    http_sock = _bind(config.public_host, config.http_port)
+    http_port = http_sock.getsockname()[1]
+    grpc_port = config.grpc_port or (http_port + 10000 if config.http_port else 0)
+    grpc_address = await public.start(config.public_host, grpc_port, public_creds)
+    http = _http_server(config, build_http_app(api))
+    http_task = asyncio.create_task(http.serve(sockets=[http_sock]), name="http")
+    deps.start()
+    scheme = "https" if config.tls_cert else "http"
+    host = config.public_host if ":" not in config.public_host else f"[{config.public_host}]"
+    log.info("listening", address=inbox_address, grpc_address=grpc_address,
+             http_address=f"{scheme}://{host}:{http_port}", tls=bool(config.tls_cert))
+
+    await wait_for_signal()
+    # Stop taking new work, let in-flight calls finish within the grace period, then exit.
+    await public.set_serving(False)
+    await inbox.set_serving(False)
+    http.should_exit = True
+    await public.stop(config.shutdown_grace)
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(http_task, config.shutdown_grace + 1)
+    await inbox.stop(1.0)
+    await deps.close()
+    for stream in submit.values():
+        await stream.close()
+    await registry.close()
+    await channels.close()

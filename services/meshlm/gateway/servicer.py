@@ -1,0 +1,54 @@
+"""The public gRPC face: sglang.runtime.v1.SglangService, delegating every RPC to GatewayAPI.
+
+RPCs the API does not implement yet keep the generated base class's UNIMPLEMENTED answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+from meshlm.common.rpc import CallContext
+from meshlm.gateway.api import GatewayAPI
+from sglang.runtime.v1 import sglang_pb2, sglang_pb2_grpc
+
+SERVICE = sglang_pb2.DESCRIPTOR.services_by_name["SglangService"]
+
+
+def call_context(context: grpc.aio.ServicerContext) -> CallContext:
+    import time
+
+    metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())
+                if isinstance(v, str)}
+    remaining = context.time_remaining()
+    return CallContext(metadata=metadata, peer=context.peer() or "",
+                       deadline=time.time() + remaining if remaining is not None else None)
+
+
+def _unary(name: str) -> Callable[..., Any]:
+    async def method(self: SglangServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await getattr(self.api, name)(request, call_context(context))
+    method.__name__ = name
+    return method
+
+
+def _stream(name: str) -> Callable[..., Any]:
+    async def method(self: SglangServicer, request: Any,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for item in getattr(self.api, name)(request, call_context(context)):
+            yield item
+    method.__name__ = name
+    return method
+
+
+class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
+    def __init__(self, api: GatewayAPI) -> None:
+        self.api = api
+
+
+for _m in SERVICE.methods:
+    if hasattr(GatewayAPI, _m.name):
+        setattr(SglangServicer, _m.name,
+                (_stream if _m.server_streaming else _unary)(_m.name))

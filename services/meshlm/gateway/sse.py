@@ -1,0 +1,102 @@
+"""SGLang-native /generate output: api messages folded into SGLang's JSON, and SSE framing.
+
+SGLang's /generate answers {"text", "output_ids", "meta_info"}; when streaming, every
+Server-Sent Event carries the same shape with the text and ids so far (cumulative), and the
+stream ends with `data: [DONE]`. The api streams deltas (TextGenerateResponse.text,
+GenerateResponse.output_ids) with meta_info as strings; `NativeOutput` accumulates them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from sglang.runtime.v1 import sglang_pb2
+
+from meshlm.common.errors import MeshError
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+_CONSUMED = {"id", "finish_reason", "matched_stop", "matched_stop_type", *_COUNTS}
+
+GenerateMessage = sglang_pb2.TextGenerateResponse | sglang_pb2.GenerateResponse
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def native_error(err: MeshError) -> dict[str, Any]:
+    """SGLang/OpenAI-style error body: {"error": {"message", "code": <HTTP>, "type": <gRPC>}}."""
+    return {"error": {"message": err.message, "code": err.http_status, "type": err.code.name}}
+
+
+class NativeOutput:
+    """Accumulates one request's response stream into SGLang's /generate shape.
+
+    Text is reported for text requests only. Ids are reported when the response type carries
+    them (GenerateResponse; TextGenerateResponse has no output_ids field in the public proto).
+    """
+
+    def __init__(self, *, return_text: bool, max_new_tokens: int, started: float) -> None:
+        self.return_text = return_text
+        self.max_new_tokens = max_new_tokens
+        self.started = started  # time.monotonic() when the HTTP request arrived
+        self.text = ""
+        self.output_ids: list[int] | None = None
+        self.meta: dict[str, str] = {}
+        self.finished = False
+
+    def add(self, message: GenerateMessage) -> None:
+        if isinstance(message, sglang_pb2.TextGenerateResponse):
+            self.text += message.text
+        ids = getattr(message, "output_ids", None)  # absent from TextGenerateResponse
+        if ids is not None:
+            if self.output_ids is None:
+                self.output_ids = []
+            self.output_ids.extend(ids)
+        self.meta.update(message.meta_info)
+        self.finished = self.finished or message.finished
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.return_text:
+            out["text"] = self.text
+        if self.output_ids is not None:
+            out["output_ids"] = self.output_ids
+        out["meta_info"] = self._meta_info()
+        return out
+
+    def _meta_info(self) -> dict[str, Any]:
+        meta = self.meta
+        info: dict[str, Any] = {"id": meta.get("id", "")}
+        info["finish_reason"] = self._finish_reason() if self.finished else None
+        for key in _COUNTS:
+            info[key] = _int(meta.get(key, "0"))
+        info["e2e_latency"] = round(time.monotonic() - self.started, 6)
+        for key, value in meta.items():
+            if key not in _CONSUMED:
+                info[key] = value
+        return info
+
+    def _finish_reason(self) -> dict[str, Any] | None:
+        kind = self.meta.get("finish_reason")
+        if not kind:
+            return None
+        reason: dict[str, Any] = {"type": kind}
+        matched = self.meta.get("matched_stop")
+        if matched is not None:
+            token = self.meta.get("matched_stop_type") == "token"
+            reason["matched"] = _int(matched) if token else matched
+        if kind == "length":
+            reason["length"] = self.max_new_tokens
+        return reason
+
+
+def _int(value: str) -> int | str:
+    try:
+        return int(value)
+    except ValueError:
+        return value

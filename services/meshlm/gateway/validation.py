@@ -1,0 +1,258 @@
+"""Request validation at the gateway: the only place a public request is checked.
+
+Pure functions, no I/O. Every error is a MeshError whose message starts with the path of the
+field at fault ("sampling_params.top_p: must be in (0, 1], got 1.5"), INVALID_ARGUMENT for a
+bad value and UNIMPLEMENTED for a feature meshlm does not serve yet. Public sampling params
+(all optional) become internal ones with every field concrete.
+
+Text prompts are checked against the context length only after tokenization: the gateway calls
+`check_prompt_length` with the prompt's token count (field "text").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import grpc
+from sglang.runtime.v1 import sglang_pb2
+
+from meshlm.common.errors import MeshError, invalid
+from meshlm.v1 import common_pb2
+
+DEFAULT_MAX_NEW_TOKENS = 128
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+_RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model allows: context length (prompt + output) and vocabulary size."""
+
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass
+class ValidatedRequest:
+    """A generation request that passed validation; exactly one of text / input_ids is set."""
+
+    rid: str | None
+    text: str | None
+    input_ids: list[int] | None
+    sampling: common_pb2.SamplingParams
+    stream: bool
+    return_text: bool
+    routing_key: str | None
+    trace_headers: dict[str, str] = field(default_factory=dict)
+
+
+def unimplemented(field_path: str, problem: str) -> MeshError:
+    return MeshError(grpc.StatusCode.UNIMPLEMENTED, f"{field_path}: {problem}")
+
+
+def _num(x: float) -> str:
+    return f"{x:.6g}"  # float32 fields: show 0.1, not 0.10000000149011612
+
+
+def normalize_sampling(
+    params: sglang_pb2.SamplingParams | None, *, field_prefix: str = "sampling_params"
+) -> common_pb2.SamplingParams:
+    """Check public sampling params and fill in defaults.
+
+    top_k: -1 and 0 both mean "off" (SGLang uses -1, OpenAI-style clients send 0); the internal
+    value is always -1 when off.
+    """
+    p = params if params is not None else sglang_pb2.SamplingParams()
+
+    def name(f: str) -> str:
+        return f"{field_prefix}.{f}"
+
+    def get(f: str, default: float) -> float:
+        return getattr(p, f) if p.HasField(f) else default
+
+    temperature = get("temperature", 1.0)
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise invalid(name("temperature"), f"must be a finite number >= 0, got {_num(temperature)}")
+    top_p = get("top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise invalid(name("top_p"), f"must be in (0, 1], got {_num(top_p)}")
+    top_k = int(get("top_k", -1))
+    if top_k < -1:
+        raise invalid(name("top_k"), f"must be -1 or 0 (off) or >= 1, got {top_k}")
+    min_p = get("min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise invalid(name("min_p"), f"must be in [0, 1], got {_num(min_p)}")
+    penalties = {f: get(f, 0.0) for f in ("frequency_penalty", "presence_penalty")}
+    for f, v in penalties.items():
+        if not -2 <= v <= 2:
+            raise invalid(name(f), f"must be in [-2, 2], got {_num(v)}")
+    repetition_penalty = get("repetition_penalty", 1.0)
+    if not 0 < repetition_penalty <= 2:
+        raise invalid(
+            name("repetition_penalty"), f"must be in (0, 2], got {_num(repetition_penalty)}"
+        )
+    max_new_tokens = int(get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+    if max_new_tokens < 1:
+        raise invalid(name("max_new_tokens"), f"must be >= 1, got {max_new_tokens}")
+    min_new_tokens = int(get("min_new_tokens", 0))
+    if not 0 <= min_new_tokens <= max_new_tokens:
+        raise invalid(
+            name("min_new_tokens"),
+            f"must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}",
+        )
+    _check_stop(p, field_prefix)
+    if p.HasField("n") and p.n != 1:
+        if p.n > 1:
+            raise unimplemented(name("n"), "n > 1 is not supported yet")
+        raise invalid(name("n"), f"must be >= 1, got {p.n}")
+    for f in ("json_schema", "regex"):
+        if p.HasField(f):
+            raise unimplemented(name(f), "constrained decoding is not supported yet")
+
+    return common_pb2.SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=-1 if top_k == 0 else top_k,
+        min_p=min_p,
+        frequency_penalty=penalties["frequency_penalty"],
+        presence_penalty=penalties["presence_penalty"],
+        repetition_penalty=repetition_penalty,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        stop=list(p.stop),
+        stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+    )
+
+
+def _check_stop(p: sglang_pb2.SamplingParams, prefix: str) -> None:
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise invalid(f"{prefix}.stop", f"at most {MAX_STOP_STRINGS} strings, got {len(p.stop)}")
+    for i, s in enumerate(p.stop):
+        if not s:
+            raise invalid(f"{prefix}.stop[{i}]", "must not be empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise invalid(
+                f"{prefix}.stop[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(s)}"
+            )
+    for i, t in enumerate(p.stop_token_ids):
+        if t < 0:
+            raise invalid(f"{prefix}.stop_token_ids[{i}]", f"must be >= 0, got {t}")
+
+
+def check_rid(rid: str, field_path: str = "rid") -> None:
+    if not _RID.fullmatch(rid):
+        raise invalid(field_path, f"must be 1 to 128 characters of [A-Za-z0-9._:-], got {rid!r}")
+
+
+def check_token_ids(ids: list[int], limits: Limits, field_path: str) -> None:
+    """Every id in [0, vocab_size)."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            raise invalid(
+                f"{field_path}[{i}]",
+                f"token id {t} is out of range [0, {limits.vocab_size})",
+            )
+
+
+def check_prompt_length(
+    prompt_tokens: int, max_new_tokens: int, limits: Limits, *, field_path: str = "input_ids"
+) -> None:
+    """The prompt must leave room for max_new_tokens within the model's context length.
+
+    For text prompts call this after tokenization with field_path="text".
+    """
+    if prompt_tokens >= limits.max_model_len:
+        raise invalid(
+            field_path,
+            f"prompt is {prompt_tokens} tokens, the model's context length is "
+            f"{limits.max_model_len}; shorten the prompt",
+        )
+    if prompt_tokens + max_new_tokens > limits.max_model_len:
+        room = limits.max_model_len - prompt_tokens
+        raise invalid(
+            "sampling_params.max_new_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's context length {limits.max_model_len}; use at most {room}",
+        )
+
+
+_GenerateLike = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
+
+
+def _check_unsupported(req: _GenerateLike) -> None:
+    """Options that later issues implement. SGLang's explicit defaults are accepted."""
+    if req.return_logprob:
+        raise unimplemented("return_logprob", "logprobs are not supported yet")
+    if req.HasField("top_logprobs_num") and req.top_logprobs_num != 0:
+        raise unimplemented("top_logprobs_num", "logprobs are not supported yet")
+    if req.HasField("logprob_start_len") and req.logprob_start_len != -1:
+        raise unimplemented("logprob_start_len", "logprobs are not supported yet")
+    if req.lora_path:
+        raise unimplemented("lora_path", "LoRA adapters are not supported yet")
+    if req.HasField("disaggregated_params"):
+        raise unimplemented(
+            "disaggregated_params", "prefill/decode disaggregation is not supported yet"
+        )
+    if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:
+        raise unimplemented(
+            "routed_dp_rank", f"data parallelism is not supported yet (only rank 0), got "
+            f"{req.routed_dp_rank}"
+        )
+
+
+def _validated(
+    req: _GenerateLike, sampling: common_pb2.SamplingParams, *, text: str | None,
+    input_ids: list[int] | None,
+) -> ValidatedRequest:
+    _check_unsupported(req)
+    rid = req.rid if req.HasField("rid") else None
+    if rid is not None:
+        check_rid(rid)
+    return ValidatedRequest(
+        rid=rid,
+        text=text,
+        input_ids=input_ids,
+        sampling=sampling,
+        stream=req.stream,
+        return_text=text is not None,
+        routing_key=req.routing_key if req.HasField("routing_key") else None,
+        trace_headers=dict(req.trace_headers),
+    )
+
+
+def validate_text_generate(req: sglang_pb2.TextGenerateRequest, limits: Limits) -> ValidatedRequest:
+    """Checks all but the prompt length, which needs the token count (`check_prompt_length`)."""
+    if not req.text:
+        raise invalid("text", "must not be empty")
+    sampling = normalize_sampling(
+        req.sampling_params if req.HasField("sampling_params") else None
+    )
+    check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
+    return _validated(req, sampling, text=req.text, input_ids=None)
+
+
+def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> ValidatedRequest:
+    ids = list(req.input_ids)
+    if not ids:
+        raise invalid("input_ids", "must not be empty")
+    check_token_ids(ids, limits, "input_ids")
+    sampling = normalize_sampling(
+        req.sampling_params if req.HasField("sampling_params") else None
+    )
+    check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
+    check_prompt_length(len(ids), sampling.max_new_tokens, limits)
+    return _validated(req, sampling, text=None, input_ids=ids)
+
+
+def validate_tokenize(req: sglang_pb2.TokenizeRequest) -> None:
+    if not req.text:
+        raise invalid("text", "must not be empty")
+
+
+def validate_detokenize(req: sglang_pb2.DetokenizeRequest, limits: Limits) -> None:
+    check_token_ids(list(req.tokens), limits, "tokens")

@@ -1,0 +1,133 @@
+"""python -m meshlm.launch (`make run`, the `meshlm` script): the whole mesh in the foreground.
+
+Starts redis (unless --redis-url), the tokenizer, scheduler and detokenizer, then the gateway;
+prints where to reach it; on Ctrl-C or SIGTERM stops everything and exits 0. If a service dies
+on its own, the rest are stopped and the exit code is 1.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from meshlm.common import config as cfg
+from meshlm.common.logs import get_logger, setup_logging
+from meshlm.launch.mesh import Mesh, MeshOptions, MeshStartError
+
+log = get_logger(__name__)
+
+
+@dataclass
+class LaunchConfig:
+    """Run the whole meshlm mesh (redis, tokenizer, scheduler, detokenizer, gateway) locally."""
+
+    model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
+    host: str = cfg.field("127.0.0.1", "address every service binds to")
+    http_port: int = cfg.field(30000, "gateway HTTP port; 0 picks a free port")
+    grpc_port: int = cfg.field(0, "gateway public gRPC port; 0 = HTTP port + 10000")
+    redis_url: str = cfg.field("", "Redis for the gateways' registry; empty = start one")
+    workdir: str = cfg.field(".meshlm", "certificates and logs/<service>.log go here")
+    tls_cert: str = cfg.field("", "public TLS certificate (PEM) for the gateway; plaintext if "
+                                  "empty")
+    tls_key: str = cfg.field("", "public TLS private key (PEM)")
+    dev_tls: bool = cfg.field(False, "public TLS with the generated dev certificate "
+                                     "(<workdir>/certs/server.pem, CA ca.pem)")
+    log_level: str = cfg.field("info", "debug | info | warning | error (every service)")
+    echo_logs: bool = cfg.field(False, "also print every service's log lines here")
+    startup_timeout: float = cfg.field(120.0, "seconds each start-up phase may take")
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by SIGTERM/SIGINT."""
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def run(config: LaunchConfig) -> int:
+    """Start the mesh, wait for a signal or a dead service, stop. Returns the exit code."""
+    setup_logging("launch", config.log_level)
+    log.info("starting", config=cfg.as_dict(config))
+    if bool(config.tls_cert) != bool(config.tls_key):
+        log.error("bad_flags", reason="--tls-cert and --tls-key go together")
+        return 2
+    grpc_port = config.grpc_port or (config.http_port + 10000 if config.http_port else 0)
+    mesh = Mesh(MeshOptions(
+        workdir=Path(config.workdir), model_path=config.model_path, host=config.host,
+        http_port=config.http_port, grpc_port=grpc_port, redis_url=config.redis_url,
+        gateway_tls=config.dev_tls, tls_cert=config.tls_cert, tls_key=config.tls_key,
+        log_level=config.log_level, echo_logs=config.echo_logs,
+        startup_timeout=config.startup_timeout,
+    ))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_stop)
+    code = 0
+    try:
+        mesh.start()
+        print(banner(mesh), flush=True)
+        while not (dead := mesh.exited()):
+            time.sleep(0.5)
+        for name, status in dead.items():
+            log.error("service_exited", name=name, code=status, log=str(mesh.log_path(name)),
+                      tail=mesh.service(name).tail(20))
+        code = 1
+    except _Stop as e:
+        log.info("shutdown_requested", signal=str(e))
+    except MeshStartError as e:
+        log.error("start_failed", error=str(e))
+        code = 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut cleanup short
+            signal.signal(sig, signal.SIG_IGN)
+        mesh.stop()
+    log.info("stopped", code=code)
+    return code
+
+
+def banner(mesh: Mesh) -> str:
+    """What a person needs to start poking at the running mesh."""
+    at = mesh.addresses
+    tls = at.gateway_http.startswith("https")
+    dev_ca = mesh.service("gateway").flags.get("tls-cert") == str(at.certs.server_cert)
+    grpcurl = f"-cacert {at.certs.ca_cert}" if dev_ca else "-insecure" if tls else "-plaintext"
+    curl = f"--cacert {at.certs.ca_cert} " if dev_ca else "-k " if tls else ""
+    body = '{"text": "Hello, my name is", "sampling_params": {"max_new_tokens": 16}}'
+    return "\n".join([
+        "",
+        "meshlm is ready",
+        f"  HTTP         {at.gateway_http}",
+        f"  gRPC         {at.gateway_grpc} ({'TLS' if tls else 'plaintext'})",
+        f"  tokenizer    {at.tokenizer} (mTLS)",
+        f"  scheduler    {at.scheduler} (mTLS)",
+        f"  detokenizer  {at.detokenizer} (mTLS)",
+        f"  redis        {at.redis_url}",
+        f"  certs        {at.certs.directory}",
+        f"  logs         {mesh.workdir / 'logs'}/<service>.log",
+        "",
+        "Try:",
+        f"  grpcurl {grpcurl} {at.gateway_grpc} list",
+        f"  curl -s {curl}{at.gateway_http}/generate -H 'content-type: application/json' \\",
+        f"       -d '{body}'",
+        "",
+        "Ctrl-C stops everything.",
+        "",
+    ])
+
+
+@cfg.command(LaunchConfig, "meshlm")
+def cli(config: LaunchConfig) -> None:
+    sys.exit(run(config))
+
+
+def main() -> None:
+    """Entry point of the `meshlm` console script."""
+    cli()
+
+
+if __name__ == "__main__":
+    main()

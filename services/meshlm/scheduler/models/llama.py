@@ -1,0 +1,192 @@
+"""Llama-architecture causal LM in plain torch, with HF-compatible module and parameter names.
+
+Attention is delegated to an `AttentionBackend` passed into `forward`: the engine's backends
+read and write its KV cache; `forward_full` uses plain causal attention over the given tokens
+and serves as the cache-free reference.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshlm.scheduler.models.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    """Where attention reads its keys and values from (a KV cache, or just the new tokens)."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q [B, Hq, T, D], k and v [B, Hkv, T, D] of the new tokens, RoPE applied.
+
+        Returns the attention output [B, Hq, T, D].
+        """
+        ...
+
+
+class CausalAttention:
+    """No cache: each row attends causally over its own T tokens."""
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _inv_freq(config: ModelConfig, device: torch.device) -> Tensor:
+    dim = config.head_dim
+    inv = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    )
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope_scaling type {kind!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for given positions (HF "rotate half" layout), computed in float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._inv_freq: Tensor | None = None  # not a buffer: survives meta construction
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = _inv_freq(self.config, positions.device)
+        freqs = positions.float().unsqueeze(-1) * self._inv_freq  # [B, T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = d = config.head_dim
+        h, qkv_bias = config.hidden_size, config.qkv_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention.attend(self.layer, q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attention)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF `LlamaForCausalLM` layout: `model.*` and `lm_head` (shared with the embedding if tied)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head's weight with the embedding when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
+        """input_ids and positions [B, T] -> final hidden states [B, T, H] (no lm_head)."""
+        return self.model(input_ids, positions, attention)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Hidden states [..., H] -> float32 logits [..., V]."""
+        return self.lm_head(hidden).float()
+
+    def forward_full(self, input_ids: Tensor) -> Tensor:
+        """Cache-free reference: input_ids [B, T] -> float32 logits [B, T, V], causal attention."""
+        b, t = input_ids.shape
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        return self.compute_logits(self.forward(input_ids, positions, CausalAttention()))

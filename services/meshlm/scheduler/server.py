@@ -1,0 +1,290 @@
+"""Scheduler service: the engine behind a gRPC face.
+
+Tokenizers stream requests in (Submit); an engine loop runs schedule -> execute -> postprocess
+(the forward pass in a worker thread, all scheduling state on the event loop), and each step's
+outputs leave as one TokenBatch per detokenizer. Abort ends requests between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import grpc
+from opentelemetry import trace
+
+from meshlm.common import config as cfg
+from meshlm.common.channels import ChannelPool
+from meshlm.common.logs import get_logger
+from meshlm.common.server import Binding, GrpcServer, wait_for_signal
+from meshlm.common.service import ServiceConfig, advertised, model_info_json, resolve_model_path
+from meshlm.common.streams import BatchedStream, StreamPool
+from meshlm.common.tls import MeshTLS
+from meshlm.common.tracing import carrier_of, context_of, tracer
+from meshlm.scheduler.engine.engine import Engine, EngineConfig, StepOutput
+from meshlm.scheduler.wire import engine_params
+from meshlm.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
+from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = get_logger(__name__)
+
+PRE_ABORT_TTL = 60.0  # seconds an abort for a not-yet-seen rid is remembered
+
+
+@dataclass
+class SchedulerConfig(ServiceConfig):
+    """meshlm scheduler service (the engine)."""
+
+    port: int = cfg.field(50052, "mesh gRPC port (mutual TLS); 0 picks a free port")
+    model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
+    device: str = cfg.field("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = cfg.field("auto", "auto | float32 | bfloat16 | float16")
+    max_running: int = cfg.field(64, "requests decoded together (KV slots)")
+    max_prefill_tokens: int = cfg.field(4096, "prompt tokens prefilled per engine step")
+    max_model_len: int = cfg.field(0, "context length; 0 = the checkpoint's")
+    num_threads: int = cfg.field(0, "torch CPU threads; 0 = torch's default")
+
+
+@dataclass
+class Tracked:
+    """What the service keeps per request beside the engine's own state."""
+
+    route: common_pb2.Route
+    return_text: bool
+    stop: list[str]
+    skip_special_tokens: bool
+    prompt_tokens: int
+    span: trace.Span
+    header_sent: bool = False
+    silent: bool = False  # finished elsewhere (stop string): its abort output is not sent
+    first_token_at: float | None = None
+
+
+@dataclass
+class SchedulerState:
+    tracked: dict[str, Tracked] = field(default_factory=dict)
+    pre_aborted: dict[str, float] = field(default_factory=dict)
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine, outputs: StreamPool[detokenizer_pb2.TokenOutput],
+                 info: common_pb2.ModelInfo, address: str) -> None:
+        self.engine = engine
+        self.outputs = outputs
+        self.info = info
+        self.address = address
+        self.state = SchedulerState()
+        self.wake = asyncio.Event()
+        self._tracer = tracer("meshlm.scheduler")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._pending: list[StepOutput] = []  # outputs made outside a step (refusals)
+
+    # -- requests in -------------------------------------------------------------------------
+
+    async def Submit(self, request_iterator: AsyncIterator[scheduler_pb2.TokenizedBatch],
+                     context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        async for batch in request_iterator:
+            for req in batch.requests:
+                self._admit(req)
+            self.wake.set()
+        return common_pb2.Empty()
+
+    def _admit(self, req: scheduler_pb2.TokenizedRequest) -> None:
+        span = self._tracer.start_span(
+            "scheduler.request", context=context_of(req.trace),
+            attributes={"meshlm.rid": req.rid, "meshlm.prompt_tokens": len(req.input_ids)},
+        )
+        tracked = Tracked(
+            route=req.route, return_text=req.return_text, stop=list(req.sampling.stop),
+            skip_special_tokens=req.sampling.skip_special_tokens,
+            prompt_tokens=len(req.input_ids), span=span,
+        )
+        if req.rid in self.state.tracked:
+            span.end()
+            self._refuse_duplicate(req, tracked)
+            return
+        self.state.tracked[req.rid] = tracked
+        if self.state.pre_aborted.pop(req.rid, None) is not None:
+            self._pending.append(_final(req.rid, len(req.input_ids), "abort"))
+            return
+        try:
+            self.engine.add_request(req.rid, list(req.input_ids), engine_params(req.sampling))
+        except ValueError as exc:
+            self._pending.append(_final(req.rid, len(req.input_ids), "error", str(exc)))
+
+    def _refuse_duplicate(self, req: scheduler_pb2.TokenizedRequest, tracked: Tracked) -> None:
+        # The running request keeps the rid; the duplicate is answered on its own route.
+        out = _to_pb(_final(req.rid, len(req.input_ids), "error",
+                            f"rid {req.rid!r} is already running on this scheduler"), tracked)
+        out.error.code = grpc.StatusCode.ALREADY_EXISTS.value[0]
+        self.outputs.get(tracked.route.detokenizer).put_nowait([out])
+
+    # -- control -----------------------------------------------------------------------------
+
+    async def Abort(self, request: scheduler_pb2.AbortRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
+        rids = list(self.state.tracked) if request.all else list(request.rids)
+        aborted = 0
+        now = time.monotonic()
+        for rid in rids:
+            tracked = self.state.tracked.get(rid)
+            if tracked is None:
+                if not request.all:
+                    self.state.pre_aborted[rid] = now + PRE_ABORT_TTL
+                continue
+            if request.reason == "stop":
+                tracked.silent = True
+            if self.engine.abort(rid):
+                aborted += 1
+        self._expire_pre_aborts(now)
+        self.wake.set()
+        log.info("abort", rids=len(rids), all=request.all, aborted=aborted, reason=request.reason)
+        return scheduler_pb2.AbortResponse(aborted=aborted)
+
+    def _expire_pre_aborts(self, now: float) -> None:
+        for rid in [r for r, t in self.state.pre_aborted.items() if t < now]:
+            del self.state.pre_aborted[rid]
+
+    async def GetLoad(self, request: scheduler_pb2.GetLoadRequest,
+                      context: grpc.aio.ServicerContext) -> scheduler_pb2.Load:
+        import json
+
+        s = self.engine.stats()
+        return scheduler_pb2.Load(
+            address=self.address, running=s["running"], waiting=s["waiting"],
+            max_running=s["max_running"], finished_total=s["finished_total"],
+            aborted_total=s["aborted_total"], generated_tokens_total=s["generated_tokens_total"],
+            token_usage=s["token_usage"], json_info=json.dumps(s),
+        )
+
+    async def GetInfo(self, request: common_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        return self.info
+
+    # -- the engine loop ---------------------------------------------------------------------
+
+    async def run_engine(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            # 1. sleep until there is work
+            if not self.engine.has_work() and not self._pending:
+                self.wake.clear()
+                await self.wake.wait()
+            # 2. plan on the loop thread, run the forward pass in the engine thread
+            plan = self.engine.schedule()
+            result = None
+            if plan is not None:
+                result = await loop.run_in_executor(self._executor, self.engine.execute, plan)
+            # 3. fold results back, then send this step's outputs
+            outputs = self._pending + self.engine.postprocess(plan, result)
+            self._pending = []
+            if outputs:
+                await self._emit(outputs)
+            elif plan is None:
+                await asyncio.sleep(0)
+
+    async def _emit(self, outputs: list[StepOutput]) -> None:
+        by_detokenizer: dict[str, list[detokenizer_pb2.TokenOutput]] = {}
+        now = time.time()
+        for out in outputs:
+            tracked = self.state.tracked.get(out.rid)
+            if tracked is None:
+                continue
+            if out.new_token_ids and tracked.first_token_at is None:
+                tracked.first_token_at = now
+                tracked.span.add_event("first_token")
+            if out.finished:
+                del self.state.tracked[out.rid]
+                tracked.span.set_attribute("meshlm.finish_reason", out.finish_reason or "")
+                tracked.span.set_attribute("meshlm.completion_tokens", out.completion_tokens)
+                tracked.span.end()
+                if tracked.silent:
+                    continue
+            by_detokenizer.setdefault(tracked.route.detokenizer, []).append(_to_pb(out, tracked))
+        for address, items in by_detokenizer.items():
+            await self.outputs.get(address).put(items)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _final(rid: str, prompt_tokens: int, reason: str, error: str | None = None) -> StepOutput:
+    return StepOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=reason,
+                      matched_token=None, prompt_tokens=prompt_tokens, completion_tokens=0,
+                      cached_tokens=0, error=error)
+
+
+def _to_pb(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
+    """StepOutput -> wire; the first output of a request carries its header."""
+    msg = detokenizer_pb2.TokenOutput(
+        rid=out.rid, token_ids=out.new_token_ids, finished=out.finished,
+        finish_reason=out.finish_reason or "", prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+    )
+    if out.matched_token is not None:
+        msg.matched_token = out.matched_token
+    if out.error is not None:
+        msg.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        msg.error.message = out.error
+    if not tracked.header_sent:
+        tracked.header_sent = True
+        msg.header.route.CopyFrom(tracked.route)
+        msg.header.stop.extend(tracked.stop)
+        msg.header.skip_special_tokens = tracked.skip_special_tokens
+        msg.header.return_text = tracked.return_text
+        msg.header.prompt_tokens = tracked.prompt_tokens
+        msg.header.trace.update(carrier_of(tracked.span))
+    return msg
+
+
+def _lost(items: list[detokenizer_pb2.TokenOutput], error: str) -> None:
+    log.error("outputs_lost", count=len(items), error=error)
+
+
+async def serve(config: SchedulerConfig) -> None:
+    model_path = resolve_model_path(config.model_path)
+    engine = Engine(EngineConfig(
+        model_path=model_path, device=config.device, dtype=config.dtype,
+        max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
+        max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
+    ))
+    tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
+    channels = ChannelPool(tls.channel_credentials())
+
+    def open_detokenizer(address: str) -> BatchedStream[detokenizer_pb2.TokenOutput]:
+        stub = detokenizer_pb2_grpc.DetokenizerStub(channels.get(address))
+        return BatchedStream("scheduler->detokenizer", address, stub.Push,
+                             lambda items: detokenizer_pb2.TokenBatch(outputs=items),
+                             on_lost=_lost)
+
+    outputs: StreamPool[detokenizer_pb2.TokenOutput] = StreamPool(open_detokenizer)
+    info = common_pb2.ModelInfo(
+        model_path=model_path, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+        eos_token_ids=sorted(engine.eos_token_ids),
+        json_info=model_info_json(model_path, {"device": str(engine.device),
+                                               "max_running": config.max_running}),
+    )
+    server_holder: list[GrpcServer] = []
+    servicer = SchedulerServicer(engine, outputs, info, "")
+    server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
+                                 "meshlm.v1.Scheduler")])
+    server_holder.append(server)
+    bound = await server.start(config.host, config.port, tls.server_credentials())
+    servicer.address = advertised(config, bound)
+    engine_task = asyncio.create_task(servicer.run_engine(), name="engine")
+    await server.set_serving(True)
+    log.info("listening", address=servicer.address, model_path=model_path,
+             device=str(engine.device), max_running=config.max_running)
+    stop = asyncio.create_task(wait_for_signal())
+    done, _ = await asyncio.wait({stop, engine_task}, return_when=asyncio.FIRST_COMPLETED)
+    if engine_task in done:
+        log.error("engine_stopped", error=repr(engine_task.exception()))
+    await server.set_serving(False)
+    await server.stop(config.shutdown_grace)
+    engine_task.cancel()
+    servicer.close()
+    await outputs.close()
+    await channels.close()

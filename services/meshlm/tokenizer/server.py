@@ -1,0 +1,150 @@
+"""Tokenizer service: turns gateways' generation requests into token ids, checks them against
+the context length, and forwards them to the scheduler named in each request's route."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from meshlm.common import config as cfg
+from meshlm.common.channels import ChannelPool
+from meshlm.common.logs import get_logger
+from meshlm.common.server import Binding, GrpcServer, wait_for_signal
+from meshlm.common.service import (
+    ServiceConfig,
+    advertised,
+    model_info_json,
+    resolve_model_path,
+)
+from meshlm.common.streams import BatchedStream, StreamPool
+from meshlm.common.tls import MeshTLS
+from meshlm.common.tracing import carrier_of, context_of, tracer
+from meshlm.tokenizer.tokenization import TextTokenizer
+from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
+from meshlm.v1 import tokenizer_pb2_grpc as pb_grpc
+
+log = get_logger(__name__)
+
+INLINE_CHARS = 8192  # below this a batch is tokenized on the event loop (cheaper than a thread)
+
+
+@dataclass
+class TokenizerConfig(ServiceConfig):
+    """meshlm tokenizer service."""
+
+    port: int = cfg.field(50051, "mesh gRPC port (mutual TLS); 0 picks a free port")
+    model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
+
+
+class TokenizerServicer(pb_grpc.TokenizerServicer):
+    def __init__(self, tok: TextTokenizer, schedulers: StreamPool[scheduler_pb2.TokenizedRequest],
+                 info: common_pb2.ModelInfo) -> None:
+        self._tok = tok
+        self._schedulers = schedulers
+        self._info = info
+        self._tracer = tracer("meshlm.tokenizer")
+
+    async def Submit(
+        self, request_iterator: AsyncIterator[tokenizer_pb2.GenerateBatch],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.RejectionBatch]:
+        async for batch in request_iterator:
+            rejections = await self._forward(batch)
+            if rejections:
+                yield tokenizer_pb2.RejectionBatch(rejections=rejections)
+
+    async def _forward(self, batch: tokenizer_pb2.GenerateBatch) -> list[tokenizer_pb2.Rejection]:
+        requests = list(batch.requests)
+        text_idx = [i for i, r in enumerate(requests) if r.WhichOneof("prompt") == "text"]
+        ids: list[list[int]] = [list(r.input_ids.ids) for r in requests]
+        if text_idx:
+            # add_special_tokens is per request; group so each group is one encode_batch call.
+            for special in (True, False):
+                group = [i for i in text_idx if requests[i].add_special_tokens == special]
+                if not group:
+                    continue
+                texts = [requests[i].text for i in group]
+                if sum(len(t) for t in texts) < INLINE_CHARS:
+                    encoded = self._tok.encode_batch(texts, add_special_tokens=special)
+                else:
+                    encoded = await asyncio.to_thread(self._tok.encode_batch, texts, special)
+                for i, e in zip(group, encoded, strict=True):
+                    ids[i] = e
+        rejections: list[tokenizer_pb2.Rejection] = []
+        by_scheduler: dict[str, list[scheduler_pb2.TokenizedRequest]] = {}
+        for req, prompt in zip(requests, ids, strict=True):
+            with self._tracer.start_as_current_span(
+                "tokenizer.tokenize", context=context_of(req.trace),
+                attributes={"meshlm.rid": req.rid, "meshlm.prompt_tokens": len(prompt)},
+            ) as span:
+                problem = self._tok.check_context(len(prompt), req.sampling.max_new_tokens)
+                if problem is not None:
+                    span.set_status(trace.StatusCode.ERROR, problem)
+                    rejections.append(tokenizer_pb2.Rejection(rid=req.rid, status=common_pb2.Status(
+                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=problem)))
+                    continue
+                by_scheduler.setdefault(req.route.scheduler, []).append(
+                    scheduler_pb2.TokenizedRequest(
+                        rid=req.rid, input_ids=prompt, sampling=req.sampling, stream=req.stream,
+                        return_text=req.return_text, route=req.route, trace=carrier_of(span),
+                        arrival_time=req.arrival_time,
+                    )
+                )
+        for address, items in by_scheduler.items():
+            await self._schedulers.get(address).put(items)
+        return rejections
+
+    async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
+        tokens = self._tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return tokenizer_pb2.TokenizeResponse(tokens=tokens, max_model_len=self._tok.max_model_len)
+
+    async def Detokenize(self, request: tokenizer_pb2.DetokenizeRequest,
+                         context: grpc.aio.ServicerContext) -> tokenizer_pb2.DetokenizeResponse:
+        text = self._tok.decode(list(request.tokens),
+                                skip_special_tokens=request.skip_special_tokens)
+        return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    async def GetInfo(self, request: common_pb2.GetInfoRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        return self._info
+
+
+def _lost(items: list[scheduler_pb2.TokenizedRequest], error: str) -> None:
+    log.error("requests_lost", count=len(items), error=error, rids=[i.rid for i in items[:8]])
+
+
+async def serve(config: TokenizerConfig) -> None:
+    model_path = resolve_model_path(config.model_path)
+    tok = TextTokenizer.from_pretrained(model_path)
+    tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
+    channels = ChannelPool(tls.channel_credentials())
+
+    def open_scheduler(address: str) -> BatchedStream[scheduler_pb2.TokenizedRequest]:
+        stub = scheduler_pb2_grpc.SchedulerStub(channels.get(address))
+        return BatchedStream(
+            "tokenizer->scheduler", address, stub.Submit,
+            lambda items: scheduler_pb2.TokenizedBatch(requests=items), on_lost=_lost,
+        )
+
+    schedulers: StreamPool[scheduler_pb2.TokenizedRequest] = StreamPool(open_scheduler)
+    info = common_pb2.ModelInfo(
+        model_path=model_path, max_model_len=tok.max_model_len, vocab_size=tok.vocab_size,
+        eos_token_ids=tok.eos_token_ids,
+        json_info=model_info_json(model_path, {"max_model_len": tok.max_model_len}),
+    )
+    servicer = TokenizerServicer(tok, schedulers, info)
+    server = GrpcServer([Binding(pb_grpc.add_TokenizerServicer_to_server, servicer,
+                                 "meshlm.v1.Tokenizer")])
+    bound = await server.start(config.host, config.port, tls.server_credentials())
+    await server.set_serving(True)
+    log.info("listening", address=advertised(config, bound), model_path=model_path)
+    await wait_for_signal()
+    await server.set_serving(False)
+    await server.stop(config.shutdown_grace)
+    await schedulers.close()
+    await channels.close()

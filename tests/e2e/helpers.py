@@ -1,0 +1,46 @@
+"""Small client helpers shared by the e2e tests."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import grpc
+
+from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+
+def text_request(text: str, *, stream: bool = True, rid: str | None = None,
+                 **sampling: object) -> pb.TextGenerateRequest:
+    params = pb.SamplingParams(**{"temperature": 0.0, "max_new_tokens": 16, **sampling})
+    req = pb.TextGenerateRequest(text=text, sampling_params=params, stream=stream)
+    if rid is not None:
+        req.rid = rid
+    return req
+
+
+def collect_text(stub, req: pb.TextGenerateRequest) -> tuple[str, list[pb.TextGenerateResponse]]:
+    msgs = list(stub.TextGenerate(req, timeout=120))
+    return "".join(m.text for m in msgs), msgs
+
+
+def scheduler_load(mesh, credentials: grpc.ChannelCredentials) -> scheduler_pb2.Load:
+    with grpc.secure_channel(mesh.addresses.scheduler, credentials) as ch:
+        return scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(scheduler_pb2.GetLoadRequest(),
+                                                            timeout=10)
+
+
+def gateway_load(stub) -> dict:
+    return json.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)[0]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+    """Poll a condition on the system under test (a state, not a duration) with a deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.02)

@@ -1,0 +1,143 @@
+"""The README's mesh serves: TextGenerate and Generate stream, Tokenize/Detokenize round-trip,
+HTTP /generate answers JSON and streams SSE, the transcoded RPCs answer over HTTP/JSON."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import httpx
+import pytest
+from helpers import collect_text, text_request
+
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+
+def test_text_generate_streams_deltas_then_final(stub):
+    text, msgs = collect_text(stub, text_request("The quick brown fox", max_new_tokens=24,
+                                                 ignore_eos=True))
+    assert len(msgs) >= 2, "streaming should give several messages"
+    assert all(not m.finished for m in msgs[:-1]) and msgs[-1].finished
+    final = msgs[-1].meta_info
+    assert final["finish_reason"] == "length"
+    assert final["completion_tokens"] == "24"
+    assert int(final["prompt_tokens"]) > 1
+    assert final["id"] and final["cached_tokens"] == "0"
+    assert text, "some text was generated"
+    # Non-streaming gives one message with the same (greedy) text.
+    once = list(stub.TextGenerate(text_request("The quick brown fox", stream=False,
+                                               max_new_tokens=24, ignore_eos=True)))
+    assert len(once) == 1 and once[0].finished and once[0].text == text
+
+
+def test_generate_streams_output_ids(stub):
+    ids = list(stub.Tokenize(pb.TokenizeRequest(text="Once upon a time")).tokens)
+    msgs = list(stub.Generate(pb.GenerateRequest(
+        input_ids=ids, stream=True,
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))))
+    out = [t for m in msgs for t in m.output_ids]
+    assert len(out) == 12 and msgs[-1].finished
+    assert msgs[-1].meta_info["prompt_tokens"] == str(len(ids))
+    # Same prompt as text gives the same tokens' text.
+    text, _ = collect_text(stub, text_request("Once upon a time", max_new_tokens=12,
+                                              ignore_eos=True))
+    assert stub.Detokenize(pb.DetokenizeRequest(tokens=out)).text == text
+
+
+def test_stop_token_ids_and_eos_finish_with_stop(stub):
+    _, msgs = collect_text(stub, text_request("Hello", max_new_tokens=8, ignore_eos=True))
+    first_ids = list(stub.Generate(pb.GenerateRequest(
+        input_ids=list(stub.Tokenize(pb.TokenizeRequest(text="Hello")).tokens),
+        sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=8,
+                                          ignore_eos=True)))
+    )[0].output_ids
+    stop_at = first_ids[3]
+    _, msgs = collect_text(stub, text_request("Hello", max_new_tokens=8, ignore_eos=True,
+                                              stop_token_ids=[stop_at]))
+    meta = msgs[-1].meta_info
+    assert meta["finish_reason"] == "stop"
+    assert meta["matched_stop"] == str(stop_at)
+    assert int(meta["completion_tokens"]) == first_ids.index(stop_at) + 1
+
+
+def test_stop_string_ends_text_before_it(stub):
+    full, _ = collect_text(stub, text_request("In the beginning", max_new_tokens=32,
+                                              ignore_eos=True))
+    assert len(full) > 6
+    stop = full[4:7]
+    text, msgs = collect_text(stub, text_request("In the beginning", max_new_tokens=32,
+                                                 ignore_eos=True, stop=[stop]))
+    meta = msgs[-1].meta_info
+    assert meta["finish_reason"] == "stop" and meta["matched_stop"] == stop
+    assert text == full[: full.index(stop)]
+
+
+def test_tokenize_detokenize_round_trip(stub):
+    text = "Héllo, wörld! 你好 🙂"
+    tok = stub.Tokenize(pb.TokenizeRequest(text=text))
+    assert tok.count == len(tok.tokens) > 0 and tok.input_text == text
+    assert tok.max_model_len > 0
+    plain = stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=False))
+    assert len(plain.tokens) == tok.count - 1  # the BOS token
+    assert stub.Detokenize(pb.DetokenizeRequest(tokens=plain.tokens)).text == text
+
+
+def test_model_info_and_list_models(stub):
+    models = stub.ListModels(pb.ListModelsRequest()).models
+    assert len(models) == 1 and models[0].id and models[0].max_model_len > 0
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert json.loads(info.json_info)["config"]["architectures"] == ["LlamaForCausalLM"]
+    assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
+
+
+def test_unimplemented_rpcs_say_so(stub):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.FlushCache(pb.FlushCacheRequest())
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_http_generate_json_and_sse(mesh):
+    base = mesh.addresses.gateway_http
+    body = {"text": "The quick brown fox",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}}
+    r = httpx.post(f"{base}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    whole = r.json()
+    assert whole["meta_info"]["finish_reason"]["type"] == "length"
+    assert whole["meta_info"]["completion_tokens"] == 10
+    events = []
+    with httpx.stream("POST", f"{base}/generate", json={**body, "stream": True},
+                      timeout=60) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) >= 2
+    texts = [c["text"] for c in chunks]
+    assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))  # cumulative
+    assert texts[-1] == whole["text"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_http_transcoded_rpcs(mesh):
+    base = mesh.addresses.gateway_http
+    r = httpx.post(f"{base}/v1/runtime/tokenize", json={"text": "hello world"})
+    assert r.status_code == 200, r.text
+    assert r.json()["count"] == len(r.json()["tokens"])
+    r = httpx.get(f"{base}/v1/runtime/models")
+    assert r.status_code == 200 and r.json()["models"][0]["id"]
+    lines = []
+    with httpx.stream("POST", f"{base}/v1/runtime/text_generate", timeout=60, json={
+            "text": "hi", "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}) as resp:
+        assert resp.status_code == 200
+        lines = [json.loads(x) for x in resp.iter_lines() if x.strip()]
+    assert lines[-1]["result"]["finished"] is True
+    assert lines[-1]["result"]["meta_info"]["finish_reason"] == "length"
+    r = httpx.get(f"{base}/health")
+    assert r.status_code == 200
+    r = httpx.get(f"{base}/v1/models")
+    assert r.json()["data"][0]["object"] == "model"

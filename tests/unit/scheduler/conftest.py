@@ -1,0 +1,42 @@
+"""Fixtures: tiny checkpoints and engines over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scheduler_helpers import write_checkpoint
+
+from meshlm.scheduler.engine.engine import Engine, EngineConfig
+
+
+@pytest.fixture(scope="session")
+def gqa_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 query heads over 2 KV heads, untied head."""
+    return write_checkpoint(tmp_path_factory.mktemp("gqa"))
+
+
+@pytest.fixture(scope="session")
+def mha_tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Multi-head attention (kv_heads == heads), tied embeddings."""
+    return write_checkpoint(tmp_path_factory.mktemp("tied"), kv_heads=4, tied=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def gqa_engine(gqa_model: Path) -> Engine:
+    """Shared engine; tests must leave it idle (every request finished)."""
+    return Engine(EngineConfig(str(gqa_model), device="cpu", max_running=64))
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_engine(gqa_model: Path) -> EngineFactory:
+    def make(path: Path | None = None, **kw: Any) -> Engine:
+        kw.setdefault("device", "cpu")
+        return Engine(EngineConfig(str(path or gqa_model), **kw))
+
+    return make

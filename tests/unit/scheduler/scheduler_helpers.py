@@ -1,0 +1,110 @@
+"""Helpers for the engine tests: tiny random Llama checkpoints (HF layout), run loops."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams, StepOutput
+
+EOS = 2
+
+
+def write_checkpoint(
+    path: Path,
+    *,
+    hidden: int = 64,
+    intermediate: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 512,
+    tied: bool = False,
+    max_positions: int = 256,
+    torch_dtype: str = "float32",
+    seed: int = 0,
+    extra_config: dict[str, Any] | None = None,
+) -> Path:
+    """Write config.json + model.safetensors. Large embedding/head weights keep logits peaked
+    so greedy ties are rare."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": max_positions,
+        "vocab_size": vocab,
+        "tie_word_embeddings": tied,
+        "torch_dtype": torch_dtype,
+        "eos_token_id": EOS,
+        "bos_token_id": 1,
+        "hidden_act": "silu",
+        **(extra_config or {}),
+    }
+    (path / "config.json").write_text(json.dumps(cfg))
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float = 0.15) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    d = hidden // heads
+    t = {
+        "model.embed_tokens.weight": rand(vocab, hidden, scale=1.0),
+        "model.norm.weight": torch.ones(hidden),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = rand(heads * d, hidden)
+        t[p + "self_attn.k_proj.weight"] = rand(kv_heads * d, hidden)
+        t[p + "self_attn.v_proj.weight"] = rand(kv_heads * d, hidden)
+        t[p + "self_attn.o_proj.weight"] = rand(hidden, heads * d)
+        t[p + "mlp.gate_proj.weight"] = rand(intermediate, hidden)
+        t[p + "mlp.up_proj.weight"] = rand(intermediate, hidden)
+        t[p + "mlp.down_proj.weight"] = rand(hidden, intermediate)
+        t[p + "input_layernorm.weight"] = 1 + rand(hidden, scale=0.1)
+        t[p + "post_attention_layernorm.weight"] = 1 + rand(hidden, scale=0.1)
+    if not tied:
+        t["lm_head.weight"] = rand(vocab, hidden, scale=1.0)
+    save_file(t, str(path / "model.safetensors"))
+    return path
+
+
+def run_all(engine: Engine, max_steps: int = 10_000) -> dict[str, list[StepOutput]]:
+    """Step until idle; outputs grouped by rid."""
+    outs: dict[str, list[StepOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outs
+        for o in engine.step():
+            outs.setdefault(o.rid, []).append(o)
+    raise AssertionError("engine did not go idle")
+
+
+def tokens_of(outs: list[StepOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]
+
+
+def greedy(max_new_tokens: int = 16, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True, **kw)
+
+
+@torch.inference_mode()
+def reference_greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    """Token-by-token greedy decoding by full recompute (no KV cache)."""
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    for _ in range(n):
+        token = int(engine.model.forward_full(ids)[0, -1].argmax())
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out

@@ -1,0 +1,117 @@
+"""Sampler on crafted logits: each parameter's semantics, seeds, and the draw's distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
+from meshlm.scheduler.engine.sequence import SamplingParams
+
+CPU = torch.device("cpu")
+V = 8
+
+
+def batch(
+    params: list[SamplingParams],
+    generated: list[int] | None = None,
+    gens: list[torch.Generator | None] | None = None,
+    eos: tuple[int, ...] = (0,),
+) -> SamplingBatch:
+    n = len(params)
+    return SamplingBatch.build(params, generated or [0] * n, eos, gens or [None] * n, V, CPU)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch, **kw: torch.Tensor) -> list[int]:
+    return Sampler().sample(logits.clone(), b, **kw).tolist()
+
+
+def test_greedy_is_exact_argmax() -> None:
+    logits = torch.randn(16, V)
+    b = batch([SamplingParams(temperature=0.0)] * 16)
+    assert b.all_greedy
+    assert sample(logits, b) == logits.argmax(-1).tolist()
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
+    logits = torch.randn(32, V) * 3
+    expect = logits.argmax(-1).tolist()
+    assert sample(logits, batch([SamplingParams(top_k=1)] * 32)) == expect
+    assert sample(logits, batch([SamplingParams(top_p=1e-6)] * 32)) == expect
+    assert sample(logits, batch([SamplingParams(min_p=0.999)] * 32)) == expect
+
+
+def test_top_k_top_p_restrict_support() -> None:
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0]]).repeat(400, 1)
+    assert set(sample(logits, batch([SamplingParams(top_k=3)] * 400))) == {0, 1, 2}
+    # probabilities ~ .64 .23 .09 ...: top_p=0.8 keeps the first two
+    assert set(sample(logits, batch([SamplingParams(top_p=0.8)] * 400))) == {0, 1}
+    # min_p=0.3: keep p >= 0.3 * 0.64
+    assert set(sample(logits, batch([SamplingParams(min_p=0.3)] * 400))) == {0, 1}
+
+
+def test_draw_follows_the_distribution() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
+    logits = probs.log().repeat(20000, 1)
+    got = torch.bincount(
+        torch.tensor(sample(logits, batch([SamplingParams()] * 20000))), minlength=V
+    )
+    assert torch.allclose(got[:3].float() / 20000, probs[:3], atol=0.015)
+    hot = sample(logits, batch([SamplingParams(temperature=100.0)] * 20000))
+    assert set(hot) == {0, 1, 2}  # zero-probability tokens stay impossible at any temperature
+
+
+def test_repetition_penalty_hf_semantics() -> None:
+    logits = torch.tensor([[2.0, 1.9, -1.0, -1.1, -5, -5, -5, -5]])
+    seen = torch.zeros(1, V, dtype=torch.bool)
+    seen[0, 0] = seen[0, 2] = True
+    b = batch([SamplingParams(temperature=0.0, repetition_penalty=2.0)])
+    assert sample(logits, b, seen=seen) == [1]  # 2.0 / 2 = 1.0 < 1.9
+    pen = Sampler._penalize(logits.clone(), b, seen, None)
+    assert pen[0, :4].tolist() == [1.0, pytest.approx(1.9), -2.0, pytest.approx(-1.1)]
+
+
+def test_frequency_and_presence_penalties() -> None:
+    logits = torch.tensor([[3.0, 2.5, 0.0, 0, 0, 0, 0, 0]])
+    counts = torch.zeros(1, V, dtype=torch.int32)
+    counts[0, 0] = 2
+    b = batch([SamplingParams(temperature=0.0, frequency_penalty=0.2, presence_penalty=0.3)])
+    pen = Sampler._penalize(logits.clone(), b, None, counts)
+    assert pen[0, 0].item() == pytest.approx(3.0 - 0.4 - 0.3) and pen[0, 1].item() == 2.5
+    assert sample(logits, b, counts=counts) == [1]
+
+
+def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0, 0, 0, 0, 0]] * 3)
+    params = [
+        SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=(1,)),
+        SamplingParams(temperature=0.0, min_new_tokens=2, stop_token_ids=(1,)),
+        SamplingParams(temperature=0.0, min_new_tokens=2, ignore_eos=True),
+    ]
+    # row 0 still under min (EOS 0 and stop 1 banned), row 1 reached it, row 2 ignores EOS
+    assert sample(logits, batch(params, generated=[1, 2, 0])) == [2, 0, 0]
+
+
+def test_seeded_rows_reproducible_whatever_the_batch() -> None:
+    logits = torch.zeros(1, V)
+
+    def draws(seed: int, rows: int, row: int) -> list[int]:
+        gens: list[torch.Generator | None] = [None] * rows
+        g = torch.Generator().manual_seed(seed)
+        gens[row] = g
+        b = batch([SamplingParams()] * rows, gens=gens)
+        return [sample(logits.repeat(rows, 1), b)[row] for _ in range(20)]
+
+    alone = draws(1234, 1, 0)
+    assert draws(1234, 5, 3) == alone
+    assert draws(1234, 9, 0) == alone
+    assert draws(99, 1, 0) != alone
+
+
+def test_mixed_batch_greedy_rows_untouched() -> None:
+    logits = torch.randn(6, V)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5, top_k=3)] * 3
+    b = batch(params)
+    assert not b.all_greedy and b.top_ks is not None and b.top_ks.tolist()[0] == V
+    out = sample(logits, b)
+    assert out[0::2] == logits.argmax(-1)[0::2].tolist()

@@ -7,6 +7,7 @@ generators (streamed responses), as in grpc's own aio examples.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -41,9 +42,13 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, unary: UnaryWrapper,
         (True, True): handler.stream_stream,
     }[(req_stream, resp_stream)]
 
-    if resp_stream:
-        def wrapped_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            return stream(method, behavior, request, context)
+    # Streams written as async generators are wrapped item by item; those written with
+    # context.write (e.g. grpc's own health Watch) are coroutines and wrap like unary calls.
+    if resp_stream and inspect.isasyncgenfunction(behavior):
+        async def wrapped_stream(request: Any,
+                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in stream(method, behavior, request, context):
+                yield item
         new_behavior: Any = wrapped_stream
     else:
         async def wrapped_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -19,7 +19,7 @@ from meshlm.common.errors import MeshError
 SSE_DONE = b"data: [DONE]\n\n"
 
 _COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
-_CONSUMED = {"id", "finish_reason", "matched_stop", "matched_stop_type", *_COUNTS}
+_CONSUMED = {"id", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency", *_COUNTS}
 
 GenerateMessage = sglang_pb2.TextGenerateResponse | sglang_pb2.GenerateResponse
 

@@ -44,13 +44,12 @@ def test_generate_streams_output_ids(stub):
     assert stub.Detokenize(pb.DetokenizeRequest(tokens=out)).text == text
 
 
-def test_stop_token_ids_and_eos_finish_with_stop(stub):
-    _, msgs = collect_text(stub, text_request("Hello", max_new_tokens=8, ignore_eos=True))
-    first_ids = list(stub.Generate(pb.GenerateRequest(
+def test_stop_token_ids_finish_with_stop(stub):
+    first_ids = list(list(stub.Generate(pb.GenerateRequest(
         input_ids=list(stub.Tokenize(pb.TokenizeRequest(text="Hello")).tokens),
         sampling_params=pb.SamplingParams(temperature=0.0, max_new_tokens=8,
                                           ignore_eos=True)))
-    )[0].output_ids
+    )[0].output_ids)
     stop_at = first_ids[3]
     _, msgs = collect_text(stub, text_request("Hello", max_new_tokens=8, ignore_eos=True,
                                               stop_token_ids=[stop_at]))

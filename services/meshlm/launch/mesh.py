@@ -341,6 +341,7 @@ class Mesh:
     def start(self) -> None:
         """Start everything and wait until it is ready; on failure stop all and raise."""
         o = self.options
+        self.services = {}
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
         self.certs = ensure_dev_certs(self.workdir / "certs", _extra_sans(o.host))
         if not o.model_path:

@@ -76,7 +76,7 @@ class _Spawner:
             args, kwargs, done = self._jobs.get()
             try:
                 done.set_result(subprocess.Popen(args, **kwargs))
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except BaseException as e:  # handed to the caller
                 done.set_exception(e)
 
 

@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scheduler_helpers import write_checkpoint
-
 from meshlm.scheduler.engine.engine import Engine, EngineConfig
+from scheduler_helpers import write_checkpoint
 
 
 @pytest.fixture(scope="session")

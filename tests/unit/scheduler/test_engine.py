@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from conftest import EngineFactory
+from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
+from meshlm.scheduler.engine.model_runner import PAD_SLACK, _length_groups
 from scheduler_helpers import (
     greedy,
     reference_greedy,
@@ -17,8 +19,6 @@ from scheduler_helpers import (
     tokens_of,
     write_checkpoint,
 )
-
-from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
 
 
 def prompts(n: int, seed: int, lo: int = 1, hi: int = 150, vocab: int = 512) -> list[list[int]]:
@@ -205,6 +205,16 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(gqa_engine: Engine) -> None:
     for i in range(len(ps)):
         assert tokens_of(outs[f"k{i}"]) == tokens_of(outs[f"g{i}"])
         assert tokens_of(outs[f"p{i}"]) == tokens_of(outs[f"g{i}"])
+
+
+def test_prefill_groups_bound_padding() -> None:
+    lens = [100, 3, 97, 50, 1, 52, 99, 2]
+    groups = _length_groups(lens)
+    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
+    for g in groups:
+        real = sum(lens[i] for i in g)
+        assert len(g) * max(lens[i] for i in g) <= PAD_SLACK * real
+    assert [sorted(g) for g in groups] == [[0, 2, 3, 5, 6], [1, 7], [4]]
 
 
 def test_penalty_state_follows_the_slot(make_engine: EngineFactory) -> None:

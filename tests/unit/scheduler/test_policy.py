@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from meshlm.scheduler.engine.policy import Scheduler
 from meshlm.scheduler.engine.sequence import Plan, SamplingParams, StepOutput
 from meshlm.scheduler.engine.slot_table import SlotTable
@@ -252,6 +251,7 @@ class PolicyMachine(RuleBasedStateMachine):
         self.next_id = 0
         self.finished: set[str] = set()
         self.added: set[str] = set()
+        self.aborted: set[str] = set()  # abort accepted: must end with "abort"
 
     @rule(n=st.integers(0, 14), max_new=st.integers(0, 5), stop=st.booleans())
     def add(self, n: int, max_new: int, stop: bool) -> None:
@@ -274,14 +274,18 @@ class PolicyMachine(RuleBasedStateMachine):
         self.collect(self.s.postprocess(plan, ids, "boom" if plan and fail else None))
         self.plan, self.scheduled = None, False
 
-    @rule(pick=st.integers(0, 50))
+    @rule(pick=st.integers(0, 1000))
     def abort(self, pick: int) -> None:
-        found = self.s.abort(f"r{pick}")
-        assert not found or f"r{pick}" not in self.finished
+        rid = f"r{pick % (self.next_id + 1)}"  # mostly known rids, sometimes an unknown one
+        if self.s.abort(rid):
+            assert rid in self.added and rid not in self.finished
+            self.aborted.add(rid)
 
     def collect(self, outs: list[StepOutput]) -> None:
         for o in outs:
             assert o.rid not in self.finished, f"output after finish: {o}"
+            if o.rid in self.aborted:
+                assert o.finished and o.finish_reason == "abort" and not o.new_token_ids, o
             if o.finished:
                 self.finished.add(o.rid)
                 assert o.finish_reason in ("stop", "length", "abort", "error")

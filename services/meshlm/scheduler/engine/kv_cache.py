@@ -67,7 +67,8 @@ class DecodeAttention:
     When the batch's slots fill most of [0, max slot] (the slot table hands out the lowest
     free slot, so they usually do), attention runs on a view of those cache rows with the
     queries scattered to their slots: no copy of the cached keys and values. Otherwise the
-    batch's rows are gathered.
+    batch's rows are gathered. With one query per row, two batched matmuls over the grouped
+    query heads beat the fused SDPA kernels on CPU and are fine elsewhere.
     """
 
     def __init__(
@@ -78,16 +79,17 @@ class DecodeAttention:
         self.positions = positions
         self.max_len = max_len  # 1 + the largest position in the batch
         span = torch.arange(max_len, device=positions.device)
-        mask = span[None, :] <= positions[:, None]  # [B, L]
+        visible = span[None, :] <= positions[:, None]  # [B, L]
         rows = max(slot_ids) + 1
         self.rows = rows if rows <= 2 * len(slot_ids) else None
         if self.rows is not None:
-            # Rows of free slots attend to position 0 only: finite, and discarded.
-            full = torch.zeros(rows, max_len, dtype=torch.bool, device=mask.device)
+            # Rows of free slots see position 0 only: finite, and discarded.
+            full = torch.zeros(rows, max_len, dtype=torch.bool, device=visible.device)
             full[:, 0] = True
-            full[slots] = mask
-            mask = full
-        self.mask = mask[:, None, None, :]  # [B or rows, 1, 1, L]
+            full[slots] = visible
+            visible = full
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+        self.bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]  # [R, 1, 1, L]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
@@ -96,15 +98,22 @@ class DecodeAttention:
         if self.rows is None:
             keys = k_layer[self.slots, :, : self.max_len]  # gathered, [B, Hkv, L, D]
             values = v_layer[self.slots, :, : self.max_len]
-            return F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=self.mask, enable_gqa=True
-            )
-        queries = q.new_zeros((self.rows, *q.shape[1:])).index_copy_(0, self.slots, q)
-        out = F.scaled_dot_product_attention(
-            queries,
-            k_layer[: self.rows, :, : self.max_len],
-            v_layer[: self.rows, :, : self.max_len],
-            attn_mask=self.mask,
-            enable_gqa=True,
-        )
-        return out[self.slots]
+        else:
+            keys = k_layer[: self.rows, :, : self.max_len]  # a view, [R, Hkv, L, D]
+            values = v_layer[: self.rows, :, : self.max_len]
+            q = q.new_zeros((self.rows, *q.shape[1:])).index_copy_(0, self.slots, q)
+        out = _decode_attention(q, keys, values, self.bias)
+        return out if self.rows is None else out[self.slots]
+
+
+def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
+    """q [R, Hq, 1, D] over keys/values [R, Hkv, L, D] with an additive bias [R, 1, 1, L].
+
+    Query head h uses KV head h // (Hq / Hkv), as in HF's repeat_kv.
+    """
+    r, hq, _, d = q.shape
+    hkv = keys.shape[1]
+    grouped = q.reshape(r, hkv, hq // hkv, d)  # [R, Hkv, G, D]
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * d**-0.5 + bias
+    weights = scores.softmax(dim=-1).to(values.dtype)
+    return torch.matmul(weights, values).reshape(r, hq, 1, d)

@@ -1,9 +1,11 @@
 """Sampler: one batched step from logits to next tokens, each row with its own parameters.
 
 Order, as in vLLM: min_new_tokens masking, repetition / frequency / presence penalties,
-greedy argmax (temperature 0), then temperature, top-k, top-p, min-p and a draw. The draw is
-an exponential race, argmax(p / q) with q ~ Exp(1), which samples from p; seeded rows draw q
+greedy argmax (temperature 0), then temperature, top-k, top-p (over what top-k left), min-p
+and a draw. The draw inverts each row's CDF at one uniform number; seeded rows take theirs
 from their own torch.Generator, so their tokens depend only on the seed and the logits.
+Top-k/top-p use `topk` over a few candidates and sort the whole vocabulary only when a
+nucleus is wider than the candidates (a full sort is slow on CPU).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from torch import Tensor
 
 from meshlm.scheduler.engine.sequence import SamplingParams
 
+NEG_INF = float("-inf")
+
 
 @dataclass
 class SamplingBatch:
@@ -24,6 +28,7 @@ class SamplingBatch:
     all_greedy: bool
     temperatures: Tensor  # [B], 1.0 on greedy rows
     top_ks: Tensor | None  # [B] long, vocab size where off
+    top_k_cap: int  # the largest top_k below the vocab size in use, else 0
     top_ps: Tensor | None  # [B]
     min_ps: Tensor | None  # [B]
     repetition: Tensor | None  # [B]
@@ -63,9 +68,9 @@ class SamplingBatch:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
-        top_ks = None
-        if any(p.top_k > 0 for p in sampled):
-            ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+        top_ks, cap = None, max((p.top_k for p in sampled if 0 < p.top_k < vocab_size), default=0)
+        if cap:
+            ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
             top_ks = torch.tensor(ks, dtype=torch.long, device=device)
         return cls(
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -76,6 +81,7 @@ class SamplingBatch:
                 device=device,
             ),
             top_ks=top_ks,
+            top_k_cap=cap,
             top_ps=column([p.top_p for p in params], 1.0) if sampled else None,
             min_ps=column([p.min_p for p in params], 0.0) if sampled else None,
             repetition=column([p.repetition_penalty for p in params], 1.0),
@@ -113,17 +119,15 @@ class Sampler:
         if batch.all_greedy:
             return greedy_tokens
         logits = logits / batch.temperatures[:, None]
-        if batch.top_ks is not None or batch.top_ps is not None:
-            logits = _top_k_top_p(logits, batch.top_ks, batch.top_ps)
+        if batch.top_ks is not None:
+            logits = _top_k(logits, batch.top_ks, batch.top_k_cap)
+        if batch.top_ps is not None:
+            logits = logits.masked_fill(logits < _top_p_floor(logits, batch.top_ps), NEG_INF)
         probs = logits.softmax(dim=-1)
         if batch.min_ps is not None:
             floor = batch.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
-        q = torch.empty_like(probs).exponential_()
-        for row, gen in enumerate(batch.generators):
-            if gen is not None:
-                q[row].exponential_(generator=gen)
-        sampled = (probs / q.clamp_min_(1e-20)).argmax(dim=-1)
+        sampled = _draw(probs, batch.generators)
         return torch.where(batch.greedy, greedy_tokens, sampled)
 
     @staticmethod
@@ -145,16 +149,45 @@ class Sampler:
         return logits
 
 
-def _top_k_top_p(logits: Tensor, top_ks: Tensor | None, top_ps: Tensor | None) -> Tensor:
-    """Mask all but each row's top_k logits and its top_p nucleus (at least one stays)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+def _top_k(logits: Tensor, top_ks: Tensor, cap: int) -> Tensor:
+    """Mask all but each row's top_k logits (rows with top_k == vocab size are untouched)."""
     vocab = logits.shape[-1]
-    if top_ks is not None:
-        kth = sorted_logits.gather(1, (vocab - top_ks).unsqueeze(1))  # each row's k-th largest
-        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    if top_ps is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - top_ps[:, None]
-        drop[:, -1] = False
-        sorted_logits.masked_fill_(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    values = logits.topk(cap, dim=-1).values  # sorted, largest first
+    kth = values.gather(1, top_ks.clamp(max=cap).sub(1)[:, None])
+    kth = torch.where(top_ks[:, None] < vocab, kth, NEG_INF)
+    return logits.masked_fill(logits < kth, NEG_INF)
+
+
+def _top_p_floor(logits: Tensor, top_ps: Tensor) -> Tensor:
+    """Each row's smallest logit inside its nucleus: the fewest largest tokens whose
+    probability reaches top_p (at least one). -inf on rows with top_p == 1. [B, 1]"""
+    vocab = logits.shape[-1]
+    lse = logits.logsumexp(dim=-1, keepdim=True)
+    active = top_ps[:, None] < 1
+    k = min(vocab, 64)
+    while True:
+        if k < vocab:
+            values = logits.topk(k, dim=-1).values
+        else:
+            values = logits.sort(dim=-1, descending=True).values
+        probs = (values - lse).exp()
+        before = probs.cumsum(dim=-1) - probs  # mass of the larger tokens
+        keep = (before < top_ps[:, None]) & (values > NEG_INF)
+        if k == vocab or not bool((keep[:, -1:] & active).any()):
+            break  # every active nucleus ends inside the candidates
+        k = min(vocab, k * 8)
+    count = keep.sum(dim=-1, keepdim=True).clamp_(min=1)
+    return torch.where(active, values.gather(1, count - 1), NEG_INF)
+
+
+def _draw(probs: Tensor, generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row from (unnormalised) probs, by inverting the CDF at u ~ U[0, 1)."""
+    u = torch.rand(probs.shape[0], 1, device=probs.device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            u[row] = torch.rand(1, generator=gen, device=probs.device)
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Below the total so the answer is a real index; `right` skips zero-probability tokens.
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)

@@ -19,7 +19,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 (or 0) = off
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
@@ -40,8 +40,8 @@ class SamplingParams:
             return "temperature must be >= 0"
         if not 0 < self.top_p <= 1:
             return "top_p must be in (0, 1]"
-        if self.top_k == 0 or self.top_k < -1:
-            return "top_k must be -1 (off) or >= 1"
+        if self.top_k < -1:
+            return "top_k must be -1 or 0 (off), or >= 1"
         if not 0 <= self.min_p <= 1:
             return "min_p must be in [0, 1]"
         if self.repetition_penalty <= 0:

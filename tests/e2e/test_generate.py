@@ -131,7 +131,8 @@ def test_http_transcoded_rpcs(mesh):
     lines = []
     with httpx.stream("POST", f"{base}/v1/runtime/text_generate", timeout=60, json={
             "text": "hi", "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}}) as resp:
+            "sampling_params": {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True},
+    }) as resp:
         assert resp.status_code == 200
         lines = [json.loads(x) for x in resp.iter_lines() if x.strip()]
     assert lines[-1]["result"]["finished"] is True

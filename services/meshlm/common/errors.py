@@ -61,5 +61,5 @@ def http_status(code: grpc.StatusCode) -> int:
 
 
 def invalid(field: str, problem: str) -> MeshError:
-    """INVALID_ARGUMENT naming the field, e.g. invalid("sampling_params.top_p", "must be in (0, 1]")."""
+    """INVALID_ARGUMENT naming the field: invalid("sampling_params.top_p", "must be in (0, 1]")."""
     return MeshError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")

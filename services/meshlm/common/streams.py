@@ -27,17 +27,17 @@ OpenCall = Callable[[AsyncIterator[Any]], Any]
 class BatchedStream(Generic[T]):
     """Client stream to `address`: `open_call(messages)` starts the RPC (e.g. `stub.Push`);
     `make_batch(items)` wraps queued items into one message; `on_reply(message)` receives the
-    reply stream of a bidi RPC; `on_lost(items, error)` gets items that could not be sent."""
+    reply stream of a bidi RPC. Items already handed to a call that then fails may be lost:
+    the owners of requests learn of a dead peer from its health (see gateway/dependencies.py)."""
 
     def __init__(
         self, name: str, address: str, open_call: OpenCall,
         make_batch: Callable[[list[T]], Any], *, capacity: int = 65536, max_batch: int = 4096,
         on_reply: Callable[[Any], None] | None = None,
-        on_lost: Callable[[list[T], str], None] | None = None,
     ) -> None:
         self.name, self.address = name, address
         self._open_call, self._make_batch = open_call, make_batch
-        self._on_reply, self._on_lost = on_reply, on_lost
+        self._on_reply = on_reply
         self._capacity, self._max_batch = capacity, max_batch
         self._queue: collections.deque[T] = collections.deque()
         self._has_items = asyncio.Event()
@@ -45,6 +45,7 @@ class BatchedStream(Generic[T]):
         self._has_room.set()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._epoch = 0
         self.connected = False
         self.messages_sent = 0
 
@@ -65,8 +66,10 @@ class BatchedStream(Generic[T]):
         self._queue.extend(items)
         self._has_items.set()
 
-    async def _messages(self) -> AsyncIterator[Any]:
-        while not self._closed:
+    async def _messages(self, epoch: int) -> AsyncIterator[Any]:
+        # A call that failed may still be pulling from its iterator; `epoch` retires it so it
+        # never takes (and loses) items meant for the next connection.
+        while not self._closed and epoch == self._epoch:
             if not self._queue:
                 self._has_items.clear()
                 await self._has_items.wait()
@@ -75,15 +78,13 @@ class BatchedStream(Generic[T]):
             items = [self._queue.popleft() for _ in range(n)]
             if len(self._queue) < self._capacity:
                 self._has_room.set()
-            self._inflight = items
             yield self._make_batch(items)
             self.messages_sent += 1
 
     async def _run(self) -> None:
         backoff = 0.05
         while not self._closed:
-            self._inflight: list[T] = []
-            call = self._open_call(self._messages())
+            call = self._open_call(self._messages(self._epoch))
             try:
                 self.connected = True
                 if self._on_reply is not None:
@@ -102,10 +103,9 @@ class BatchedStream(Generic[T]):
                 error = f"{exc.code().name}: {exc.details()}"
             finally:
                 self.connected = False
+                self._epoch += 1
+                self._has_items.set()  # wake the retired iterator so it sees the epoch and ends
             log.warning("stream_lost", stream=self.name, peer=self.address, error=error)
-            lost = self._inflight
-            if lost and self._on_lost is not None:
-                self._on_lost(lost, error)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 

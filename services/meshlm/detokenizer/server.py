@@ -21,9 +21,15 @@ from meshlm.common.tls import MeshTLS
 from meshlm.common.tracing import context_of, tracer
 from meshlm.detokenizer.incremental import IncrementalDetokenizer, make_detokenizer
 from meshlm.tokenizer.tokenization import TextTokenizer
-from meshlm.v1 import common_pb2, detokenizer_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2
+from meshlm.v1 import (
+    common_pb2,
+    detokenizer_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from meshlm.v1 import detokenizer_pb2_grpc as pb_grpc
-from meshlm.v1 import scheduler_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -138,10 +144,6 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         task.add_done_callback(self._tasks.discard)
 
 
-def _lost(items: list[gateway_pb2.TextOutput], error: str) -> None:
-    log.error("outputs_lost", count=len(items), error=error)
-
-
 async def serve(config: DetokenizerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
     tok = TextTokenizer.from_pretrained(model_path)
@@ -151,7 +153,7 @@ async def serve(config: DetokenizerConfig) -> None:
     def open_gateway(address: str) -> BatchedStream[gateway_pb2.TextOutput]:
         stub = gateway_pb2_grpc.GatewayInboxStub(channels.get(address))
         return BatchedStream("detokenizer->gateway", address, stub.Deliver,
-                             lambda items: gateway_pb2.TextBatch(outputs=items), on_lost=_lost)
+                             lambda items: gateway_pb2.TextBatch(outputs=items))
 
     gateways: StreamPool[gateway_pb2.TextOutput] = StreamPool(open_gateway)
     servicer = DetokenizerServicer(tok, gateways, channels)

@@ -33,8 +33,13 @@ from meshlm.gateway.validation import (
     validate_text_generate,
     validate_tokenize,
 )
-from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
-from meshlm.v1 import tokenizer_pb2_grpc
+from meshlm.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 log = get_logger(__name__)
@@ -123,7 +128,7 @@ class GatewayAPI:
         client did not ask to stream). Ends it in the mesh if the client goes away."""
         rid = v.rid or uuid.uuid4().hex
         tokenizer = self._pick("tokenizer")
-        pending = PendingRequest(rid=rid, scheduler=self._pick("scheduler"),
+        pending = PendingRequest(rid=rid, tokenizer=tokenizer, scheduler=self._pick("scheduler"),
                                  detokenizer=self._pick("detokenizer"), started_at=time.time())
         self.table.add(pending)
         finished = dispatched = False
@@ -134,7 +139,8 @@ class GatewayAPI:
                     "gateway": self.identity.inbox, "tokenizer": tokenizer,
                     "scheduler": pending.scheduler, "detokenizer": pending.detokenizer})
                 if not created:
-                    raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"rid: {rid!r} is already in use")
+                    raise MeshError(grpc.StatusCode.ALREADY_EXISTS,
+                                    f"rid: {rid!r} is already in use")
                 await self.submit[tokenizer].put([self._internal_request(v, rid, pending, span)])
                 dispatched = True
                 merged: list[Update] = []
@@ -210,10 +216,17 @@ class GatewayAPI:
             self.table.fail(rejection.rid, MeshError.from_number(rejection.status.code,
                                                                  rejection.status.message))
 
-    def on_submit_lost(self, items: list[tokenizer_pb2.GenerateRequest], error: str) -> None:
-        for item in items:
-            self.table.fail(item.rid, MeshError(grpc.StatusCode.UNAVAILABLE,
-                                                f"tokenizer unavailable: {error}"))
+    def on_dependency_down(self, role: str, address: str) -> None:
+        """A replica stopped serving: end the requests that depended on it (UNAVAILABLE) rather
+        than leave them hanging. Past the tokenizer a request no longer needs it."""
+        for req in list(self.table.requests.values()):
+            hit = (getattr(req, role) == address if role != "tokenizer"
+                   else req.tokenizer == address and not req.first_output)
+            if hit:
+                req.fail(MeshError(grpc.StatusCode.UNAVAILABLE,
+                                   f"the {role} at {address} became unavailable"))
+                if role != "scheduler":
+                    self._spawn(self._abort_in_scheduler(req.scheduler, [req.rid], False))
 
     # -- abort -------------------------------------------------------------------------------
 
@@ -283,7 +296,8 @@ class GatewayAPI:
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise MeshError(grpc.StatusCode.UNAVAILABLE, f"internal service: {exc.details()}")
+                raise MeshError(grpc.StatusCode.UNAVAILABLE,
+                                f"internal service: {exc.details()}") from exc
             raise MeshError(code, exc.details() or code.name) from exc
 
     # -- info --------------------------------------------------------------------------------

@@ -23,11 +23,13 @@ ROLES = ("tokenizer", "scheduler", "detokenizer")
 
 class Dependencies:
     def __init__(self, channels: ChannelPool, addresses: Mapping[str, Sequence[str]],
-                 on_change: Callable[[bool], None]) -> None:
+                 on_change: Callable[[bool], None],
+                 on_down: Callable[[str, str], None] | None = None) -> None:
         self._channels = channels
         self.addresses = {role: list(addresses.get(role, ())) for role in ROLES}
         self._serving: dict[str, bool] = {}
         self._on_change = on_change
+        self._on_down = on_down
         self._ready = False
         self._tasks: list[asyncio.Task[None]] = []
         self._rr = {role: itertools.count() for role in ROLES}
@@ -56,9 +58,12 @@ class Dependencies:
                 for role, addrs in self.addresses.items()}
 
     def _set(self, role: str, address: str, serving: bool) -> None:
-        if self._serving.get(address) != serving:
+        was = self._serving.get(address)
+        if was != serving:
             log.info("dependency_health", role=role, address=address, serving=serving)
         self._serving[address] = serving
+        if was and not serving and self._on_down is not None:
+            self._on_down(role, address)
         ready = all(self.serving(r) for r in ROLES)
         if ready != self._ready:
             self._ready = ready

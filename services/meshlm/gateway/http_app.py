@@ -19,7 +19,6 @@ from typing import Any, TypeVar
 
 import grpc
 import orjson
-from sglang.runtime.v1 import sglang_pb2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -33,6 +32,7 @@ from meshlm.common.rpc import CallContext
 from meshlm.gateway import transcode
 from meshlm.gateway.sse import SSE_DONE, NativeOutput, native_error, sse_event
 from meshlm.gateway.validation import DEFAULT_MAX_NEW_TOKENS
+from sglang.runtime.v1 import sglang_pb2
 
 log = get_logger(__name__)
 

@@ -34,6 +34,7 @@ class Update:
 @dataclass
 class PendingRequest:
     rid: str
+    tokenizer: str
     scheduler: str
     detokenizer: str
     started_at: float

@@ -108,7 +108,8 @@ async def serve(config: GatewayConfig) -> None:
 
     deps = Dependencies(channels, {"tokenizer": config.tokenizers,
                                    "scheduler": config.schedulers,
-                                   "detokenizer": config.detokenizers}, on_change)
+                                   "detokenizer": config.detokenizers}, on_change,
+                        lambda role, address: api_ref[0].on_dependency_down(role, address))
     api = GatewayAPI(identity, deps, table, registry, channels, submit)
     api_ref.append(api)
     for address in config.tokenizers:
@@ -116,7 +117,7 @@ async def serve(config: GatewayConfig) -> None:
         stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
             "gateway->tokenizer", address, stub.Submit,
             lambda items: tokenizer_pb2.GenerateBatch(requests=items),
-            on_reply=api.on_rejections, on_lost=api.on_submit_lost)
+            on_reply=api.on_rejections)
         stream.start()
         submit[address] = stream
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api import GatewayAPI
 from sglang.runtime.v1 import sglang_pb2, sglang_pb2_grpc
@@ -48,7 +49,17 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
         self.api = api
 
 
+def _unimplemented(name: str) -> Callable[..., Any]:
+    async def method(self: SglangServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise MeshError(grpc.StatusCode.UNIMPLEMENTED,
+                        f"{SERVICE.full_name}/{name} is not implemented yet")
+    method.__name__ = name
+    return method
+
+
 for _m in SERVICE.methods:
     if hasattr(GatewayAPI, _m.name):
         setattr(SglangServicer, _m.name,
                 (_stream if _m.server_streaming else _unary)(_m.name))
+    else:
+        setattr(SglangServicer, _m.name, _unimplemented(_m.name))

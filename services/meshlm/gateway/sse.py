@@ -12,9 +12,9 @@ import time
 from typing import Any
 
 import orjson
-from sglang.runtime.v1 import sglang_pb2
 
 from meshlm.common.errors import MeshError
+from sglang.runtime.v1 import sglang_pb2
 
 SSE_DONE = b"data: [DONE]\n\n"
 

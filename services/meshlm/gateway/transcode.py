@@ -23,9 +23,9 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, ServiceDescriptor
 from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
-from sglang.runtime.v1 import sglang_pb2
 
 from meshlm.common.errors import MeshError, invalid
+from sglang.runtime.v1 import sglang_pb2
 
 _M = TypeVar("_M", bound=Message)
 _VARIABLE = re.compile(r"\{([A-Za-z_][\w.]*)(?:=([^}]*))?\}")

@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass, field
 
 import grpc
-from sglang.runtime.v1 import sglang_pb2
 
 from meshlm.common.errors import MeshError, invalid
 from meshlm.v1 import common_pb2
+from sglang.runtime.v1 import sglang_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_STOP_STRINGS = 16

@@ -240,10 +240,6 @@ def _to_pb(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
     return msg
 
 
-def _lost(items: list[detokenizer_pb2.TokenOutput], error: str) -> None:
-    log.error("outputs_lost", count=len(items), error=error)
-
-
 async def serve(config: SchedulerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
     engine = Engine(EngineConfig(
@@ -257,8 +253,7 @@ async def serve(config: SchedulerConfig) -> None:
     def open_detokenizer(address: str) -> BatchedStream[detokenizer_pb2.TokenOutput]:
         stub = detokenizer_pb2_grpc.DetokenizerStub(channels.get(address))
         return BatchedStream("scheduler->detokenizer", address, stub.Push,
-                             lambda items: detokenizer_pb2.TokenBatch(outputs=items),
-                             on_lost=_lost)
+                             lambda items: detokenizer_pb2.TokenBatch(outputs=items))
 
     outputs: StreamPool[detokenizer_pb2.TokenOutput] = StreamPool(open_detokenizer)
     info = common_pb2.ModelInfo(

@@ -114,10 +114,6 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         return self._info
 
 
-def _lost(items: list[scheduler_pb2.TokenizedRequest], error: str) -> None:
-    log.error("requests_lost", count=len(items), error=error, rids=[i.rid for i in items[:8]])
-
-
 async def serve(config: TokenizerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
     tok = TextTokenizer.from_pretrained(model_path)
@@ -128,7 +124,7 @@ async def serve(config: TokenizerConfig) -> None:
         stub = scheduler_pb2_grpc.SchedulerStub(channels.get(address))
         return BatchedStream(
             "tokenizer->scheduler", address, stub.Submit,
-            lambda items: scheduler_pb2.TokenizedBatch(requests=items), on_lost=_lost,
+            lambda items: scheduler_pb2.TokenizedBatch(requests=items),
         )
 
     schedulers: StreamPool[scheduler_pb2.TokenizedRequest] = StreamPool(open_scheduler)

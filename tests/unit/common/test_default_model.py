@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from meshlm.common import default_model as dm
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
+
+from meshlm.common import default_model as dm
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ from collections.abc import Callable, Sequence
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
 from meshlm.common.default_model import CORPUS, build_tokenizer
 from meshlm.detokenizer.incremental import (
     DecodeStreamDetokenizer,
@@ -16,7 +18,6 @@ from meshlm.detokenizer.incremental import (
     OffsetDetokenizer,
     make_detokenizer,
 )
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 # -- tokenizers of each decoder family ----------------------------------------------------------
 

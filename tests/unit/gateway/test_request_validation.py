@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 import pytest
+
 from meshlm.common.errors import MeshError
 from meshlm.gateway.validation import (
     Limits,

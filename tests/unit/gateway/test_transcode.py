@@ -14,6 +14,7 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from google.protobuf.descriptor import ServiceDescriptor
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from meshlm.common.errors import MeshError
 from meshlm.gateway import transcode
 from meshlm.gateway.transcode import HttpBinding, PathTemplate, bind_request
@@ -300,7 +301,7 @@ def test_encoders() -> None:
     assert orjson.loads(transcode.message_json(pb.HealthCheckResponse())) == {"healthy": False}
     line = transcode.result_line(pb.TextGenerateResponse(text="a", finished=True))
     assert line.endswith(b"\n") and orjson.loads(line) == {
-        "result": {"text": "a", "meta_info": {}, "finished": True}
+        "result": {"text": "a", "meta_info": {}, "finished": True, "output_ids": []}
     }
     err = MeshError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy")
     assert orjson.loads(transcode.error_line(err)) == {

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from meshlm.scheduler.engine.engine import Engine, EngineConfig
 from scheduler_helpers import write_checkpoint
+
+from meshlm.scheduler.engine.engine import Engine, EngineConfig
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
 from safetensors.torch import save_file
+
+from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
 
 EOS = 2
 

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 from conftest import EngineFactory
-from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
-from meshlm.scheduler.engine.model_runner import PAD_SLACK, _length_groups
 from scheduler_helpers import (
     greedy,
     reference_greedy,
@@ -19,6 +17,9 @@ from scheduler_helpers import (
     tokens_of,
     write_checkpoint,
 )
+
+from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
+from meshlm.scheduler.engine.model_runner import PAD_SLACK, _length_groups
 
 
 def prompts(n: int, seed: int, lo: int = 1, hi: int = 150, vocab: int = 512) -> list[list[int]]:

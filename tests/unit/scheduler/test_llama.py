@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from scheduler_helpers import write_checkpoint
+
 from meshlm.scheduler.engine.kv_cache import DecodeAttention, KVCache, PrefillAttention
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.llama import LlamaForCausalLM, _inv_freq
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
-from safetensors.torch import load_file, save_file
-from scheduler_helpers import write_checkpoint
 
 
 def test_untied_loads_every_tensor(gqa_model: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from meshlm.scheduler.engine.policy import Scheduler
 from meshlm.scheduler.engine.sequence import Plan, SamplingParams, StepOutput
 from meshlm.scheduler.engine.slot_table import SlotTable

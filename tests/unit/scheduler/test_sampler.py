@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch, _top_k, _top_p_floor
 from meshlm.scheduler.engine.sequence import SamplingParams
 

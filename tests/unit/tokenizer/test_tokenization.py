@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
 from meshlm.common.default_model import ensure_default_model
 from meshlm.tokenizer.tokenization import TextTokenizer
-from tokenizers import Tokenizer
 
 
 @pytest.fixture(scope="module")

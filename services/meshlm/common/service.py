@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from meshlm.common import config as cfg
 from meshlm.common.logs import get_logger, setup_logging
+from meshlm.common.server import GrpcServer, wait_for_signal
+from meshlm.common.streams import BatchedStream, StreamPool
 from meshlm.common.tracing import setup_tracing, shutdown_tracing
 
 log = get_logger(__name__)
@@ -30,6 +32,7 @@ class ServiceConfig:
 
 
 C = TypeVar("C", bound=ServiceConfig)
+T = TypeVar("T")
 
 
 def run(role: str, config: C, main: Callable[[C], Awaitable[None]]) -> None:
@@ -75,3 +78,49 @@ def model_info_json(model_path: str, extra: dict[str, object]) -> str:
         info["config"] = json.loads(config_file.read_text())
     info.update(extra)
     return json.dumps(info, default=str)
+
+
+class MeshPeers:
+    """This service's side of the mesh: mTLS credentials, one channel per peer address, and
+    pools of batched streams to peers whose addresses arrive in-band."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        from meshlm.common.channels import ChannelPool
+        from meshlm.common.tls import MeshTLS
+
+        self.tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
+        self.channels = ChannelPool(self.tls.channel_credentials())
+        self._pools: list[StreamPool[Any]] = []
+
+    def stream_pool(self, name: str, open_call: Callable[[Any], Any],
+                    make_batch: Callable[[list[T]], Any]) -> StreamPool[T]:
+        """Streams `name` to any address: `open_call(channel)` gives the RPC to call (e.g.
+        `lambda ch: DetokenizerStub(ch).Push`), `make_batch(items)` the message."""
+        def open_stream(address: str) -> BatchedStream[T]:
+            return BatchedStream(name, address, open_call(self.channels.get(address)),
+                                 make_batch)
+
+        pool: StreamPool[T] = StreamPool(open_stream)
+        self._pools.append(pool)
+        return pool
+
+    async def close(self) -> None:
+        for pool in self._pools:
+            await pool.close()
+        await self.channels.close()
+
+
+async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: str,
+                             watch: asyncio.Task[Any] | None = None, **fields: Any) -> None:
+    """Mark SERVING, log `listening`, run until SIGTERM/SIGINT (or until `watch` ends), then
+    NOT_SERVING and a graceful stop."""
+    await server.set_serving(True)
+    log.info("listening", address=advertised(config, bound), **fields)
+    waiter = asyncio.create_task(wait_for_signal())
+    tasks: set[asyncio.Task[Any]] = {waiter} | ({watch} if watch is not None else set())
+    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    if watch is not None and watch in done:
+        log.error("task_stopped", task=watch.get_name(), error=repr(watch.exception()))
+    waiter.cancel()
+    await server.set_serving(False)
+    await server.stop(config.shutdown_grace)

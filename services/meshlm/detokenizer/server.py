@@ -14,10 +14,14 @@ from opentelemetry import trace
 from meshlm.common import config as cfg
 from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
-from meshlm.common.server import Binding, GrpcServer, wait_for_signal
-from meshlm.common.service import ServiceConfig, advertised, resolve_model_path
-from meshlm.common.streams import BatchedStream, StreamPool
-from meshlm.common.tls import MeshTLS
+from meshlm.common.server import Binding, GrpcServer
+from meshlm.common.service import (
+    MeshPeers,
+    ServiceConfig,
+    resolve_model_path,
+    serve_until_signal,
+)
+from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import context_of, tracer
 from meshlm.detokenizer.incremental import IncrementalDetokenizer, make_detokenizer
 from meshlm.tokenizer.tokenization import TextTokenizer
@@ -147,23 +151,13 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
 async def serve(config: DetokenizerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
     tok = TextTokenizer.from_pretrained(model_path)
-    tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
-    channels = ChannelPool(tls.channel_credentials())
-
-    def open_gateway(address: str) -> BatchedStream[gateway_pb2.TextOutput]:
-        stub = gateway_pb2_grpc.GatewayInboxStub(channels.get(address))
-        return BatchedStream("detokenizer->gateway", address, stub.Deliver,
-                             lambda items: gateway_pb2.TextBatch(outputs=items))
-
-    gateways: StreamPool[gateway_pb2.TextOutput] = StreamPool(open_gateway)
-    servicer = DetokenizerServicer(tok, gateways, channels)
+    peers = MeshPeers(config)
+    gateways: StreamPool[gateway_pb2.TextOutput] = peers.stream_pool(
+        "detokenizer->gateway", lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
+        lambda items: gateway_pb2.TextBatch(outputs=items))
+    servicer = DetokenizerServicer(tok, gateways, peers.channels)
     server = GrpcServer([Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
                                  "meshlm.v1.Detokenizer")])
-    bound = await server.start(config.host, config.port, tls.server_credentials())
-    await server.set_serving(True)
-    log.info("listening", address=advertised(config, bound), model_path=model_path)
-    await wait_for_signal()
-    await server.set_serving(False)
-    await server.stop(config.shutdown_grace)
-    await gateways.close()
-    await channels.close()
+    bound = await server.start(config.host, config.port, peers.tls.server_credentials())
+    await serve_until_signal(server, config, bound, model_path=model_path)
+    await peers.close()

@@ -8,6 +8,7 @@ inbox. A slow client therefore costs only its own buffered text and stalls nobod
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -83,14 +84,18 @@ class RequestTable:
 
     def __init__(self) -> None:
         self.requests: dict[str, PendingRequest] = {}
+        self._per_scheduler: collections.Counter[str] = collections.Counter()
 
     def add(self, req: PendingRequest) -> None:
         if req.rid in self.requests:
             raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"rid: {req.rid!r} is already in use")
         self.requests[req.rid] = req
+        self._per_scheduler[req.scheduler] += 1
 
     def remove(self, rid: str) -> None:
-        self.requests.pop(rid, None)
+        req = self.requests.pop(rid, None)
+        if req is not None:
+            self._per_scheduler[req.scheduler] -= 1
 
     def get(self, rid: str) -> PendingRequest | None:
         return self.requests.get(rid)
@@ -101,7 +106,8 @@ class RequestTable:
             req.fail(error)
 
     def count_on(self, scheduler: str) -> int:
-        return sum(1 for r in self.requests.values() if r.scheduler == scheduler)
+        """Requests of this gateway in flight on a scheduler (for least-loaded routing)."""
+        return self._per_scheduler[scheduler]
 
 
 class InboxServicer(pb_grpc.GatewayInboxServicer):

@@ -17,12 +17,17 @@ import grpc
 from opentelemetry import trace
 
 from meshlm.common import config as cfg
-from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
-from meshlm.common.server import Binding, GrpcServer, wait_for_signal
-from meshlm.common.service import ServiceConfig, advertised, model_info_json, resolve_model_path
-from meshlm.common.streams import BatchedStream, StreamPool
-from meshlm.common.tls import MeshTLS
+from meshlm.common.server import Binding, GrpcServer
+from meshlm.common.service import (
+    MeshPeers,
+    ServiceConfig,
+    advertised,
+    model_info_json,
+    resolve_model_path,
+    serve_until_signal,
+)
+from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, StepOutput
 from meshlm.scheduler.wire import engine_params
@@ -247,39 +252,24 @@ async def serve(config: SchedulerConfig) -> None:
         max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
         max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
     ))
-    tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
-    channels = ChannelPool(tls.channel_credentials())
-
-    def open_detokenizer(address: str) -> BatchedStream[detokenizer_pb2.TokenOutput]:
-        stub = detokenizer_pb2_grpc.DetokenizerStub(channels.get(address))
-        return BatchedStream("scheduler->detokenizer", address, stub.Push,
-                             lambda items: detokenizer_pb2.TokenBatch(outputs=items))
-
-    outputs: StreamPool[detokenizer_pb2.TokenOutput] = StreamPool(open_detokenizer)
+    peers = MeshPeers(config)
+    outputs: StreamPool[detokenizer_pb2.TokenOutput] = peers.stream_pool(
+        "scheduler->detokenizer", lambda ch: detokenizer_pb2_grpc.DetokenizerStub(ch).Push,
+        lambda items: detokenizer_pb2.TokenBatch(outputs=items))
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         eos_token_ids=sorted(engine.eos_token_ids),
         json_info=model_info_json(model_path, {"device": str(engine.device),
                                                "max_running": config.max_running}),
     )
-    server_holder: list[GrpcServer] = []
     servicer = SchedulerServicer(engine, outputs, info, "")
     server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
                                  "meshlm.v1.Scheduler")])
-    server_holder.append(server)
-    bound = await server.start(config.host, config.port, tls.server_credentials())
+    bound = await server.start(config.host, config.port, peers.tls.server_credentials())
     servicer.address = advertised(config, bound)
     engine_task = asyncio.create_task(servicer.run_engine(), name="engine")
-    await server.set_serving(True)
-    log.info("listening", address=servicer.address, model_path=model_path,
-             device=str(engine.device), max_running=config.max_running)
-    stop = asyncio.create_task(wait_for_signal())
-    done, _ = await asyncio.wait({stop, engine_task}, return_when=asyncio.FIRST_COMPLETED)
-    if engine_task in done:
-        log.error("engine_stopped", error=repr(engine_task.exception()))
-    await server.set_serving(False)
-    await server.stop(config.shutdown_grace)
+    await serve_until_signal(server, config, bound, watch=engine_task, model_path=model_path,
+                             device=str(engine.device), max_running=config.max_running)
     engine_task.cancel()
     servicer.close()
-    await outputs.close()
-    await channels.close()
+    await peers.close()

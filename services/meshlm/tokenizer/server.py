@@ -11,17 +11,16 @@ import grpc
 from opentelemetry import trace
 
 from meshlm.common import config as cfg
-from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
-from meshlm.common.server import Binding, GrpcServer, wait_for_signal
+from meshlm.common.server import Binding, GrpcServer
 from meshlm.common.service import (
+    MeshPeers,
     ServiceConfig,
-    advertised,
     model_info_json,
     resolve_model_path,
+    serve_until_signal,
 )
-from meshlm.common.streams import BatchedStream, StreamPool
-from meshlm.common.tls import MeshTLS
+from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
 from meshlm.tokenizer.tokenization import TextTokenizer
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
@@ -117,17 +116,10 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
 async def serve(config: TokenizerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
     tok = TextTokenizer.from_pretrained(model_path)
-    tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
-    channels = ChannelPool(tls.channel_credentials())
-
-    def open_scheduler(address: str) -> BatchedStream[scheduler_pb2.TokenizedRequest]:
-        stub = scheduler_pb2_grpc.SchedulerStub(channels.get(address))
-        return BatchedStream(
-            "tokenizer->scheduler", address, stub.Submit,
-            lambda items: scheduler_pb2.TokenizedBatch(requests=items),
-        )
-
-    schedulers: StreamPool[scheduler_pb2.TokenizedRequest] = StreamPool(open_scheduler)
+    peers = MeshPeers(config)
+    schedulers: StreamPool[scheduler_pb2.TokenizedRequest] = peers.stream_pool(
+        "tokenizer->scheduler", lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Submit,
+        lambda items: scheduler_pb2.TokenizedBatch(requests=items))
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=tok.max_model_len, vocab_size=tok.vocab_size,
         eos_token_ids=tok.eos_token_ids,
@@ -136,11 +128,6 @@ async def serve(config: TokenizerConfig) -> None:
     servicer = TokenizerServicer(tok, schedulers, info)
     server = GrpcServer([Binding(pb_grpc.add_TokenizerServicer_to_server, servicer,
                                  "meshlm.v1.Tokenizer")])
-    bound = await server.start(config.host, config.port, tls.server_credentials())
-    await server.set_serving(True)
-    log.info("listening", address=advertised(config, bound), model_path=model_path)
-    await wait_for_signal()
-    await server.set_serving(False)
-    await server.stop(config.shutdown_grace)
-    await schedulers.close()
-    await channels.close()
+    bound = await server.start(config.host, config.port, peers.tls.server_credentials())
+    await serve_until_signal(server, config, bound, model_path=model_path)
+    await peers.close()

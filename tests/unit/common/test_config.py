@@ -1,0 +1,46 @@
+from dataclasses import dataclass
+
+from click.testing import CliRunner
+
+from meshlm.common import config as cfg
+
+
+@dataclass
+class DemoConfig:
+    """demo"""
+
+    port: int = cfg.field(50051, "port")
+    ratio: float = cfg.field(0.5, "ratio")
+    name: str = cfg.field("x", "name")
+    verbose: bool = cfg.field(False, "verbose")
+    peers: tuple[str, ...] = cfg.field(("a:1",), "peers")
+
+
+def _run(args: list[str], env: dict[str, str]) -> DemoConfig:
+    seen: list[DemoConfig] = []
+
+    @cfg.command(DemoConfig, "demo")
+    def main(config: DemoConfig) -> None:
+        seen.append(config)
+
+    result = CliRunner().invoke(main, args, env=env, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return seen[0]
+
+
+def test_defaults_env_and_flags_in_that_order():
+    assert _run([], {}) == DemoConfig()
+    env = {"MESHLM_PORT": "7", "MESHLM_PEERS": "b:2, c:3", "MESHLM_VERBOSE": "true"}
+    c = _run([], env)
+    assert (c.port, c.peers, c.verbose) == (7, ("b:2", "c:3"), True)
+    c = _run(["--port", "9", "--ratio", "0.25", "--no-verbose", "--peers", "d:4"], env)
+    assert (c.port, c.ratio, c.verbose, c.peers) == (9, 0.25, False, ("d:4",))
+
+
+def test_bad_value_is_a_usage_error():
+    @cfg.command(DemoConfig, "demo")
+    def main(config: DemoConfig) -> None:
+        raise AssertionError("not reached")
+
+    result = CliRunner().invoke(main, ["--port", "many"])
+    assert result.exit_code == 2 and "--port" in result.output

@@ -1,0 +1,71 @@
+"""BatchedStream against a fake call: coalescing, backpressure, reconnection."""
+
+import asyncio
+
+from meshlm.common.streams import BatchedStream
+
+
+class FakePeer:
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.batches: list[list[int]] = []
+        self.fail_after = fail_after
+        self.calls = 0
+        self.received = asyncio.Event()
+
+    def open(self, messages):
+        self.calls += 1
+        return self._consume(messages, self.calls)
+
+    async def _consume(self, messages, call_no):
+        import grpc
+
+        async for batch in messages:
+            self.batches.append(batch)
+            self.received.set()
+            if self.fail_after is not None and call_no == 1 and len(self.batches) >= \
+                    self.fail_after:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "boom")
+
+
+async def _until(predicate, timeout=5.0):
+    async def loop():
+        while not predicate():
+            await asyncio.sleep(0.005)
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def test_items_queued_together_leave_as_one_message():
+    peer = FakePeer()
+    stream = BatchedStream("t", "peer", peer.open, list)
+    await stream.put([1, 2, 3])
+    await stream.put([4])
+    stream.start()
+    await _until(lambda: sum(len(b) for b in peer.batches) == 4)
+    assert peer.batches == [[1, 2, 3, 4]]
+    await stream.close()
+
+
+async def test_put_waits_when_full():
+    peer = FakePeer()
+    stream = BatchedStream("t", "peer", peer.open, list, capacity=2)
+    await stream.put([1, 2])
+    blocked = asyncio.create_task(stream.put([3]))
+    for _ in range(10):
+        await asyncio.sleep(0)  # let the put run as far as it can
+    assert not blocked.done()
+    stream.start()
+    await asyncio.wait_for(blocked, 5)
+    await _until(lambda: sum(len(b) for b in peer.batches) == 3)
+    await stream.close()
+
+
+async def test_reconnects_and_keeps_sending_after_failure():
+    peer = FakePeer(fail_after=1)
+    stream = BatchedStream("t", "peer", peer.open, list)
+    stream.start()
+    await stream.put([1])
+    await _until(lambda: peer.calls >= 2)
+    await stream.put([2])
+    await _until(lambda: [2] in peer.batches)
+    assert peer.batches[0] == [1]
+    await stream.close()

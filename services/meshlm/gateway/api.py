@@ -135,12 +135,16 @@ class GatewayAPI:
         with self._tracer.start_as_current_span("gateway.generate",
                                                 attributes={"meshlm.rid": rid}) as span:
             try:
-                created = await self.registry.create(rid, {
-                    "gateway": self.identity.inbox, "tokenizer": tokenizer,
-                    "scheduler": pending.scheduler, "detokenizer": pending.detokenizer})
-                if not created:
-                    raise MeshError(grpc.StatusCode.ALREADY_EXISTS,
-                                    f"rid: {rid!r} is already in use")
+                record = {"gateway": self.identity.inbox, "tokenizer": tokenizer,
+                          "scheduler": pending.scheduler, "detokenizer": pending.detokenizer}
+                if v.rid:
+                    # A client's rid may clash with one on another gateway: check first.
+                    if not await self.registry.create(rid, record):
+                        raise MeshError(grpc.StatusCode.ALREADY_EXISTS,
+                                        f"rid: {rid!r} is already in use")
+                else:
+                    # A fresh uuid4 cannot clash: record it off the request's path.
+                    self.registry.create_later(rid, record)
                 await self.submit[tokenizer].put([self._internal_request(v, rid, pending, span)])
                 dispatched = True
                 merged: list[Update] = []

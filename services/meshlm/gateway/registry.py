@@ -13,6 +13,7 @@ tried again after a short pause.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -48,7 +49,13 @@ class RidRegistry:
         self.finished_ttl = max(1, int(finished_ttl))
         self.degraded = False
         self._retry_at = 0.0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._queue: list[tuple[str, str, Any, int | None]] = []
+        self._wake = asyncio.Event()
+        self._writer: asyncio.Task[None] | None = None
+        self._busy = False
+
+    def start(self) -> None:
+        self._writer = asyncio.create_task(self._write_loop(), name="registry-writer")
 
     def _available(self) -> bool:
         return not self.degraded or time.monotonic() >= self._retry_at
@@ -64,44 +71,66 @@ class RidRegistry:
             log.info("registry_recovered")
         self.degraded = False
 
+    def _record(self, fields: dict[str, Any]) -> list[Any]:
+        now = time.time()
+        argv: list[Any] = [self.ttl]
+        for k, v in {**fields, "state": "queued", "created_at": now, "updated_at": now}.items():
+            argv += [k, str(v)]
+        return argv
+
     async def create(self, rid: str, fields: dict[str, Any]) -> bool:
-        """Record a new request; False when the rid is already taken (fail-open: True)."""
+        """Record a new request now; False when the rid is already taken (fail-open: True)."""
         if not self._available():
             return True
-        now = time.time()
-        record = {**fields, "state": "queued", "created_at": now, "updated_at": now}
-        argv: list[Any] = [self.ttl]
-        for k, v in record.items():
-            argv += [k, str(v)]
         try:
-            created = await self._create(keys=[key(rid)], args=argv)
+            created = await self._create(keys=[key(rid)], args=self._record(fields))
         except (RedisError, OSError) as exc:
             self._failed("create", exc)
             return True
         self._ok()
         return bool(created)
 
+    def create_later(self, rid: str, fields: dict[str, Any]) -> None:
+        """Record a request whose rid cannot clash (a fresh uuid4), off the request's path."""
+        self._queue.append(("create", rid, self._record(fields), None))
+        self._wake.set()
+
     def update(self, rid: str, **fields: Any) -> None:
         """Set fields in the background (off the request's path)."""
-        self._spawn(self._update(rid, fields, None))
+        self._queue.append(("update", rid, fields, None))
+        self._wake.set()
 
     def finish(self, rid: str, state: str, **fields: Any) -> None:
         """Mark the request ended; its record then expires after finished_ttl."""
-        self._spawn(self._update(rid, {"state": state, **fields}, self.finished_ttl))
+        self._queue.append(("update", rid, {"state": state, **fields}, self.finished_ttl))
+        self._wake.set()
 
-    async def _update(self, rid: str, fields: dict[str, Any], ttl: int | None) -> None:
-        if not self._available():
-            return
-        mapping = {k: str(v) for k, v in {**fields, "updated_at": time.time()}.items()}
-        try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.hset(key(rid), mapping=mapping)
-                pipe.expire(key(rid), ttl if ttl is not None else self.ttl)
-                await pipe.execute()
-        except (RedisError, OSError) as exc:
-            self._failed("update", exc)
-            return
-        self._ok()
+    async def _write_loop(self) -> None:
+        """Background writes, in order, many per round trip (one pipeline per wake-up)."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            ops, self._queue = self._queue, []
+            if not ops or not self._available():
+                continue
+            self._busy = True
+            try:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for op, rid, data, ttl in ops:
+                        if op == "create":
+                            await self._create(keys=[key(rid)], args=data, client=pipe)
+                            continue
+                        data = {**data, "updated_at": time.time()}
+                        mapping = {k: str(v) for k, v in data.items()}
+                        pipe.hset(key(rid), mapping=mapping)
+                        pipe.expire(key(rid), ttl if ttl is not None else self.ttl)
+                    await pipe.execute()
+            except (RedisError, OSError) as exc:
+                self._failed("write", exc)
+                continue
+            finally:
+                self._busy = False
+            self._ok()
 
     async def get(self, rid: str) -> dict[str, str] | None:
         if not self._available():
@@ -114,12 +143,14 @@ class RidRegistry:
         self._ok()
         return record or None
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    async def flush(self) -> None:
+        """Wait until the background writes queued so far have been sent (tests, shutdown)."""
+        while (self._queue or self._busy) and self._writer is not None and not self._writer.done():
+            await asyncio.sleep(0.001)
 
     async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=2.0)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.flush(), 2.0)
+        if self._writer is not None:
+            self._writer.cancel()
         await self._redis.aclose()

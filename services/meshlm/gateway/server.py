@@ -80,6 +80,7 @@ async def serve(config: GatewayConfig) -> None:
     channels = ChannelPool(tls.channel_credentials())
     table = RequestTable()
     registry = RidRegistry(config.redis_url, config.registry_ttl, config.registry_finished_ttl)
+    registry.start()
 
     inbox = GrpcServer([Binding(gateway_pb2_grpc.add_GatewayInboxServicer_to_server,
                                 InboxServicer(table), "meshlm.v1.GatewayInbox")])

@@ -75,7 +75,8 @@ class SchedulerState:
 
 
 class SchedulerServicer(pb_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, outputs: StreamPool[detokenizer_pb2.TokenOutput],
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor,
+                 outputs: StreamPool[detokenizer_pb2.TokenOutput],
                  info: common_pb2.ModelInfo, address: str) -> None:
         self.engine = engine
         self.outputs = outputs
@@ -84,7 +85,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.state = SchedulerState()
         self.wake = asyncio.Event()
         self._tracer = tracer("meshlm.scheduler")
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._executor = executor
         self._pending: list[StepOutput] = []  # outputs made outside a step (refusals)
 
     # -- requests in -------------------------------------------------------------------------
@@ -247,7 +248,11 @@ def _to_pb(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
 
 async def serve(config: SchedulerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
-    engine = Engine(EngineConfig(
+    # Every torch call happens on this one thread, the engine's: the model is built here too.
+    # (Torch from a second thread brings a second OpenMP pool whose spinning workers halve the
+    # speed of both on a small machine.)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, EngineConfig(
         model_path=model_path, device=config.device, dtype=config.dtype,
         max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
         max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
@@ -262,7 +267,7 @@ async def serve(config: SchedulerConfig) -> None:
         json_info=model_info_json(model_path, {"device": str(engine.device),
                                                "max_running": config.max_running}),
     )
-    servicer = SchedulerServicer(engine, outputs, info, "")
+    servicer = SchedulerServicer(engine, executor, outputs, info, "")
     server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
                                  "meshlm.v1.Scheduler")])
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())

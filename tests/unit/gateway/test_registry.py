@@ -1,7 +1,5 @@
 """The RID registry against a real Redis server, and its fail-open behaviour."""
 
-import asyncio
-
 import pytest
 import redis
 
@@ -17,6 +15,7 @@ def redis_server():
 
 async def test_create_is_exclusive_and_finish_sets_short_ttl(redis_server):
     reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=5)
+    reg.start()
     try:
         assert await reg.create("r1", {"gateway": "g", "scheduler": "s"})
         assert not await reg.create("r1", {"gateway": "other"})
@@ -25,9 +24,24 @@ async def test_create_is_exclusive_and_finish_sets_short_ttl(redis_server):
         sync = redis.Redis.from_url(redis_server.url)
         assert 95 <= sync.ttl(key("r1")) <= 100
         reg.finish("r1", "finished", finish_reason="length")
-        await asyncio.gather(*reg._tasks)
+        await reg.flush()
         assert (await reg.get("r1"))["state"] == "finished"
         assert 0 < sync.ttl(key("r1")) <= 5
+    finally:
+        await reg.close()
+
+
+async def test_background_writes_keep_their_order(redis_server):
+    reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=5)
+    reg.start()
+    try:
+        reg.create_later("r2", {"gateway": "g"})
+        reg.update("r2", state="running")
+        reg.finish("r2", "finished", finish_reason="stop")
+        await reg.flush()
+        record = await reg.get("r2")
+        assert record["gateway"] == "g" and record["state"] == "finished"
+        assert record["finish_reason"] == "stop"
     finally:
         await reg.close()
 

@@ -56,12 +56,13 @@ class Result:
 # -- in-process -------------------------------------------------------------------------------
 
 def bench_engine(model_path: str, n_ttft: int, n_sat: int, new_tokens: int,
-                 max_running: int) -> Result:
+                 max_running: int, threads: int) -> Result:
     from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
     from meshlm.tokenizer.tokenization import TextTokenizer
 
     tok = TextTokenizer.from_pretrained(model_path)
-    engine = Engine(EngineConfig(model_path=model_path, max_running=max_running))
+    engine = Engine(EngineConfig(model_path=model_path, max_running=max_running,
+                                 num_threads=threads or None))
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     ttft = []
     for i in tqdm(range(n_ttft), desc="engine ttft", leave=False):
@@ -175,22 +176,33 @@ def _env_overrides() -> dict[str, str]:
 @click.option("--ttft-requests", default=50, show_default=True)
 @click.option("--saturation-requests", default=64, show_default=True)
 @click.option("--new-tokens", default=64, show_default=True)
-def main(model_path: str, ttft_requests: int, saturation_requests: int, new_tokens: int) -> None:
+@click.option("--engine-threads", default=0, show_default=True,
+              help="torch CPU threads for the engine, in-process and in the mesh (0 = torch's "
+                   "default)")
+def main(model_path: str, ttft_requests: int, saturation_requests: int, new_tokens: int,
+         engine_threads: int) -> None:
     model_path = model_path or str(ensure_default_model())
     results = [bench_engine(model_path, ttft_requests, saturation_requests, new_tokens,
-                            max_running=saturation_requests)]
+                            max_running=saturation_requests, threads=engine_threads)]
     with tempfile.TemporaryDirectory() as tmp:
         options = MeshOptions(workdir=Path(tmp), model_path=model_path, http_port=0,
                               grpc_port=0,
                               env={"MESHLM_MAX_RUNNING": str(saturation_requests),
+                                   "MESHLM_NUM_THREADS": str(engine_threads),
                                    "MESHLM_LOG_LEVEL": "warning", **_env_overrides()})
         with Mesh(options) as mesh:
             results.append(asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, ttft_requests,
                                                   saturation_requests, new_tokens)))
             results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, ttft_requests,
                                                   saturation_requests, new_tokens)))
+    import os
+
+    import torch
+
+    threads = engine_threads or torch.get_num_threads()
     print(f"\nmodel: {model_path}; TTFT at concurrency 1 ({ttft_requests} requests), "
-          f"throughput at {saturation_requests} concurrent x {new_tokens} tokens\n")
+          f"throughput at {saturation_requests} concurrent x {new_tokens} tokens; "
+          f"engine threads {threads}; {os.cpu_count()} CPUs shared by every process\n")
     print(report(results))
 
 

@@ -47,8 +47,9 @@ def _option(f: dataclasses.Field[Any], tp: Any) -> Callable[[Callable[..., Any]]
             show_default=True, help=help_text,
         )
     if typing.get_origin(base) is tuple:
+        joined = ",".join(typing.cast(tuple[str, ...], default))
         return click.option(
-            f"--{name}", default=",".join(default), envvar=env, show_envvar=True,
+            f"--{name}", default=joined, envvar=env, show_envvar=True,
             show_default=True, help=help_text + " (comma-separated)",
         )
     click_type = {int: int, float: float, str: str}.get(base, str)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -35,7 +35,7 @@ C = TypeVar("C", bound=ServiceConfig)
 T = TypeVar("T")
 
 
-def run(role: str, config: C, main: Callable[[C], Awaitable[None]]) -> None:
+def run(role: str, config: C, main: Callable[[C], Coroutine[Any, Any, None]]) -> None:
     """Set up logging and tracing, log the configuration, run `main` until it returns."""
     setup_logging(role, config.log_level)
     setup_tracing(role)

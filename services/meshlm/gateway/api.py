@@ -10,8 +10,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -43,6 +44,8 @@ from meshlm.v1 import (
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 log = get_logger(__name__)
+
+R = TypeVar("R")
 
 CONTROL_TIMEOUT = 10.0  # seconds for internal unary calls
 
@@ -266,8 +269,8 @@ class GatewayAPI:
             return None
         return reply.aborted
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -294,9 +297,10 @@ class GatewayAPI:
         return pb.DetokenizeResponse(text=reply.text)
 
     @staticmethod
-    async def _call(call: object) -> object:
+    async def _call(call: Awaitable[R]) -> R:
+        """Await an internal call; its failure becomes the client's status."""
         try:
-            return await call  # type: ignore[misc]
+            return await call
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):

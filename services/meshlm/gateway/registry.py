@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import typing
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -136,7 +137,7 @@ class RidRegistry:
         if not self._available():
             return None
         try:
-            record = await self._redis.hgetall(key(rid))
+            record = typing.cast(dict[str, str], await self._redis.hgetall(key(rid)))
         except (RedisError, OSError) as exc:
             self._failed("get", exc)
             return None

@@ -9,6 +9,7 @@ import socket
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -65,7 +66,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _http_server(config: GatewayConfig, app: object) -> uvicorn.Server:
+def _http_server(config: GatewayConfig, app: Any) -> uvicorn.Server:
     kwargs: dict[str, object] = {}
     if config.tls_cert:
         kwargs.update(ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key)

@@ -29,7 +29,7 @@ from meshlm.common.service import (
 )
 from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
-from meshlm.scheduler.engine.engine import Engine, EngineConfig, StepOutput
+from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams, StepOutput
 from meshlm.scheduler.wire import engine_params
 from meshlm.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
@@ -246,6 +246,15 @@ def _to_pb(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
     return msg
 
 
+def _warm_up(engine: Engine) -> None:
+    """One tiny request before SERVING, so the first client does not pay for torch's
+    first-call set-up (hundreds of ms on CPU)."""
+    engine.add_request("meshlm-warm-up", [0, 1, 2, 3], SamplingParams(
+        temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+
+
 async def serve(config: SchedulerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
     # Every torch call happens on this one thread, the engine's: the model is built here too.
@@ -257,6 +266,7 @@ async def serve(config: SchedulerConfig) -> None:
         max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
         max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
     ))
+    await asyncio.get_running_loop().run_in_executor(executor, _warm_up, engine)
     peers = MeshPeers(config)
     outputs: StreamPool[detokenizer_pb2.TokenOutput] = peers.stream_pool(
         "scheduler->detokenizer", lambda ch: detokenizer_pb2_grpc.DetokenizerStub(ch).Push,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -21,11 +21,11 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
-OpenCall = Callable[[AsyncIterator[Any]], Any]
+OpenCall = Callable[[], Any]
 
 
 class BatchedStream(Generic[T]):
-    """Client stream to `address`: `open_call(messages)` starts the RPC (e.g. `stub.Push`);
+    """Client stream to `address`: `open_call()` starts the RPC (e.g. `stub.Push`);
     `make_batch(items)` wraps queued items into one message; `on_reply(message)` receives the
     reply stream of a bidi RPC. Items already handed to a call that then fails may be lost:
     the owners of requests learn of a dead peer from its health (see gateway/dependencies.py)."""
@@ -45,7 +45,6 @@ class BatchedStream(Generic[T]):
         self._has_room.set()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._epoch = 0
         self.connected = False
         self.messages_sent = 0
 
@@ -66,10 +65,21 @@ class BatchedStream(Generic[T]):
         self._queue.extend(items)
         self._has_items.set()
 
-    async def _messages(self, epoch: int) -> AsyncIterator[Any]:
-        # A call that failed may still be pulling from its iterator; `epoch` retires it so it
-        # never takes (and loses) items meant for the next connection.
-        while not self._closed and epoch == self._epoch:
+    async def _watch(self, call: Any) -> None:
+        """Read the reply stream (bidi) or wait for the call's end (client stream)."""
+        if self._on_reply is not None:
+            async for reply in call:
+                self._on_reply(reply)
+        else:
+            await call
+
+    async def _send(self, call: Any, watcher: asyncio.Task[None]) -> None:
+        """Write batches with `call.write` until the call ends. Items whose write failed go
+        back to the front of the queue for the next connection."""
+        while not self._closed:
+            if watcher.done():
+                watcher.result()  # raises the call's error, if any
+                return
             if not self._queue:
                 self._has_items.clear()
                 await self._has_items.wait()
@@ -78,35 +88,46 @@ class BatchedStream(Generic[T]):
             items = [self._queue.popleft() for _ in range(n)]
             if len(self._queue) < self._capacity:
                 self._has_room.set()
-            yield self._make_batch(items)
+            try:
+                await call.write(self._make_batch(items))
+            except BaseException:
+                self._queue.extendleft(reversed(items))
+                raise
             self.messages_sent += 1
 
     async def _run(self) -> None:
         backoff = 0.05
         while not self._closed:
-            call = self._open_call(self._messages(self._epoch))
+            sent_before = self.messages_sent
+            call = self._open_call()
+            watcher = asyncio.create_task(self._watch(call))
+            watcher.add_done_callback(lambda _: self._has_items.set())
+            error = "stream ended by peer"
             try:
                 self.connected = True
-                if self._on_reply is not None:
-                    async for reply in call:
-                        self._on_reply(reply)
-                        backoff = 0.05
-                else:
-                    await call
+                await self._send(call, watcher)
                 if self._closed:
                     return
-                error = "stream ended by peer"
             except asyncio.CancelledError:
                 call.cancel()
+                watcher.cancel()
                 raise
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
+            except asyncio.InvalidStateError as exc:  # wrote to a call that had just ended
+                error = str(exc)
             finally:
                 self.connected = False
-                self._epoch += 1
-                self._has_items.set()  # wake the retired iterator so it sees the epoch and ends
+            if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
+                exc = watcher.exception()
+                if isinstance(exc, grpc.aio.AioRpcError):
+                    error = f"{exc.code().name}: {exc.details()}"
+            call.cancel()
+            watcher.cancel()
             log.warning("stream_lost", stream=self.name, peer=self.address, error=error)
-            await asyncio.sleep(backoff)
+            if self.messages_sent > sent_before:
+                backoff = 0.05  # this connection worked: the next try starts quickly again
+            await asyncio.sleep(backoff)  # reconnect pause, not synchronisation
             backoff = min(backoff * 2, 1.0)
 
     async def close(self) -> None:

@@ -5,26 +5,40 @@ import asyncio
 from meshlm.common.streams import BatchedStream
 
 
+class FakeCall:
+    """The write-side API of a grpc.aio client-streaming call, recording what it receives."""
+
+    def __init__(self, peer: "FakePeer", fail: bool) -> None:
+        self.peer, self.fail = peer, fail
+        self.ended = asyncio.get_running_loop().create_future()
+
+    async def write(self, batch) -> None:
+        if self.ended.done():
+            await self.ended
+        self.peer.batches.append(batch)
+        if self.fail and len(self.peer.batches) >= self.peer.fail_after:
+            import grpc
+
+            self.ended.set_exception(
+                grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "boom"))
+
+    def cancel(self) -> None:
+        if not self.ended.done():
+            self.ended.cancel()
+
+    def __await__(self):
+        return self.ended.__await__()
+
+
 class FakePeer:
     def __init__(self, fail_after: int | None = None) -> None:
         self.batches: list[list[int]] = []
         self.fail_after = fail_after
         self.calls = 0
-        self.received = asyncio.Event()
 
-    def open(self, messages):
+    def open(self):
         self.calls += 1
-        return self._consume(messages, self.calls)
-
-    async def _consume(self, messages, call_no):
-        import grpc
-
-        async for batch in messages:
-            self.batches.append(batch)
-            self.received.set()
-            if self.fail_after is not None and call_no == 1 and len(self.batches) >= \
-                    self.fail_after:
-                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, None, None, "boom")
+        return FakeCall(self, fail=self.fail_after is not None and self.calls == 1)
 
 
 async def _until(predicate, timeout=5.0):

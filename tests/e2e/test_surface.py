@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 from pathlib import Path
 
@@ -130,3 +131,30 @@ def test_tls_gateway_refuses_plaintext(mesh):
             text="hi", sampling_params=pb.SamplingParams(max_new_tokens=3, ignore_eos=True)),
             timeout=60))
         assert out[-1].finished
+
+
+def test_sigterm_stops_a_gateway_gracefully(mesh):
+    gw = mesh.start_gateway("gateway-term")
+    with grpc.insecure_channel(gw.grpc_address) as ch:
+        stub = sglang_pb2_grpc.SglangServiceStub(ch)
+        # A request in flight when SIGTERM arrives still completes within the grace period.
+        stream = stub.TextGenerate(pb.TextGenerateRequest(
+            text="draining", stream=True,
+            sampling_params=pb.SamplingParams(max_new_tokens=40, ignore_eos=True)), timeout=60)
+        first = next(stream)
+        watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        gw.send_signal(signal.SIGTERM)
+        statuses = []
+        try:
+            for reply in watch:
+                statuses.append(reply.status)
+        except grpc.RpcError:
+            pass
+        assert statuses and statuses[0] == health_pb2.HealthCheckResponse.NOT_SERVING
+        rest = [first, *stream]
+        assert rest[-1].finished and rest[-1].meta_info["completion_tokens"] == "40"
+    gw.proc.wait(timeout=30)
+    assert gw.returncode == 0
+    log = mesh.log_path("gateway-term").read_text()
+    assert '"event":"shutdown_requested"' in log and '"event":"stopped"' in log

@@ -118,10 +118,10 @@ class BatchedStream(Generic[T]):
                 error = str(exc)
             finally:
                 self.connected = False
-            if watcher.done() and not watcher.cancelled() and watcher.exception() is not None:
-                exc = watcher.exception()
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    error = f"{exc.code().name}: {exc.details()}"
+            if watcher.done() and not watcher.cancelled():
+                failure = watcher.exception()
+                if isinstance(failure, grpc.aio.AioRpcError):
+                    error = f"{failure.code().name}: {failure.details()}"
             call.cancel()
             watcher.cancel()
             log.warning("stream_lost", stream=self.name, peer=self.address, error=error)

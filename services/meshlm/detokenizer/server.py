@@ -4,7 +4,6 @@ matched here; a match finishes the request for the client and tells its schedule
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from meshlm.common.service import (
     serve_until_signal,
 )
 from meshlm.common.streams import StreamPool
+from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import context_of, tracer
 from meshlm.detokenizer.incremental import IncrementalDetokenizer, make_detokenizer
 from meshlm.tokenizer.tokenization import TextTokenizer
@@ -64,7 +64,7 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         self._channels = channels
         self._states: dict[str, DecodeState] = {}
         self._tracer = tracer("meshlm.detokenizer")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._background = BackgroundTasks()
 
     async def Push(self, request_iterator: AsyncIterator[detokenizer_pb2.TokenBatch],
                    context: grpc.aio.ServicerContext) -> common_pb2.Empty:
@@ -143,9 +143,7 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
                 log.warning("stop_failed", scheduler=scheduler, error=exc.details(),
                             rids=len(rids))
 
-        task = asyncio.create_task(call())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._background.spawn(call())
 
 
 async def serve(config: DetokenizerConfig) -> None:

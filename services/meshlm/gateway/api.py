@@ -10,9 +10,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 from opentelemetry import trace
@@ -22,6 +22,7 @@ from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
 from meshlm.common.rpc import CallContext
 from meshlm.common.streams import BatchedStream
+from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import carrier_of, tracer
 from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.inbox import PendingRequest, RequestTable, Update
@@ -68,7 +69,7 @@ class GatewayAPI:
         self.submit = submit_streams
         self.info: common_pb2.ModelInfo | None = None
         self._tracer = tracer("meshlm.gateway")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.background = BackgroundTasks()
 
     # -- readiness ---------------------------------------------------------------------------
 
@@ -183,7 +184,7 @@ class GatewayAPI:
                 if dispatched and not finished:
                     # The client went away (cancelled call, closed connection): end it now.
                     span.add_event("client_gone")
-                    self._spawn(self._abort_in_scheduler(pending.scheduler, [rid], False))
+                    self.background.spawn(self._abort_in_scheduler(pending.scheduler, [rid], False))
                     self.registry.finish(rid, "aborted", finish_reason="abort")
 
     def _internal_request(self, v: ValidatedRequest, rid: str, pending: PendingRequest,
@@ -233,7 +234,7 @@ class GatewayAPI:
                 req.fail(MeshError(grpc.StatusCode.UNAVAILABLE,
                                    f"the {role} at {address} became unavailable"))
                 if role != "scheduler":
-                    self._spawn(self._abort_in_scheduler(req.scheduler, [req.rid], False))
+                    self.background.spawn(self._abort_in_scheduler(req.scheduler, [req.rid], False))
 
     # -- abort -------------------------------------------------------------------------------
 
@@ -268,11 +269,6 @@ class GatewayAPI:
             log.warning("abort_failed", scheduler=scheduler, error=exc.details())
             return None
         return reply.aborted
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- tokenizer passthrough ---------------------------------------------------------------
 

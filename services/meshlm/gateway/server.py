@@ -153,6 +153,7 @@ async def serve(config: GatewayConfig) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(http_task, config.shutdown_grace + 1)
     await inbox.stop(1.0)
+    await api.background.close()
     await deps.close()
     for stream in submit.values():
         await stream.close()

@@ -47,6 +47,8 @@ class SchedulerConfig(ServiceConfig):
     model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
     device: str = cfg.field("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = cfg.field("auto", "auto | float32 | bfloat16 | float16")
+    load_format: str = cfg.field("auto", "auto | safetensors | dummy (random weights from "
+                                         "config.json)")
     max_running: int = cfg.field(64, "requests decoded together (KV slots)")
     max_prefill_tokens: int = cfg.field(4096, "prompt tokens prefilled per engine step")
     max_model_len: int = cfg.field(0, "context length; 0 = the checkpoint's")
@@ -263,8 +265,8 @@ async def serve(config: SchedulerConfig) -> None:
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, EngineConfig(
         model_path=model_path, device=config.device, dtype=config.dtype,
-        max_running=config.max_running, max_prefill_tokens=config.max_prefill_tokens,
-        max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
+        load_format=config.load_format, max_running=config.max_running,
+        max_prefill_tokens=config.max_prefill_tokens, max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
     ))
     await asyncio.get_running_loop().run_in_executor(executor, _warm_up, engine)
     peers = MeshPeers(config)

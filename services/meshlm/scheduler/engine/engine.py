@@ -40,7 +40,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto = config.json torch_dtype, else float32
     max_running: int = 64  # KV slots
     max_prefill_tokens: int = 4096
-    max_model_len: int | None = None  # default: config max_position_embeddings
+    max_model_len: int | None = None  # default: config max_position_embeddings (see Engine)
+    load_format: str = "auto"  # auto = the safetensors; dummy = seeded random weights
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
 
 
@@ -62,13 +63,21 @@ class Engine:
         self.model_config = ModelConfig.from_dir(config.model_path)
         dtype = resolve_dtype(config.dtype, self.model_config)
         self.dtype = str(dtype).removeprefix("torch.")
-        self.model, _ = load_model(config.model_path, dev, dtype)
+        self.model, _ = load_model(config.model_path, dev, dtype, config.load_format)
         mc = self.model_config
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
+        limit, why = mc.max_position_embeddings, "max_position_embeddings"
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            # The KV-cache attention applies no sliding window: serve only lengths it never cuts.
+            limit, why = mc.sliding_window, "sliding_window (not applied by the KV cache)"
+            if config.max_model_len is None:
+                log.warning(
+                    "max_model_len_capped_at_sliding_window", sliding_window=mc.sliding_window,
+                    max_position_embeddings=mc.max_position_embeddings,
+                )
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's "
-                f"max_position_embeddings {mc.max_position_embeddings}"
+                f"max_model_len {self.max_model_len} exceeds the model's {why} {limit}"
             )
         self.vocab_size = mc.vocab_size
         self.eos_token_ids: set[int] = set(mc.eos_token_ids)

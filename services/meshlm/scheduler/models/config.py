@@ -1,19 +1,59 @@
 """ModelConfig: the fields of an HF `config.json` (+ `generation_config.json`) the engine uses.
 
 Torch-free, so the scheduler's policy and the service can read a model's limits without
-loading weights.
+loading weights. Llama, Qwen2 and Mistral share one module layout; what differs between them
+is read here, per architecture, into plain fields (biases, sliding window).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Architectures the Llama module serves. Qwen2 (q/k/v bias) and Mistral (sliding window) share
-# its HF layout and are left to a later change: the bias switches below are already in place.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# RoPE kinds the model implements (`rope_type`, or `type` in older configs).
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+
+
+def _llama_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_proj_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False))}
+
+
+def _qwen2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """q/k/v always have biases; the window applies only with use_sliding_window, and then to
+    the layers `layer_types` names (older configs: layers from max_window_layers on)."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i >= int(cfg.get("max_window_layers", 28)) else "full_attention"
+        for i in range(layers)
+    ]
+    sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    return {"qkv_bias": True, **_window(window, sliding)}
+
+
+def _mistral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every layer attends within `sliding_window` when it is set."""
+    return _window(cfg.get("sliding_window"), range(int(cfg["num_hidden_layers"])))
+
+
+def _window(window: int | None, layers: Iterable[int]) -> dict[str, Any]:
+    chosen = tuple(layers)
+    if window is None or not chosen:
+        return {}
+    return {"sliding_window": int(window), "sliding_window_layers": chosen}
+
+
+# Per architecture: config.json -> the ModelConfig fields in which it differs from the defaults.
+ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "LlamaForCausalLM": _llama_fields,
+    "Qwen2ForCausalLM": _qwen2_fields,
+    "MistralForCausalLM": _mistral_fields,
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 def _id_set(value: Any) -> set[int]:
@@ -22,6 +62,20 @@ def _id_set(value: Any) -> set[int]:
     if isinstance(value, int):
         return {value}
     return {int(v) for v in value}
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling parameters or None) from either layout: transformers 5 writes one
+    `rope_parameters` dict holding rope_theta, older versions `rope_theta` + `rope_scaling`."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    theta = float(cfg.get("rope_theta") or params.pop("rope_theta", None) or 10000.0)
+    params.pop("rope_theta", None)  # when the top-level key won
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; have {ROPE_TYPES}")
+    return theta, None if kind == "default" else {"rope_type": kind, **params}
 
 
 @dataclass(frozen=True)
@@ -37,17 +91,25 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = None  # with "rope_type" in ROPE_TYPES; None = default
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     o_proj_bias: bool = False
     mlp_bias: bool = False
+    # Layers in sliding_window_layers attend to the last sliding_window positions (their own
+    # included); the others to all. None when no layer has a window.
+    sliding_window: int | None = None
+    sliding_window_layers: tuple[int, ...] = ()
     torch_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None if it attends to every earlier position."""
+        return self.sliding_window if layer in self.sliding_window_layers else None
 
     @classmethod
     def from_dict(
@@ -55,7 +117,7 @@ class ModelConfig:
     ) -> ModelConfig:
         """Build from config.json's dict; EOS ids are the union of both files' eos_token_id."""
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}; have {SUPPORTED_ARCHITECTURES}")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
@@ -63,6 +125,7 @@ class ModelConfig:
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         eos = _id_set(cfg.get("eos_token_id")) | _id_set((generation or {}).get("eos_token_id"))
+        rope_theta, rope_scaling = _rope(cfg)
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -72,18 +135,16 @@ class ModelConfig:
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(cfg.get("head_dim") or hidden // num_heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", False)),
-            o_proj_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            torch_dtype=cfg.get("torch_dtype"),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=cfg.get("bos_token_id"),
             architecture=arch,
             raw=dict(cfg),
+            **ARCHITECTURES[arch](cfg),
         )
 
     @classmethod

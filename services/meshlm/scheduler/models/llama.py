@@ -1,8 +1,9 @@
 """Llama-architecture causal LM in plain torch, with HF-compatible module and parameter names.
 
+Also serves Qwen2 and Mistral: the differences (biases, sliding window) are ModelConfig fields.
 Attention is delegated to an `AttentionBackend` passed into `forward`: the engine's backends
 read and write its KV cache; `forward_full` uses plain causal attention over the given tokens
-and serves as the cache-free reference.
+(within each layer's sliding window) and serves as the cache-free reference.
 """
 
 from __future__ import annotations
@@ -29,10 +30,21 @@ class AttentionBackend(Protocol):
 
 
 class CausalAttention:
-    """No cache: each row attends causally over its own T tokens."""
+    """No cache: each row attends causally over its own T tokens, within the layer's sliding
+    window when `config` gives it one."""
+
+    def __init__(self, config: ModelConfig | None = None) -> None:
+        self.config = config
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        window = self.config.window_of(layer) if self.config is not None else None
+        t = q.shape[2]
+        if window is None or window >= t:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        pos = torch.arange(t, device=q.device)
+        behind = pos[:, None] - pos[None, :]  # query row minus key column
+        mask = (behind >= 0) & (behind < window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class RMSNorm(nn.Module):
@@ -47,14 +59,21 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+def _rope_type(config: ModelConfig) -> str:
+    scaling = config.rope_scaling or {}
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
 def _inv_freq(config: ModelConfig, device: torch.device) -> Tensor:
+    """Inverse frequencies [D/2] of the config's RoPE; "dynamic" starts from the default ones
+    and is rescaled per call (`_dynamic_ntk`)."""
     dim = config.head_dim
     inv = 1.0 / (
         config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     )
     scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
+    kind = _rope_type(config)
+    if kind in ("default", "dynamic"):
         return inv
     if kind == "linear":
         return inv / float(scaling["factor"])
@@ -68,7 +87,20 @@ def _inv_freq(config: ModelConfig, device: torch.device) -> Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise NotImplementedError(f"rope_scaling type {kind!r}")
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+def _dynamic_ntk(config: ModelConfig, inv: Tensor, positions: Tensor) -> Tensor:
+    """HF "dynamic" NTK scaling: past max_position_embeddings, raise the RoPE base with the
+    longest sequence of the call (the largest position + 1); unchanged up to it. Computed on
+    the device, so no sync."""
+    factor = float((config.rope_scaling or {})["factor"])
+    original = config.max_position_embeddings
+    seq_len = (positions.max() + 1).float().clamp(min=original)
+    dim = config.head_dim
+    base = config.rope_theta * ((factor * seq_len / original) - (factor - 1)) ** (dim / (dim - 2))
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=inv.device) / dim
+    return torch.where(seq_len > original, 1.0 / base ** exponents, inv)
 
 
 class RotaryEmbedding(nn.Module):
@@ -77,12 +109,16 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        self.dynamic = _rope_type(config) == "dynamic"
         self._inv_freq: Tensor | None = None  # not a buffer: survives meta construction
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = _inv_freq(self.config, positions.device)
-        freqs = positions.float().unsqueeze(-1) * self._inv_freq  # [B, T, D/2]
+        inv = self._inv_freq
+        if self.dynamic:
+            inv = _dynamic_ntk(self.config, inv, positions)
+        freqs = positions.float().unsqueeze(-1) * inv  # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [B, 1, T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -163,7 +199,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """HF `LlamaForCausalLM` layout: `model.*` and `lm_head` (shared with the embedding if tied)."""
+    """HF `LlamaForCausalLM` layout (also Qwen2's and Mistral's): `model.*` and `lm_head`
+    (shared with the embedding if tied)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -189,4 +226,5 @@ class LlamaForCausalLM(nn.Module):
         """Cache-free reference: input_ids [B, T] -> float32 logits [B, T, V], causal attention."""
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        return self.compute_logits(self.forward(input_ids, positions, CausalAttention()))
+        attention = CausalAttention(self.config)
+        return self.compute_logits(self.forward(input_ids, positions, attention))

@@ -1,4 +1,8 @@
-"""Load an HF-layout model directory (config.json + *.safetensors) into `LlamaForCausalLM`."""
+"""Load an HF-layout model directory (config.json + *.safetensors) into `LlamaForCausalLM`.
+
+`load_format="dummy"` reads config.json only and fills the weights from a fixed seed (for
+benchmarks and tests without a checkpoint).
+"""
 
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ DTYPES: dict[str, torch.dtype] = {
 # Checkpoint tensors that are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # auto = safetensors
+DUMMY_SEED = 0
+
 
 def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
     """"auto" -> config.json's torch_dtype when it names a float type, else float32."""
@@ -32,20 +39,30 @@ def resolve_dtype(name: str, config: ModelConfig) -> torch.dtype:
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model on `device` in `dtype` and fill it from the directory's safetensors.
+    """Build the model on `device` in `dtype` and fill it from the directory's safetensors
+    ("auto", "safetensors") or with seeded random weights ("dummy": no safetensors read).
 
-    Raises ValueError on a missing, unexpected or misshapen tensor. `lm_head.weight` may be
-    absent when `tie_word_embeddings` is set (and is ignored if present).
+    Raises ValueError on an unknown load_format and on a missing, unexpected or misshapen
+    tensor. `lm_head.weight` may be absent when `tie_word_embeddings` is set (and is ignored
+    if present).
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; use one of {LOAD_FORMATS}")
     root = Path(path)
     config = ModelConfig.from_dir(root)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(dtype)
     model.to_empty(device=device)  # no random init of weights that are about to be replaced
     model.tie_weights()
-    load_weights(model, root)
+    if load_format == "dummy":
+        init_dummy_weights(model, DUMMY_SEED)
+    else:
+        load_weights(model, root)
     model.eval()
     model.requires_grad_(False)
     return model, config
@@ -80,3 +97,22 @@ def load_weights(model: LlamaForCausalLM, root: Path) -> None:
     if missing:
         more = "..." if len(missing) > 8 else ""
         raise ValueError(f"tensors missing from {root}: {missing[:8]}{more}")
+
+
+def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """HF-style random init, the same for the same seed on the same device: norm weights 1,
+    biases 0, every other tensor N(0, initializer_range) (config.json's, default 0.02)."""
+    std = float(model.config.raw.get("initializer_range", 0.02))
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                gen = generators.get(param.device)
+                if gen is None:
+                    gen = generators[param.device] = torch.Generator(device=param.device)
+                    gen.manual_seed(seed)
+                param.normal_(0.0, std, generator=gen)

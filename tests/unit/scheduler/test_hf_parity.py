@@ -1,0 +1,141 @@
+"""Parity with transformers: tiny random Llama, Qwen2 and Mistral checkpoints written by HF
+itself; our full forward against HF's logits, our batched engine against HF greedy generate."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from scheduler_helpers import greedy, run_all, tokens_of
+
+from meshlm.scheduler.engine.engine import Engine, EngineConfig
+from meshlm.scheduler.models.loader import load_model
+
+transformers = pytest.importorskip("transformers")
+# transformers 4 gives no reference past a sliding window or max_position_embeddings here: its
+# eager Qwen2 attention ignores the window, and (4.45) its Mistral ignores rope_scaling.
+HF5 = int(transformers.__version__.split(".")[0]) >= 5
+
+VOCAB = 256
+NEW_TOKENS = 16
+SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 96,
+    "initializer_range": 0.2,  # peaked logits: no near-ties for greedy to split on
+}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+
+
+@dataclass
+class Case:
+    config_class: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    lengths: tuple[int, ...] = (1, 9, 40, 80)  # forward_full parity
+    hf5_lengths: tuple[int, ...] = ()  # parity checked with transformers >= 5 only
+
+
+CASES = {
+    "llama-untied-llama3": Case("LlamaConfig", {"rope_scaling": LLAMA3}),
+    "llama-tied-biases": Case(
+        "LlamaConfig", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}
+    ),
+    "qwen2-untied": Case("Qwen2Config"),
+    "qwen2-tied-linear-window": Case(
+        "Qwen2Config",
+        {
+            "tie_word_embeddings": True,
+            "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            "use_sliding_window": True,
+            "sliding_window": 24,
+            "max_window_layers": 1,  # layer 0 full, layer 1 windowed
+        },
+        lengths=(1, 9, 24),
+        hf5_lengths=(40, 80),
+    ),
+    "mistral-window-dynamic": Case(
+        "MistralConfig",
+        {
+            "sliding_window": 24,
+            "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+            "head_dim": 16,  # transformers 4.57's dynamic RoPE fails on Mistral's head_dim None
+        },
+        lengths=(1, 9, 40, 95),
+        hf5_lengths=(120,),  # > max_position_embeddings: NTK rescaled
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def hf_checkpoint(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, Path, Case]:
+    """An HF model with random weights (biases and norms too) and its save_pretrained dir."""
+    case = CASES[request.param]
+    config = getattr(transformers, case.config_class)(
+        **SHAPE, **case.kwargs, bos_token_id=1, eos_token_id=2, pad_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    model.eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path, case
+
+
+def random_ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+@torch.inference_mode()
+def test_forward_full_matches_hf_logits(hf_checkpoint: tuple[Any, Path, Case]) -> None:
+    hf, path, case = hf_checkpoint
+    ours, config = load_model(path)
+    assert config.architecture == type(hf).__name__
+    assert config.tie_word_embeddings == bool(case.kwargs.get("tie_word_embeddings", False))
+    rng = random.Random(1)
+    for n in case.lengths + (case.hf5_lengths if HF5 else ()):
+        ids = torch.tensor([random_ids(rng, n), random_ids(rng, n)])
+        expected = hf(input_ids=ids, use_cache=False).logits.float()
+        torch.testing.assert_close(ours.forward_full(ids), expected, atol=1e-4, rtol=0, msg=str(n))
+
+
+def test_batched_engine_greedy_matches_hf_generate(hf_checkpoint: tuple[Any, Path, Case]) -> None:
+    hf, path, _ = hf_checkpoint
+    engine = Engine(EngineConfig(str(path), device="cpu", dtype="float32", max_running=8))
+    rng = random.Random(2)
+    longest = engine.max_model_len - NEW_TOKENS
+    prompts = [random_ids(rng, n) for n in (1, 2, 5, longest // 2, longest, longest)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, greedy(NEW_TOKENS))
+    outs = run_all(engine)
+    hf.generation_config.eos_token_id = None  # ignore_eos
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            out = hf.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0,
+            )
+        expected = out[0, len(prompt):].tolist()
+        assert len(expected) == NEW_TOKENS
+        assert tokens_of(outs[f"r{i}"]) == expected, (i, len(prompt))

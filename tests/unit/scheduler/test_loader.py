@@ -1,0 +1,70 @@
+"""load_format="dummy" (config.json only, seeded weights) and the engine's sliding-window cap."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import EngineFactory
+from scheduler_helpers import greedy, run_all, tokens_of, write_checkpoint
+
+from meshlm.scheduler.models.loader import load_model
+
+
+def config_only(src: Path, dst: Path, **changes: object) -> Path:
+    """A model dir holding src's config.json (with `changes`) and no weights."""
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dst
+
+
+def test_dummy_reads_no_safetensors_and_is_deterministic(gqa_model: Path, tmp_path: Path) -> None:
+    path = config_only(gqa_model, tmp_path / "m", architectures=["Qwen2ForCausalLM"])
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        load_model(path)
+    a, cfg = load_model(path, load_format="dummy")
+    b, _ = load_model(path, load_format="dummy")
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    attn = a.model.layers[0].self_attn
+    assert cfg.qkv_bias and torch.count_nonzero(attn.q_proj.bias) == 0
+    assert torch.equal(a.model.norm.weight, torch.ones(cfg.hidden_size))
+    assert 0.015 < float(attn.q_proj.weight.std()) < 0.025  # initializer_range default 0.02
+    assert torch.isfinite(a.forward_full(torch.tensor([[5, 6, 7]]))).all()
+
+
+def test_dummy_tied_and_bf16(mha_tied_model: Path, tmp_path: Path) -> None:
+    path = config_only(mha_tied_model, tmp_path / "m")
+    model, _ = load_model(path, dtype=torch.bfloat16, load_format="dummy")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_unknown_load_format(gqa_model: Path) -> None:
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(gqa_model, load_format="pt")
+
+
+def test_engine_serves_dummy_weights(
+    gqa_model: Path, tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    engine = make_engine(config_only(gqa_model, tmp_path / "m"), load_format="dummy")
+    engine.add_request("r", [5, 6, 7], greedy(4))
+    assert len(tokens_of(run_all(engine)["r"])) == 4
+
+
+def test_engine_caps_max_model_len_at_sliding_window(
+    tmp_path: Path, make_engine: EngineFactory
+) -> None:
+    window = {"architectures": ["MistralForCausalLM"], "sliding_window": 32}
+    path = write_checkpoint(tmp_path / "m", layers=1, extra_config=window)
+    assert make_engine(path).max_model_len == 32
+    assert make_engine(path, max_model_len=20).max_model_len == 20
+    with pytest.raises(ValueError, match="sliding_window"):
+        make_engine(path, max_model_len=64)
+    wide = {**window, "sliding_window": 999}
+    wide_path = write_checkpoint(tmp_path / "w", layers=1, extra_config=wide)
+    assert make_engine(wide_path).max_model_len == 256  # a window past max_position_embeddings

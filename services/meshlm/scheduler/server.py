@@ -266,7 +266,8 @@ async def serve(config: SchedulerConfig) -> None:
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, EngineConfig(
         model_path=model_path, device=config.device, dtype=config.dtype,
         load_format=config.load_format, max_running=config.max_running,
-        max_prefill_tokens=config.max_prefill_tokens, max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
+        max_prefill_tokens=config.max_prefill_tokens,
+        max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
     ))
     await asyncio.get_running_loop().run_in_executor(executor, _warm_up, engine)
     peers = MeshPeers(config)

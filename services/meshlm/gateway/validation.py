@@ -112,7 +112,10 @@ def normalize_sampling(
         if p.HasField(f):
             raise unimplemented(name(f), "constrained decoding is not supported yet")
 
-    return common_pb2.SamplingParams(
+    if p.HasField("seed") and not 0 <= p.seed < 2**63:
+        raise invalid(name("seed"), f"must be >= 0, got {p.seed}")
+
+    out = common_pb2.SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=-1 if top_k == 0 else top_k,
@@ -127,6 +130,9 @@ def normalize_sampling(
         ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )
+    if p.HasField("seed"):
+        out.seed = p.seed
+    return out
 
 
 def _check_stop(p: sglang_pb2.SamplingParams, prefix: str) -> None:

@@ -262,3 +262,10 @@ def test_tokenize_and_detokenize() -> None:
     validate_detokenize(pb.DetokenizeRequest(), LIMITS)
     err = _error(validate_detokenize, pb.DetokenizeRequest(tokens=[5, 100]), LIMITS)
     assert err.message.startswith("tokens[1]: ") and err.code == INVALID
+
+
+def test_seed_is_passed_through_only_when_given() -> None:
+    assert not normalize_sampling(pb.SamplingParams()).HasField("seed")
+    assert normalize_sampling(pb.SamplingParams(seed=42)).seed == 42
+    err = _error(normalize_sampling, pb.SamplingParams(seed=-1))
+    assert err.code == INVALID and err.message.startswith("sampling_params.seed")

@@ -59,6 +59,11 @@ class IncrementalDetokenizer(ABC):
         self._pending = ""  # produced, but held back: it could be the start of a stop string
         self._done = False
         self._matched_stop: str | None = None
+        self._setup()
+
+    @abstractmethod
+    def _setup(self) -> None:
+        """Per-implementation state, set up at the end of __init__."""
 
     @property
     def stopped(self) -> bool:
@@ -126,21 +131,9 @@ class IncrementalDetokenizer(ABC):
 class DecodeStreamDetokenizer(IncrementalDetokenizer):
     """Fast path: the Rust DecodeStream (for stream-safe decoders only; see make_detokenizer)."""
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        *,
-        skip_special_tokens: bool,
-        stop: Sequence[str] = (),
-        include_stop: bool = False,
-    ) -> None:
-        super().__init__(
-            tokenizer,
-            skip_special_tokens=skip_special_tokens,
-            stop=stop,
-            include_stop=include_stop,
-        )
-        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+    def _setup(self) -> None:
+        self._stream: DecodeStream | None = DecodeStream(
+            skip_special_tokens=self._skip_special_tokens)
         self._decoded_upto = 0  # ids before this index are all in the text produced
 
     def _decode_new(self, start: int) -> str:
@@ -180,24 +173,11 @@ class OffsetDetokenizer(IncrementalDetokenizer):
     invalid, so a run is final only once a non-byte token (or finish) ends it.
     """
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        *,
-        skip_special_tokens: bool,
-        stop: Sequence[str] = (),
-        include_stop: bool = False,
-    ) -> None:
-        super().__init__(
-            tokenizer,
-            skip_special_tokens=skip_special_tokens,
-            stop=stop,
-            include_stop=include_stop,
-        )
-        plan = _plan(tokenizer)
+    def _setup(self) -> None:
+        plan = _plan(self._tokenizer)
         self._byte_ids = plan.byte_ids
         # With skip_special_tokens the decoder never sees special tokens: they do not end a run.
-        self._transparent_ids = plan.special_ids if skip_special_tokens else frozenset()
+        self._transparent_ids = plan.special_ids if self._skip_special_tokens else frozenset()
         self._prefix_offset = 0  # window start: ids[prefix:read] decode to _prefix_text
         self._read_offset = 0  # ids before this index are all in the text produced
         self._prefix_text = ""

@@ -92,10 +92,11 @@ class GatewayAPI:
             await self.refresh_info()
         if self.info is None or not self.deps.ready:
             raise MeshError(grpc.StatusCode.UNAVAILABLE,
-                            f"not ready: waiting for {self._missing() or 'model info'}")
+                            f"not ready: waiting for {self.missing() or 'model info'}")
         return Limits(max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size)
 
-    def _missing(self) -> str:
+    def missing(self) -> str:
+        """The roles with no SERVING replica, for log lines and UNAVAILABLE messages."""
         missing = [role for role in ("tokenizer", "scheduler", "detokenizer")
                    if not self.deps.serving(role)]
         return ", ".join(f"a serving {role}" for role in missing)

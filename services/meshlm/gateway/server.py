@@ -105,7 +105,7 @@ async def serve(config: GatewayConfig) -> None:
             if api.info is not None and not identity.served_model_name:
                 identity.served_model_name = Path(api.info.model_path).name
         serving = ready and api.info is not None
-        log.info("ready" if serving else "not_ready", missing=api._missing())
+        log.info("ready" if serving else "not_ready", missing=api.missing())
         for server in (inbox, public):
             if server is not None:
                 await server.set_serving(serving)

@@ -19,7 +19,6 @@ from scheduler_helpers import (
 )
 
 from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
-from meshlm.scheduler.engine.model_runner import PAD_SLACK, _length_groups
 
 
 def prompts(n: int, seed: int, lo: int = 1, hi: int = 150, vocab: int = 512) -> list[list[int]]:
@@ -31,7 +30,7 @@ def prompts(n: int, seed: int, lo: int = 1, hi: int = 150, vocab: int = 512) -> 
 def test_greedy_matches_full_recompute_under_continuous_batching(
     model: str, make_engine: EngineFactory, request: pytest.FixtureRequest
 ) -> None:
-    engine = make_engine(request.getfixturevalue(model), max_running=6, max_prefill_tokens=200)
+    engine = make_engine(request.getfixturevalue(model), max_running=6, max_batched_tokens=64)
     ps = prompts(18, seed=1)
     rng = random.Random(2)
     lengths = {f"r{i}": rng.randint(1, 14) for i in range(len(ps))}
@@ -44,8 +43,8 @@ def test_greedy_matches_full_recompute_under_continuous_batching(
                 i, p = pending.pop(0)
                 engine.add_request(f"r{i}", p, greedy(lengths[f"r{i}"]))
         plan = engine.schedule()
-        if plan is not None and not plan.is_prefill:
-            batch_sizes.append(len(plan.seqs))
+        if plan is not None:
+            batch_sizes.append(sum(item.num_tokens == 1 for item in plan.items))
         result = engine.execute(plan) if plan else None
         for o in engine.postprocess(plan, result):
             outs.setdefault(o.rid, []).append(o)
@@ -148,10 +147,10 @@ def test_aborts_free_slots_once_and_emit_one_output(make_engine: EngineFactory) 
     assert len(outs["a"]) == 2 and outs["a"][-1].completion_tokens == 1
     stats = engine.stats()
     assert stats["free_slots"] == 1 and stats["aborted_total"] == 2 and stats["running"] == 1
-    plan = engine.schedule()  # d is admitted into a's slot
-    assert plan is not None and [s.rid for s in plan.seqs] == ["d"]
+    plan = engine.schedule()  # b decodes, d is admitted into a's row
+    assert plan is not None and [s.rid for s in plan.seqs] == ["b", "d"]
     result = engine.execute(plan)
-    assert engine.abort("b")  # between steps, not in this plan
+    assert engine.abort("b")  # after execute, before postprocess: no token for b
     collect(engine.postprocess(plan, result))
     assert outs["b"][-1].finish_reason == "abort"
     collect(run_all(engine)["d"])
@@ -206,16 +205,6 @@ def test_top_k_one_and_tiny_top_p_equal_greedy(gqa_engine: Engine) -> None:
     for i in range(len(ps)):
         assert tokens_of(outs[f"k{i}"]) == tokens_of(outs[f"g{i}"])
         assert tokens_of(outs[f"p{i}"]) == tokens_of(outs[f"g{i}"])
-
-
-def test_prefill_groups_bound_padding() -> None:
-    lens = [100, 3, 97, 50, 1, 52, 99, 2]
-    groups = _length_groups(lens)
-    assert sorted(i for g in groups for i in g) == list(range(len(lens)))
-    for g in groups:
-        real = sum(lens[i] for i in g)
-        assert len(g) * max(lens[i] for i in g) <= PAD_SLACK * real
-    assert [sorted(g) for g in groups] == [[0, 2, 3, 5, 6], [1, 7], [4]]
 
 
 def test_penalty_state_follows_the_slot(make_engine: EngineFactory) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 import torch
-from scheduler_helpers import greedy, run_all, tokens_of
+from scheduler_helpers import greedy, tokens_of
 
-from meshlm.scheduler.engine.engine import Engine, EngineConfig
+from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams, StepOutput
 from meshlm.scheduler.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -120,22 +120,96 @@ def test_forward_full_matches_hf_logits(hf_checkpoint: tuple[Any, Path, Case]) -
         torch.testing.assert_close(ours.forward_full(ids), expected, atol=1e-4, rtol=0, msg=str(n))
 
 
+def parity_prompts(rng: random.Random, longest: int) -> list[list[int]]:
+    """20+ prompts from 1 token to longer than a chunk; some share prefixes with others."""
+    lengths = [1, 2, 3, 5, 8, 13, 17, 24, 31, 33, 40, 47, 55, 64, longest - 1, longest]
+    prompts = [random_ids(rng, n) for n in lengths]
+    prompts.append(prompts[12] + random_ids(rng, 9))  # longer than its prefix's prompt
+    prompts.append(prompts[10][:37] + random_ids(rng, 11))
+    prompts.append(list(prompts[13]))  # the same prompt again
+    prompts.append(prompts[14][:29])
+    return prompts
+
+
 def test_batched_engine_greedy_matches_hf_generate(hf_checkpoint: tuple[Any, Path, Case]) -> None:
+    """Greedy tokens and logprobs of a concurrently submitted set, under continuous batching
+    with chunked prefill, prefix sharing and preemption (all checked to have happened), are
+    those of HF generate run on each prompt alone."""
     hf, path, _ = hf_checkpoint
-    engine = Engine(EngineConfig(str(path), device="cpu", dtype="float32", max_running=8))
+    engine = Engine(EngineConfig(
+        str(path), device="cpu", dtype="float32", max_running=8, max_batched_tokens=32,
+        block_size=4, num_kv_blocks=80,
+    ))
     rng = random.Random(2)
-    longest = engine.max_model_len - NEW_TOKENS
-    prompts = [random_ids(rng, n) for n in (1, 2, 5, longest // 2, longest, longest)]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy(NEW_TOKENS))
-    outs = run_all(engine)
+    prompts = parity_prompts(rng, engine.max_model_len - NEW_TOKENS)
+    assert len(prompts) >= 20 and max(map(len, prompts)) > 32
+
+    def params(i: int) -> SamplingParams:
+        # Every fourth asks for prompt logprobs (from position 0 or a little later).
+        start = (-1, 0, -1, 3)[i % 4] if len(prompts[i]) > 3 else -1
+        return greedy(NEW_TOKENS, return_logprob=True, top_logprobs_num=3,
+                      logprob_start_len=start)
+
+    outs: dict[str, list[StepOutput]] = {}
+    decode_batches: set[int] = set()
+    # Prefix owners first, their sharers a few steps later, when the prefixes are cached.
+    order = [10, 12, 13, 14, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 8, 9, 11, 15]
+    assert sorted(order) == list(range(len(prompts)))
+    arrivals = [(i, prompts[i]) for i in order]
+    while arrivals or engine.has_work():
+        for _ in range(3):  # staggered arrivals: a few join before each step
+            if arrivals:
+                i, prompt = arrivals.pop(0)
+                engine.add_request(f"r{i}", prompt, params(i))
+        plan = engine.schedule()
+        if plan is not None:
+            decode_batches.add(sum(item.num_tokens == 1 for item in plan.items))
+        result = engine.execute(plan) if plan is not None else None
+        for o in engine.postprocess(plan, result):
+            outs.setdefault(o.rid, []).append(o)
+    stats = engine.stats()
+    assert stats["preempted_total"] >= 1, stats
+    assert stats["chunked_prefills_total"] >= 1, stats
+    assert stats["cached_tokens_total"] > 0, stats
+    assert len(decode_batches) > 3, decode_batches  # the batch grew and shrank
+    assert stats["kv_blocks_used"] == 0 and stats["running"] == 0
+
     hf.generation_config.eos_token_id = None  # ignore_eos
     for i, prompt in enumerate(prompts):
         with torch.inference_mode():
             out = hf.generate(
                 torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True,
             )
-        expected = out[0, len(prompt):].tolist()
+            prompt_logp = hf(input_ids=torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        expected = out.sequences[0, len(prompt):].tolist()
         assert len(expected) == NEW_TOKENS
-        assert tokens_of(outs[f"r{i}"]) == expected, (i, len(prompt))
+        got = outs[f"r{i}"]
+        assert tokens_of(got) == expected, (i, len(prompt))
+        # Logprobs: the raw distribution's, for each chosen token and the top 3.
+        step_logp = torch.stack(out.logits)[:, 0].float().log_softmax(-1)  # [new, V]
+        ours = [lp for o in got for lp in o.output_logprobs]
+        chosen = step_logp.gather(1, torch.tensor(expected)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(ours), chosen, atol=1e-4, rtol=0)
+        tops = [t for o in got for t in o.output_top_logprobs]
+        assert [[tok for tok, _ in t] for t in tops] == step_logp.topk(3).indices.tolist()
+        torch.testing.assert_close(
+            torch.tensor([[lp for _, lp in t] for t in tops]), step_logp.topk(3).values,
+            atol=1e-4, rtol=0,
+        )
+        start = params(i).logprob_start_len
+        first = got[0]
+        if start < 0:
+            assert first.input_logprobs == []
+            continue
+        assert first.input_logprob_start == start
+        assert len(first.input_logprobs) == len(prompt) - start
+        expect_prompt = [prompt_logp[p - 1, prompt[p]].item() for p in range(max(start, 1),
+                                                                               len(prompt))]
+        if start == 0:
+            assert first.input_logprobs[0] is None
+        torch.testing.assert_close(
+            torch.tensor(first.input_logprobs[1 if start == 0 else 0 :]),
+            torch.tensor(expect_prompt), atol=1e-4, rtol=0,
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,7 +11,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from scheduler_helpers import write_checkpoint
 
-from meshlm.scheduler.engine.kv_cache import DecodeAttention, KVCache, PrefillAttention
+from meshlm.scheduler.engine.kv_cache import (
+    AttentionMeta,
+    ChunkSpan,
+    DecodeGroup,
+    KVCache,
+    PagedAttention,
+)
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.llama import LlamaForCausalLM, _inv_freq
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
@@ -107,34 +114,64 @@ def test_llama3_rope_scaling_is_identity_at_factor_one() -> None:
     assert inv[-1] < _inv_freq(plain, cpu)[-1]  # low frequencies stretched
 
 
-@pytest.mark.parametrize("slot_ids", [[6, 1], [1, 0]], ids=["gathered", "dense"])
+def _packed_step(model: LlamaForCausalLM, cache: KVCache, windows: list[int | None],
+                 items: list[tuple[list[int], list[int], int, int]]) -> torch.Tensor:
+    """One packed forward over (tokens, block table, start, n) items -> logits [T, V]."""
+    bs = cache.block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    decode_rows, decode_tables, decode_pos, chunks = [], [], [], []
+    for tokens, table, start, n in items:
+        a = len(ids)
+        ids += tokens[start : start + n]
+        pos += range(start, start + n)
+        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        if n == 1:
+            decode_rows.append(a)
+            decode_tables.append(table[: start // bs + 1])
+            decode_pos.append(start)
+        else:
+            chunks.append(ChunkSpan(a, len(ids), start, torch.tensor(table)))
+    decode = None
+    if decode_rows:
+        width = max(len(t) for t in decode_tables)
+        decode = DecodeGroup(torch.tensor(decode_rows),
+                             torch.tensor([t + [0] * (width - len(t)) for t in decode_tables]),
+                             torch.tensor(decode_pos))
+    meta = AttentionMeta(torch.tensor(slots), decode, chunks)
+    hidden = model(torch.tensor([ids]), torch.tensor([pos]), PagedAttention(cache, meta, windows))
+    return model.compute_logits(hidden[0])
+
+
+@pytest.mark.parametrize("window", [None, 6])
 @torch.inference_mode()
-def test_cached_prefill_and_decode_match_full_forward(gqa_model: Path, slot_ids: list[int]) -> None:
-    """Padded multi-row prefill + one-token decode steps against the cache == full recompute,
-    for sparse slots (gathered keys) and dense slots (a view of the cache)."""
+def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: int | None) -> None:
+    """Prompts computed in chunks (one from position 0, one after a cached context), mixed
+    with single-token decodes in one packed step, through scattered block tables ==
+    full recompute; also with a sliding window shorter than the sequences."""
     model, cfg = load_model(gqa_model)
-    cache = KVCache(cfg.num_layers, 8, cfg.num_kv_heads, 64, cfg.head_dim, torch.float32, "cpu")
-    prompts = [[5, 9, 13, 200, 7], [44, 3]]
-    slots = torch.tensor(slot_ids)
-    ids = torch.tensor([p + [0] * (5 - len(p)) for p in prompts])
-    hidden = model(ids, torch.arange(5).expand(2, 5), PrefillAttention(cache, slots))
-    logits = model.compute_logits(hidden)
-    for row, prompt in enumerate(prompts):
-        full = model.forward_full(torch.tensor([prompt]))[0]
-        assert torch.allclose(logits[row, : len(prompt)], full, atol=1e-4)
-    seqs = [list(p) for p in prompts]
-    for _ in range(4):
-        for s in seqs:
-            s.append(len(s) * 7 % 500)
-        positions = torch.tensor([len(s) - 1 for s in seqs])
-        attention = DecodeAttention(cache, slot_ids, slots, positions, int(positions.max()) + 1)
-        assert (attention.rows is None) == (max(slot_ids) >= 2 * len(slot_ids))
-        step = model.compute_logits(
-            model(torch.tensor([[s[-1]] for s in seqs]), positions[:, None], attention)
+    cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    windows = [window] * cfg.num_layers
+    if window is not None:  # the reference applies the same window
+        model.config = dataclasses.replace(
+            cfg, sliding_window=window, sliding_window_layers=tuple(range(cfg.num_layers))
         )
-        for row, s in enumerate(seqs):
-            full = model.forward_full(torch.tensor([s]))[0, -1]
-            assert torch.allclose(step[row, 0], full, atol=1e-4)
+    a = [5, 9, 13, 200, 7, 8, 100, 31, 77, 12, 3]
+    b = [44, 3, 18, 90, 91, 92, 17]
+    ta, tb = [9, 2, 14, 3], [0, 11, 5, 6]  # scattered blocks
+    logits = _packed_step(model, cache, windows, [(a, ta, 0, 5), (b, tb, 0, 1)])
+    logits = _packed_step(model, cache, windows, [(a, ta, 5, 6), (b, tb, 1, 6)])
+    full_a = model.forward_full(torch.tensor([a]))[0]
+    full_b = model.forward_full(torch.tensor([b]))[0]
+    assert torch.allclose(logits[:6], full_a[5:], atol=1e-4)
+    assert torch.allclose(logits[6:], full_b[1:], atol=1e-4)
+    for _ in range(3):  # decodes of both, packed together
+        a.append(len(a) * 7 % 500)
+        b.append(len(b) * 11 % 500)
+        step = _packed_step(model, cache, windows, [(a, ta, len(a) - 1, 1), (b, tb, len(b) - 1, 1)])
+        assert torch.allclose(step[0], model.forward_full(torch.tensor([a]))[0, -1], atol=1e-4)
+        assert torch.allclose(step[1], model.forward_full(torch.tensor([b]))[0, -1], atol=1e-4)
 
 
 def test_module_names_are_hf_names(gqa_model: Path) -> None:

@@ -15,11 +15,11 @@ V = 8
 def batch(
     params: list[SamplingParams],
     generated: list[int] | None = None,
-    gens: list[torch.Generator | None] | None = None,
+    seeds: list[int | None] | None = None,
     eos: tuple[int, ...] = (0,),
 ) -> SamplingBatch:
     n = len(params)
-    return SamplingBatch.build(params, generated or [0] * n, eos, gens or [None] * n, V, CPU)
+    return SamplingBatch.build(params, generated or [0] * n, eos, seeds or [None] * n, V, CPU)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch, **kw: torch.Tensor) -> list[int]:
@@ -92,20 +92,24 @@ def test_min_new_tokens_masks_eos_and_stop_ids() -> None:
     assert sample(logits, batch(params, generated=[1, 2, 0])) == [2, 0, 0]
 
 
-def test_seeded_rows_reproducible_whatever_the_batch() -> None:
+def test_seeded_rows_depend_on_seed_and_step_only() -> None:
     logits = torch.zeros(1, V)
 
     def draws(seed: int, rows: int, row: int) -> list[int]:
-        gens: list[torch.Generator | None] = [None] * rows
-        g = torch.Generator().manual_seed(seed)
-        gens[row] = g
-        b = batch([SamplingParams()] * rows, gens=gens)
-        return [sample(logits.repeat(rows, 1), b)[row] for _ in range(20)]
+        seeds: list[int | None] = [None] * rows
+        seeds[row] = seed
+        out = []
+        for step in range(20):  # the step-th token of the request
+            generated = [step] * rows
+            b = batch([SamplingParams()] * rows, generated=generated, seeds=seeds)
+            out.append(sample(logits.repeat(rows, 1), b)[row])
+        return out
 
     alone = draws(1234, 1, 0)
     assert draws(1234, 5, 3) == alone
     assert draws(1234, 9, 0) == alone
     assert draws(99, 1, 0) != alone
+    assert len(set(alone)) > 1  # the draw moves on with the step
 
 
 def test_mixed_batch_greedy_rows_untouched() -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from meshlm.common.logs import get_logger
+from meshlm.scheduler.engine.kv_cache import KVCache
 from meshlm.scheduler.engine.model_runner import ModelRunner
 from meshlm.scheduler.engine.policy import Scheduler
 from meshlm.scheduler.engine.sequence import ExecResult, Plan, SamplingParams, StepOutput
@@ -38,11 +39,20 @@ class EngineConfig:
     model_path: str
     device: str = "auto"  # "auto" = cuda if available else cpu
     dtype: str = "auto"  # auto = config.json torch_dtype, else float32
-    max_running: int = 64  # KV slots
-    max_prefill_tokens: int = 4096
-    max_model_len: int | None = None  # default: config max_position_embeddings (see Engine)
+    max_running: int = 64  # requests in the running batch
+    max_batched_tokens: int = 2048  # tokens per step (decodes + prompt chunks)
+    max_model_len: int | None = None  # default: config max_position_embeddings
     load_format: str = "auto"  # auto = the safetensors; dummy = seeded random weights
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int = 0  # 0 = from the memory budget below
+    kv_cache_bytes: int = 0  # KV budget; 0 = auto (CUDA: mem_fraction; CPU: see below)
+    mem_fraction: float = 0.85  # CUDA: share of device memory for weights + KV cache
+    enable_prefix_cache: bool = True
+
+
+# CPU, auto budget: room for max_running full-length sequences, but at most this much.
+CPU_KV_BYTES_CAP = 2 * 2**30
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,39 +75,62 @@ class Engine:
         self.dtype = str(dtype).removeprefix("torch.")
         self.model, _ = load_model(config.model_path, dev, dtype, config.load_format)
         mc = self.model_config
-        limit, why = mc.max_position_embeddings, "max_position_embeddings"
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            # The KV-cache attention applies no sliding window: serve only lengths it never cuts.
-            limit, why = mc.sliding_window, "sliding_window (not applied by the KV cache)"
-            if config.max_model_len is None:
-                log.warning(
-                    "max_model_len_capped_at_sliding_window", sliding_window=mc.sliding_window,
-                    max_position_embeddings=mc.max_position_embeddings,
-                )
-        self.max_model_len = config.max_model_len or limit
-        if self.max_model_len > limit:
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's {why} {limit}"
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}"
             )
         self.vocab_size = mc.vocab_size
         self.eos_token_ids: set[int] = set(mc.eos_token_ids)
+        block_bytes = KVCache.block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
+                                          mc.head_dim, dtype)
+        num_blocks = self._num_blocks(block_bytes, dev)
         self.scheduler = Scheduler(
             max_running=config.max_running,
             max_model_len=self.max_model_len,
-            max_prefill_tokens=config.max_prefill_tokens,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            max_batched_tokens=config.max_batched_tokens,
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
+            prefix_cache=config.enable_prefix_cache,
         )
         self.runner = ModelRunner(
-            self.model, config.max_running, self.max_model_len,
+            self.model, config.max_running, num_blocks, config.block_size,
             tuple(sorted(self.eos_token_ids)), dev,
         )
         log.info(
             "engine_ready", model_path=config.model_path, device=self.device, dtype=self.dtype,
             max_running=config.max_running, max_model_len=self.max_model_len,
-            kv_cache_gib=round(self.runner.kv.nbytes / 2**30, 3),
+            max_batched_tokens=config.max_batched_tokens, block_size=config.block_size,
+            kv_blocks=num_blocks, kv_cache_gib=round(self.runner.kv.nbytes / 2**30, 3),
             threads=torch.get_num_threads(),
         )
+
+    def _num_blocks(self, block_bytes: int, dev: torch.device) -> int:
+        """KV blocks from the configuration: a count, a byte budget, or (auto) a share of
+        CUDA memory / room for max_running full sequences on CPU (capped). At least one
+        full-length sequence must fit, or max_model_len is refused."""
+        cfg = self.config
+        per_seq = -(-self.max_model_len // cfg.block_size)
+        if cfg.num_kv_blocks:
+            blocks = cfg.num_kv_blocks
+        elif cfg.kv_cache_bytes:
+            blocks = cfg.kv_cache_bytes // block_bytes
+        elif dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            used_by_others = total - free
+            blocks = int(total * cfg.mem_fraction - used_by_others) // block_bytes
+        else:
+            blocks = min(cfg.max_running * per_seq, CPU_KV_BYTES_CAP // block_bytes)
+        if blocks < per_seq:
+            raise ValueError(
+                f"KV cache of {blocks} blocks x {cfg.block_size} tokens cannot hold one "
+                f"sequence of max_model_len {self.max_model_len}; give it more memory or "
+                "lower max_model_len"
+            )
+        return blocks
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue a request (loop thread). Raises ValueError if `rid` is still live. A request
@@ -130,15 +163,16 @@ class Engine:
         with "error"."""
         start = time.perf_counter()
         try:
-            tokens = self.runner.run(plan)
+            items = self.runner.run(plan)
         except Exception as e:  # noqa: BLE001 - one bad batch must not kill the service
-            log.exception("execute_failed", prefill=plan.is_prefill, seqs=len(plan.seqs))
+            log.exception("execute_failed", seqs=len(plan.items), tokens=plan.num_tokens)
             return ExecResult(error=f"{type(e).__name__}: {e}")
         log.debug(
-            "executed", prefill=plan.is_prefill, seqs=len(plan.seqs), tokens=plan.num_tokens,
+            "executed", seqs=len(plan.items), tokens=plan.num_tokens,
+            prefill_tokens=plan.num_prefill_tokens,
             ms=round((time.perf_counter() - start) * 1e3, 3),
         )
-        return ExecResult(token_ids=tokens)
+        return ExecResult(items=items)
 
     def postprocess(self, plan: Plan | None, result: ExecResult | None) -> list[StepOutput]:
         """Apply `result` (loop thread): append tokens, finish requests, free their slots, and
@@ -147,7 +181,7 @@ class Engine:
             return self.scheduler.postprocess(None, None)
         if result is None:
             return self.scheduler.postprocess(plan, None, "no result for the plan")
-        return self.scheduler.postprocess(plan, result.token_ids, result.error)
+        return self.scheduler.postprocess(plan, result.items, result.error)
 
     def step(self) -> list[StepOutput]:
         """schedule + execute + postprocess on the calling thread."""
@@ -155,7 +189,13 @@ class Engine:
         result = self.execute(plan) if plan is not None else None
         return self.postprocess(plan, result)
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while any request is live."""
+        return self.scheduler.reset_prefix_cache()
+
     def stats(self) -> dict[str, Any]:
-        """running, waiting, max_running, free_slots, finished_total (all ends), aborted_total,
-        generated_tokens_total, token_usage (fraction of KV slot-tokens in use)."""
+        """Load figures (running, waiting, ...), totals (finished, aborted, preempted,
+        generated, prompt and cached tokens, chunked prefills) and the KV cache's blocks
+        (kv_block_size, kv_blocks_total/used/cached, kv_tokens_used; token_usage is the
+        fraction of blocks in use)."""
         return self.scheduler.stats()

@@ -1,12 +1,19 @@
-"""Slot-based contiguous KV cache and the attention backends that read and write it.
+"""Paged KV cache and the attention backend that reads and writes it through block tables.
 
 Every layer's keys and values live in one preallocated tensor each,
-[num_layers, num_slots, num_kv_heads, max_model_len, head_dim]; a running sequence owns one
-slot and its token at position p is stored at [layer, slot, :, p]. Only the model runner
-touches these tensors.
+[num_layers, num_blocks, block_size, num_kv_heads, head_dim]. Token position p of a sequence
+is stored in block `table[p // block_size]` at offset `p % block_size` (its "slot" is
+`block * block_size + offset`). Only the model runner touches these tensors.
+
+A step's tokens are packed into one row (batch 1, T = all new tokens); `PagedAttention`
+splits them back: single-token items (decodes) attend together over their gathered blocks,
+longer items (prompt chunks) each attend over their new tokens, plus the cached context
+before them when there is one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,106 +21,149 @@ from torch import Tensor
 
 
 class KVCache:
-    """Preallocated K and V for `num_slots` sequences of up to `max_len` tokens."""
+    """Preallocated K and V for `num_blocks` blocks of `block_size` tokens."""
 
     def __init__(
         self,
         num_layers: int,
-        num_slots: int,
+        num_blocks: int,
+        block_size: int,
         num_kv_heads: int,
-        max_len: int,
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.max_len = max_len
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
         nbytes = 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         try:
-            # Zeros, not empty: masked-out positions are still multiplied by 0 in attention,
-            # and uninitialised memory may hold NaN.
+            # Zeros, not empty: padded positions are multiplied by 0 in attention, and
+            # uninitialised memory may hold NaN.
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
         except (RuntimeError, MemoryError) as e:
             raise MemoryError(
-                f"KV cache of {nbytes / 2**30:.1f} GiB {shape} does not fit; "
-                "lower max_running or max_model_len"
+                f"KV cache of {nbytes / 2**30:.2f} GiB {shape} does not fit; "
+                "lower the KV cache budget"
             ) from e
         self.nbytes = nbytes
 
+    @staticmethod
+    def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype) -> int:
+        """Bytes one block takes across all layers, K and V."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
-class PrefillAttention:
-    """Rows are whole sequences from position 0, right-padded to a common length T.
 
-    Writes each row's K/V into its slot at positions [0, T) (padding lands past the row's
-    length, where it is never read before being overwritten) and attends causally over the
-    new tokens, so the real tokens never see the padding.
+@dataclass
+class DecodeGroup:
+    """Single-token items: their rows in the packed batch, block tables and positions."""
+
+    rows: Tensor  # [B] long, indices into the packed tokens
+    tables: Tensor  # [B, max_blocks] long (padded with block 0)
+    positions: Tensor  # [B] long
+
+
+@dataclass
+class ChunkSpan:
+    """A multi-token item: packed rows [q_start, q_end) at positions [start, start + n)."""
+
+    q_start: int
+    q_end: int
+    start: int
+    table: Tensor  # [blocks covering start + n] long
+
+
+@dataclass
+class AttentionMeta:
+    slot_mapping: Tensor  # [T] long: cache slot of each packed token
+    decode: DecodeGroup | None
+    chunks: list[ChunkSpan]
+
+
+class PagedAttention:
+    """The engine's attention backend for one step (see the module docstring).
+
+    `windows[layer]` is that layer's sliding window (None = full attention): a query at
+    position p sees keys at positions (p - window, p].
     """
 
-    def __init__(self, cache: KVCache, slots: Tensor) -> None:
+    def __init__(self, cache: KVCache, meta: AttentionMeta, windows: list[int | None]) -> None:
         self.cache = cache
-        self.slots = slots
+        self.meta = meta
+        self.windows = windows
+        self._decode_bias: dict[int | None, Tensor] = {}
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        t = k.shape[2]
-        self.cache.k[layer, self.slots, :, :t] = k
-        self.cache.v[layer, self.slots, :, :t] = v
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [NB, bs, Hkv, D]
+        hkv, d = kc.shape[-2:]
+        slots = self.meta.slot_mapping
+        kc.view(-1, hkv, d).index_copy_(0, slots, k[0].transpose(0, 1))
+        vc.view(-1, hkv, d).index_copy_(0, slots, v[0].transpose(0, 1))
+        window = self.windows[layer]
+        out = torch.empty_like(q)
+        group = self.meta.decode
+        if group is not None:
+            keys, values = _gather(kc, group.tables), _gather(vc, group.tables)
+            qd = q[0].index_select(1, group.rows).transpose(0, 1)[:, :, None]  # [B, Hq, 1, D]
+            od = _decode_attention(qd, keys, values, self._bias(group, window, keys.shape[2]))
+            out[0].index_copy_(1, group.rows, od[:, :, 0].transpose(0, 1))
+        for span in self.meta.chunks:
+            a, b = span.q_start, span.q_end
+            n, end = b - a, span.start + b - a
+            qs = q[:, :, a:b]
+            if span.start == 0 and (window is None or window >= n):
+                o = F.scaled_dot_product_attention(
+                    qs, k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
+                )
+            else:
+                keys = _gather(kc, span.table[None])[:, :, :end]
+                values = _gather(vc, span.table[None])[:, :, :end]
+                pos = torch.arange(span.start, end, device=q.device)
+                mask = _visible(pos, end, window)
+                o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask,
+                                                   enable_gqa=True)
+            out[:, :, a:b] = o
+        return out
+
+    def _bias(self, group: DecodeGroup, window: int | None, length: int) -> Tensor:
+        bias = self._decode_bias.get(window)
+        if bias is None:
+            visible = _visible(group.positions, length, window)  # [B, L]
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+            bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+            self._decode_bias[window] = bias
+        return bias
 
 
-class DecodeAttention:
-    """One new token per row at `positions`; attends over the slot's positions [0, pos].
+def _gather(cache: Tensor, tables: Tensor) -> Tensor:
+    """Blocks [NB, bs, Hkv, D] read through tables [B, nb] -> [B, Hkv, nb * bs, D]."""
+    b, nb = tables.shape
+    blocks = cache.index_select(0, tables.reshape(-1))  # [B * nb, bs, Hkv, D]
+    return blocks.view(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
 
-    When the batch's slots fill most of [0, max slot] (the slot table hands out the lowest
-    free slot, so they usually do), attention runs on a view of those cache rows with the
-    queries scattered to their slots: no copy of the cached keys and values. Otherwise the
-    batch's rows are gathered. With one query per row, two batched matmuls over the grouped
-    query heads beat the fused SDPA kernels on CPU and are fine elsewhere.
-    """
 
-    def __init__(
-        self, cache: KVCache, slot_ids: list[int], slots: Tensor, positions: Tensor, max_len: int
-    ) -> None:
-        self.cache = cache
-        self.slots = slots
-        self.positions = positions
-        self.max_len = max_len  # 1 + the largest position in the batch
-        span = torch.arange(max_len, device=positions.device)
-        visible = span[None, :] <= positions[:, None]  # [B, L]
-        rows = max(slot_ids) + 1
-        self.rows = rows if rows <= 2 * len(slot_ids) else None
-        if self.rows is not None:
-            # Rows of free slots see position 0 only: finite, and discarded.
-            full = torch.zeros(rows, max_len, dtype=torch.bool, device=visible.device)
-            full[:, 0] = True
-            full[slots] = visible
-            visible = full
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-        self.bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]  # [R, 1, 1, L]
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        k_layer, v_layer = self.cache.k[layer], self.cache.v[layer]
-        k_layer[self.slots, :, self.positions] = k[:, :, 0]
-        v_layer[self.slots, :, self.positions] = v[:, :, 0]
-        if self.rows is None:
-            keys = k_layer[self.slots, :, : self.max_len]  # gathered, [B, Hkv, L, D]
-            values = v_layer[self.slots, :, : self.max_len]
-        else:
-            keys = k_layer[: self.rows, :, : self.max_len]  # a view, [R, Hkv, L, D]
-            values = v_layer[: self.rows, :, : self.max_len]
-            q = q.new_zeros((self.rows, *q.shape[1:])).index_copy_(0, self.slots, q)
-        out = _decode_attention(q, keys, values, self.bias)
-        return out if self.rows is None else out[self.slots]
+def _visible(positions: Tensor, length: int, window: int | None) -> Tensor:
+    """[len(positions), length] bool: key j is visible from a query at position p."""
+    keys = torch.arange(length, device=positions.device)[None, :]
+    p = positions[:, None]
+    visible = keys <= p
+    if window is not None:
+        visible &= keys > p - window
+    return visible
 
 
 def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-    """q [R, Hq, 1, D] over keys/values [R, Hkv, L, D] with an additive bias [R, 1, 1, L].
+    """q [B, Hq, 1, D] over keys/values [B, Hkv, L, D] with an additive bias [B, 1, 1, L].
 
-    Query head h uses KV head h // (Hq / Hkv), as in HF's repeat_kv.
+    Query head h uses KV head h // (Hq / Hkv), as in HF's repeat_kv. With one query per row,
+    two batched matmuls over the grouped heads beat the fused SDPA kernels on CPU.
     """
     r, hq, _, d = q.shape
     hkv = keys.shape[1]
-    grouped = q.reshape(r, hkv, hq // hkv, d)  # [R, Hkv, G, D]
+    grouped = q.reshape(r, hkv, hq // hkv, d)  # [B, Hkv, G, D]
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * d**-0.5 + bias
     weights = scores.softmax(dim=-1).to(values.dtype)
     return torch.matmul(weights, values).reshape(r, hq, 1, d)

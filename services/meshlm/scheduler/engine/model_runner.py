@@ -1,8 +1,8 @@
-"""ModelRunner: carries out a Plan on the device: one forward pass (per prefill group), sampling.
+"""ModelRunner: carries out a Plan on the device: one packed forward pass, sampling, logprobs.
 
-It owns everything indexed by KV slot: the KV cache, per-slot token statistics for the
-penalties, and per-slot generators for seeded requests. A prefill plan (re)initialises the
-slots it names; a decode plan continues them. Runs on the executor thread.
+It owns the paged KV cache and the per-row sampling state (tokens seen, for the repetition
+penalty; output token counts, for the frequency and presence penalties). Runs on the
+executor thread.
 """
 
 from __future__ import annotations
@@ -10,23 +10,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from meshlm.scheduler.engine.kv_cache import DecodeAttention, KVCache, PrefillAttention
+from meshlm.scheduler.engine.kv_cache import (
+    AttentionMeta,
+    ChunkSpan,
+    DecodeGroup,
+    KVCache,
+    PagedAttention,
+)
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
-from meshlm.scheduler.engine.sequence import Plan, Sequence
+from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, TopLogprobs
 from meshlm.scheduler.models.llama import LlamaForCausalLM
-
-# A prefill group may hold at most this many padded token positions per real token.
-PAD_SLACK = 1.3
 
 
 class ModelRunner:
-    """Forward + sample for the sequences of a plan; returns one token id per sequence."""
+    """Forward + sample for the items of a plan; one ItemResult per item."""
 
     def __init__(
         self,
         model: LlamaForCausalLM,
-        max_running: int,
-        max_model_len: int,
+        num_rows: int,
+        num_blocks: int,
+        block_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
     ) -> None:
@@ -35,115 +39,192 @@ class ModelRunner:
         self.device = device
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = eos_token_ids
+        self.block_size = block_size
         dtype = model.lm_head.weight.dtype
-        self.kv = KVCache(
-            cfg.num_layers, max_running, cfg.num_kv_heads, max_model_len, cfg.head_dim,
-            dtype, device,
-        )
+        self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
+                          cfg.head_dim, dtype, device)
+        self.windows = [cfg.window_of(layer) for layer in range(cfg.num_layers)]
         self.sampler = Sampler()
-        # Per slot: tokens seen in prompt + output (repetition penalty), output token counts
-        # (frequency / presence penalties), and the generator of a seeded request.
-        self.seen = torch.zeros(max_running, cfg.vocab_size, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(max_running, cfg.vocab_size, dtype=torch.int32, device=device)
-        self.generators: dict[int, torch.Generator] = {}
+        self.seen = torch.zeros(num_rows, cfg.vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(num_rows, cfg.vocab_size, dtype=torch.int32, device=device)
 
     @torch.inference_mode()
-    def run(self, plan: Plan) -> list[int]:
-        """Compute and sample the next token of each of `plan.seqs`, in order."""
-        seqs = plan.seqs
-        slot_ids = [_slot_of(s) for s in seqs]
-        slots = torch.tensor(slot_ids, dtype=torch.long, device=self.device)
-        if plan.is_prefill:
-            self._reset_slots(seqs, slot_ids, slots)
-            logits = self._prefill(seqs, slot_ids)
-        else:
-            logits = self._decode(seqs, slot_ids, slots)
-        tokens = self._sample(seqs, slot_ids, slots, logits)
-        self.seen[slots, tokens] = True
-        self.counts[slots, tokens] += 1  # slots are distinct within a plan
-        return tokens.tolist()
+    def run(self, plan: Plan) -> list[ItemResult]:
+        items = plan.items
+        input_ids, positions, meta = self._prepare(items)
+        attention = PagedAttention(self.kv, meta, self.windows)
+        hidden = self.model(input_ids[None], positions[None], attention)[0]  # [T, H]
+        results = [ItemResult() for _ in items]
+        self._reset_rows([item for item in items if item.reset_row])
+        # Rows whose logits are needed: each sampling item's last token, then prompt
+        # positions whose next token's logprob is asked for.
+        offsets = _offsets(items)
+        sampling = [i for i, item in enumerate(items) if item.sample]
+        sample_rows = [offsets[i] + items[i].num_tokens - 1 for i in sampling]
+        prompt_rows, prompt_targets = self._prompt_logprob_rows(items, offsets)
+        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if prompt_rows:
+            self._prompt_logprobs(items, logits[len(sample_rows):], prompt_targets, results)
+        if sampling:
+            self._sample(items, sampling, logits[: len(sample_rows)], results)
+        return results
 
-    def _prefill(self, seqs: list[Sequence], slot_ids: list[int]) -> Tensor:
-        logits = torch.empty(len(seqs), self.vocab_size, device=self.device)
-        for group in _length_groups([s.num_tokens for s in seqs]):
-            lens = [seqs[i].num_tokens for i in group]
-            width = max(lens)
-            ids = [seqs[i].token_ids + [0] * (width - n) for i, n in zip(group, lens, strict=True)]
-            input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-            positions = torch.arange(width, device=self.device).expand(len(group), width)
-            slots = torch.tensor([slot_ids[i] for i in group], device=self.device)
-            hidden = self.model(input_ids, positions, PrefillAttention(self.kv, slots))
-            last = torch.tensor([n - 1 for n in lens], device=self.device)
-            rows = torch.arange(len(group), device=self.device)
-            index = torch.tensor(group, device=self.device)
-            logits[index] = self.model.compute_logits(hidden[rows, last])
-        return logits
-
-    def _decode(self, seqs: list[Sequence], slot_ids: list[int], slots: Tensor) -> Tensor:
-        last = [s.token_ids[-1] for s in seqs]
-        pos = [s.num_tokens - 1 for s in seqs]
-        input_ids = torch.tensor(last, dtype=torch.long, device=self.device)[:, None]
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        attention = DecodeAttention(self.kv, slot_ids, slots, positions, max(pos) + 1)
-        hidden = self.model(input_ids, positions[:, None], attention)
-        return self.model.compute_logits(hidden[:, 0])
-
-    def _reset_slots(self, seqs: list[Sequence], slot_ids: list[int], slots: Tensor) -> None:
-        """A prefilled slot starts over: its stats from the sequence's tokens, a new seed."""
-        self.seen[slots] = False
-        self.counts[slots] = 0
-        rows = [i for i, s in enumerate(seqs) for _ in range(s.num_tokens)]
-        ids = [t for s in seqs for t in s.token_ids]
-        self.seen[slots[rows], torch.tensor(ids, device=self.device)] = True
-        out_rows = [i for i, s in enumerate(seqs) for _ in range(s.num_completion_tokens)]
-        if out_rows:  # a sequence prefilled again after preemption carries its output
-            out_ids = torch.tensor([t for s in seqs for t in s.completion_ids], device=self.device)
-            self.counts.index_put_(
-                (slots[out_rows], out_ids), torch.ones_like(out_ids, dtype=torch.int32),
-                accumulate=True,
-            )
-        for seq, slot in zip(seqs, slot_ids, strict=True):
-            seed = seq.params.seed
-            if seed is None:
-                self.generators.pop(slot, None)
+    def _prepare(self, items: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMeta]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_pos: list[int] = []
+        chunks: list[ChunkSpan] = []
+        for item in items:
+            seq, a = item.seq, len(ids)
+            blocks = seq.table.blocks
+            ids += seq.token_ids[item.start : item.end]
+            span = range(item.start, item.end)
+            pos += span
+            slots += [blocks[p // bs] * bs + p % bs for p in span]
+            if item.num_tokens == 1:
+                decode_rows.append(a)
+                decode_tables.append(blocks[: item.start // bs + 1])
+                decode_pos.append(item.start)
             else:
-                gen = torch.Generator(device=self.device)
-                gen.manual_seed(seed)
-                self.generators[slot] = gen
+                used = blocks[: -(-item.end // bs)]
+                table = torch.tensor(used, dtype=torch.long, device=self.device)
+                chunks.append(ChunkSpan(a, len(ids), item.start, table))
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
+            decode = DecodeGroup(
+                rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
+                tables=torch.tensor(padded, dtype=torch.long, device=self.device),
+                positions=torch.tensor(decode_pos, dtype=torch.long, device=self.device),
+            )
+        meta = AttentionMeta(
+            torch.tensor(slots, dtype=torch.long, device=self.device), decode, chunks
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        return input_ids, positions, meta
 
-    def _sample(
-        self, seqs: list[Sequence], slot_ids: list[int], slots: Tensor, logits: Tensor
-    ) -> Tensor:
+    @staticmethod
+    def _prompt_logprob_rows(
+        items: list[ScheduledSeq], offsets: list[int]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Packed rows whose logits give prompt logprobs, and (item index, target token) per
+        row: position p's logits score the prompt token at p + 1."""
+        rows: list[int] = []
+        targets: list[tuple[int, int]] = []
+        for i, item in enumerate(items):
+            seq = item.seq
+            first = seq.input_logprob_start
+            if first is None or not seq.wants_prompt_logprobs:
+                continue
+            for p in range(max(item.start, first - 1), min(item.end, seq.num_prompt_tokens - 1)):
+                rows.append(offsets[i] + p - item.start)
+                targets.append((i, seq.token_ids[p + 1]))
+        return rows, targets
+
+    def _prompt_logprobs(
+        self, items: list[ScheduledSeq], logits: Tensor, targets: list[tuple[int, int]],
+        results: list[ItemResult],
+    ) -> None:
+        for i, item in enumerate(items):  # position 0 has no logprob
+            if item.start == 0 and item.seq.input_logprob_start == 0 and (
+                item.seq.wants_prompt_logprobs
+            ):
+                results[i].input_logprobs.append(None)
+                if item.seq.params.top_logprobs_num:
+                    results[i].input_top_logprobs.append([])
+        tokens = [t for _, t in targets]
+        chosen, tops = _logprobs(logits, tokens, max(
+            (items[i].seq.params.top_logprobs_num for i, _ in targets), default=0
+        ))
+        for row, (i, _) in enumerate(targets):
+            results[i].input_logprobs.append(chosen[row])
+            k = items[i].seq.params.top_logprobs_num
+            if k:
+                results[i].input_top_logprobs.append(tops[row][:k])
+
+    def _sample(self, items: list[ScheduledSeq], sampling: list[int], logits: Tensor,
+                results: list[ItemResult]) -> None:
+        chosen = [items[i] for i in sampling]
+        seqs = [item.seq for item in chosen]
+        rows = torch.tensor([_row_of(item) for item in chosen], dtype=torch.long,
+                            device=self.device)
         batch = SamplingBatch.build(
             [s.params for s in seqs],
             [s.num_completion_tokens for s in seqs],
             self.eos_token_ids,
-            [self.generators.get(slot) for slot in slot_ids],
+            [s.params.seed for s in seqs],
             self.vocab_size,
             self.device,
         )
-        seen = self.seen[slots] if batch.repetition is not None else None
-        counts = self.counts[slots] if batch.needs_counts else None
-        return self.sampler.sample(logits, batch, seen, counts)
+        raw = logits.clone() if any(s.params.return_logprob for s in seqs) else None
+        seen = self.seen[rows] if batch.repetition is not None else None
+        counts = self.counts[rows] if batch.needs_counts else None
+        tokens = self.sampler.sample(logits, batch, seen, counts)
+        self.seen[rows, tokens] = True
+        self.counts[rows, tokens] += 1  # rows are distinct within a plan
+        token_list = tokens.tolist()
+        for i, token in zip(sampling, token_list, strict=True):
+            results[i].token = token
+        if raw is not None:
+            k = max(s.params.top_logprobs_num for s in seqs)
+            lp, tops = _logprobs(raw, token_list, k)
+            for j, (i, seq) in enumerate(zip(sampling, seqs, strict=True)):
+                if seq.params.return_logprob:
+                    results[i].logprob = lp[j]
+                    if seq.params.top_logprobs_num:
+                        results[i].top_logprobs = tops[j][: seq.params.top_logprobs_num]
+
+    def _reset_rows(self, items: list[ScheduledSeq]) -> None:
+        """A newly admitted sequence's row starts over from its tokens."""
+        if not items:
+            return
+        rows = torch.tensor([_row_of(item) for item in items], dtype=torch.long,
+                            device=self.device)
+        self.seen[rows] = False
+        self.counts[rows] = 0
+        seqs = [item.seq for item in items]
+        index = [i for i, s in enumerate(seqs) for _ in range(s.num_tokens)]
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)
+        self.seen[rows[index], ids] = True
+        out_index = [i for i, s in enumerate(seqs) for _ in range(s.num_completion_tokens)]
+        if out_index:  # a sequence readmitted after preemption carries its output
+            out_ids = torch.tensor([t for s in seqs for t in s.completion_ids],
+                                   device=self.device)
+            self.counts.index_put_(
+                (rows[out_index], out_ids), torch.ones_like(out_ids, dtype=torch.int32),
+                accumulate=True,
+            )
 
 
-def _slot_of(seq: Sequence) -> int:
-    if seq.slot is None:
-        raise RuntimeError(f"request {seq.rid!r} has no KV slot")
-    return seq.slot
+def _logprobs(logits: Tensor, tokens: list[int], k: int) -> tuple[list[float], list[TopLogprobs]]:
+    """log_softmax of each row: the logprob of its token, and its top k (token, logprob)."""
+    logp = logits.float().log_softmax(dim=-1)
+    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
+    chosen = logp.gather(1, index)[:, 0].tolist()
+    if not k:
+        return chosen, [[] for _ in tokens]
+    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    tops = [list(zip(r_ids, r_vals, strict=True))
+            for r_ids, r_vals in zip(ids.tolist(), values.tolist(), strict=True)]
+    return chosen, tops
 
 
-def _length_groups(lens: list[int]) -> list[list[int]]:
-    """Split sequence indices into groups of similar length (longest first) so that right
-    padding to each group's longest wastes at most PAD_SLACK - 1 of the real tokens."""
-    order = sorted(range(len(lens)), key=lambda i: -lens[i])
-    groups: list[list[int]] = []
-    total = 0
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lens[groups[-1][0]] <= PAD_SLACK * (total + lens[i]):
-            groups[-1].append(i)
-            total += lens[i]
-        else:
-            groups.append([i])
-            total = lens[i]
-    return groups
+def _offsets(items: list[ScheduledSeq]) -> list[int]:
+    offsets, total = [], 0
+    for item in items:
+        offsets.append(total)
+        total += item.num_tokens
+    return offsets
+
+
+def _row_of(item: ScheduledSeq) -> int:
+    if item.seq.row is None:
+        raise RuntimeError(f"request {item.seq.rid!r} has no sampling row")
+    return item.seq.row

@@ -1,7 +1,7 @@
-"""Scheduler: the engine's policy. Queues, KV slots, prefill budget, finish rules, aborts.
+"""Scheduler: the engine's policy. Queues, token budget, KV blocks, preemption, finish rules.
 
 No torch here: `schedule()` returns a `Plan` that the model runner carries out, and
-`postprocess()` takes the sampled token ids back. All methods run on one thread (the event
+`postprocess()` takes what it produced back. All methods run on one thread (the event
 loop's); the runner may execute a plan concurrently, reading only that plan's sequences.
 """
 
@@ -11,9 +11,12 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from meshlm.scheduler.engine.block_manager import BlockManager
 from meshlm.scheduler.engine.sequence import (
+    ItemResult,
     Plan,
     SamplingParams,
+    ScheduledSeq,
     Sequence,
     SequenceStatus,
     StepOutput,
@@ -22,39 +25,55 @@ from meshlm.scheduler.engine.slot_table import SlotTable
 
 
 class Scheduler:
-    """Continuous batching over a fixed number of KV slots.
+    """Continuous batching with chunked prefill over a paged KV cache.
 
-    Each step is either a prefill of newly admitted sequences (FIFO, while a slot is free and
-    the step's prompt tokens fit `max_prefill_tokens`; the first always fits) or one decode
-    step of every running sequence. Prefill goes first, except that after
-    `max_consecutive_prefills` prefills in a row a decode step is due if anything is running.
+    Every step spends at most `max_batched_tokens` tokens: first one decode token for each
+    running sequence that has finished its prompt (oldest first), then the next chunk of each
+    running sequence still prefilling, then new sequences from the waiting queue (FIFO),
+    each taking what is left of the budget as its first chunk. A waiting sequence is admitted
+    only when blocks for its whole prompt are free (after reusing its cached prefix) with
+    `watermark_blocks` to spare, and fewer than `max_running` run. When a decode needs a new
+    block and none is free, the newest running sequence is preempted: its blocks are freed
+    and it goes back to the front of the queue, to be recomputed (its prefix likely cached).
     """
 
     def __init__(
         self,
         max_running: int,
         max_model_len: int,
-        max_prefill_tokens: int = 4096,
+        num_blocks: int,
+        block_size: int = 16,
+        max_batched_tokens: int = 2048,
         eos_token_ids: Iterable[int] = (),
         vocab_size: int | None = None,
-        max_consecutive_prefills: int = 1,
+        watermark_blocks: int | None = None,
+        prefix_cache: bool = True,
     ) -> None:
+        if max_batched_tokens < 1:
+            raise ValueError("max_batched_tokens must be >= 1")
         self.max_running = max_running
         self.max_model_len = max_model_len
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_batched_tokens = max_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
-        self.max_consecutive_prefills = max_consecutive_prefills
-        self.slots = SlotTable(max_running)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.prefix_cache = prefix_cache
+        if watermark_blocks is None:
+            watermark_blocks = num_blocks // 100
+        self.watermark_blocks = watermark_blocks
+        self.rows = SlotTable(max_running)
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in admission order
         self._live: dict[str, Sequence] = {}  # waiting + running, by rid
         self._aborting: list[Sequence] = []  # running, abort asked, not yet released
         self._pending: list[StepOutput] = []  # outputs for the next postprocess
-        self._prefill_streak = 0
         self.finished_total = 0
         self.aborted_total = 0
+        self.preempted_total = 0
         self.generated_tokens_total = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.chunked_prefills_total = 0  # prompt chunks that did not finish their prompt
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -68,10 +87,10 @@ class Scheduler:
         problem = self._problem(seq)
         if problem is not None:
             self._finish(seq, "error")
-            self._pending.append(self._output(seq, [], error=problem))
+            self._pending.append(self._output(seq, error=problem))
         elif params.max_new_tokens == 0:
             self._finish(seq, "length")
-            self._pending.append(self._output(seq, []))
+            self._pending.append(self._output(seq))
         else:
             self._live[rid] = seq
             self.waiting.append(seq)
@@ -90,14 +109,15 @@ class Scheduler:
 
     def abort(self, rid: str) -> bool:
         """End a live request; True if found. Waiting: removed now. Running: marked, and
-        released (slot freed) by the next postprocess. Either way one "abort" output follows."""
+        released (blocks freed) before the next step is planned. Either way one "abort"
+        output follows."""
         seq = self._live.get(rid)
         if seq is None or seq.aborted:
             return False
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
             self._finish(seq, "abort")
-            self._pending.append(self._output(seq, []))
+            self._pending.append(self._output(seq))
         else:
             seq.aborted = True
             self._aborting.append(seq)
@@ -110,57 +130,170 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._pending)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while any request is live."""
+        if self._live:
+            return False
+        return self.blocks.reset_prefix_cache()
+
     # -- steps ------------------------------------------------------------------------------
 
     def schedule(self) -> Plan | None:
         """Pick the next step's work, or None when there is nothing to run."""
-        decodable = [s for s in self.running if not s.aborted]
-        prefill_due = not decodable or self._prefill_streak < self.max_consecutive_prefills
-        if self.waiting and self.slots.can_allocate() and prefill_due:
-            self._prefill_streak += 1
-            return Plan(True, self._admit())
-        self._prefill_streak = 0
-        return Plan(False, decodable) if decodable else None
-
-    def _admit(self) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and self.slots.can_allocate():
+        self._release_aborted()
+        budget = self.max_batched_tokens
+        items: list[ScheduledSeq] = []
+        scheduled: set[int] = set()
+        preempted = False
+        # 1. Decodes, oldest first; a decode that needs a block may preempt the newest.
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or not self._decoding(seq):
+                continue
+            while not self.blocks.can_grow(seq.table, seq.num_tokens):
+                victim = next(
+                    (s for s in reversed(self.running) if id(s) not in scheduled and s is not seq),
+                    None,
+                )
+                self._preempt(victim or seq)
+                preempted = True
+                if victim is None:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self.blocks.grow(seq.table, seq.num_tokens)
+            items.append(self._item(seq, 1))
+            scheduled.add(id(seq))
+            budget -= 1
+        # 2. Prompts already admitted: their next chunk (their blocks are all allocated).
+        for seq in self.running:
+            if budget == 0:
+                break
+            if id(seq) in scheduled or self._decoding(seq):
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            items.append(self._item(seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+        # 3. Admissions, FIFO, while blocks, rows and budget last (none after a preemption).
+        while self.waiting and budget > 0 and not preempted and self.rows.can_allocate():
             seq = self.waiting[0]
-            if admitted and seq.num_tokens > budget:
+            if not self._try_allocate(seq):
                 break
             self.waiting.popleft()
-            seq.slot = self.slots.allocate()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
-            budget -= seq.num_tokens
-        return admitted
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            items.append(self._item(seq, n))
+            budget -= n
+        return Plan(items) if items else None
 
-    def postprocess(
-        self, plan: Plan | None, token_ids: list[int] | None, error: str | None = None
-    ) -> list[StepOutput]:
-        """Take a step's sampled tokens (one per plan sequence, or an error for all of them),
-        finish what is done, release aborted sequences, and return every output due."""
-        outputs, self._pending = self._pending, []
-        if plan is not None:
-            if token_ids is None or error is not None:
-                for seq in plan.seqs:
-                    if seq.status is SequenceStatus.RUNNING and not seq.aborted:
-                        self._finish(seq, "error")
-                        outputs.append(self._output(seq, [], error=error or "no result"))
-            else:
-                for seq, token in zip(plan.seqs, token_ids, strict=True):
-                    if seq.status is SequenceStatus.RUNNING and not seq.aborted:
-                        outputs.append(self._append(seq, token))
+    @staticmethod
+    def _decoding(seq: Sequence) -> bool:
+        """Past its prompt: one token to compute, the one it sampled last."""
+        n = seq.num_computed_tokens
+        return n == seq.num_tokens - 1 and n >= seq.num_prompt_tokens
+
+    def _item(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        item = ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens,
+                            reset_row=seq.row_fresh)
+        seq.row_fresh = False
+        return item
+
+    def _try_allocate(self, seq: Sequence) -> bool:
+        """Admit `seq` if its prompt's blocks (minus the cached prefix) are free."""
+        bm = self.blocks
+        # At least the last token is computed, for its logits; prompt logprobs need the
+        # positions from one before logprob_start_len.
+        limit = seq.num_tokens - 1
+        start = seq.input_logprob_start
+        if start is not None and seq.wants_prompt_logprobs:
+            limit = min(limit, max(start - 1, 0))
+        reused, hashes = bm.match_prefix(seq.token_ids, limit if self.prefix_cache else 0)
+        need = bm.blocks_for(seq.num_tokens) - len(reused)
+        if not bm.can_allocate(need + self.watermark_blocks, reused):
+            if self.running or not bm.can_allocate(need, reused):
+                return False  # alone, it may use the watermark too
+        bm.allocate(seq.table, reused, hashes, seq.num_tokens)
+        cached = len(reused) * bm.block_size
+        seq.num_computed_tokens = cached
+        if not seq.admitted_once:
+            seq.num_cached_tokens = cached
+            self.prompt_tokens_total += seq.num_prompt_tokens
+            self.cached_tokens_total += cached
+        seq.admitted_once = True
+        seq.row = self.rows.allocate()
+        seq.row_fresh = True
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks and row and put it first in line, to be recomputed."""
+        self._release(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        if not seq.first_output_sent:  # its prompt logprobs are gathered again
+            seq.input_logprobs, seq.input_top_logprobs = [], []
+        seq.num_preemptions += 1
+        self.preempted_total += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.table)
+        if seq.row is not None:
+            self.rows.free(seq.row)
+            seq.row = None
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+
+    def _release_aborted(self) -> None:
         for seq in self._aborting:
             if seq.status is SequenceStatus.RUNNING:
                 self._finish(seq, "abort")
-                outputs.append(self._output(seq, []))
+                self._pending.append(self._output(seq))
         self._aborting.clear()
+
+    def postprocess(
+        self, plan: Plan | None, results: list[ItemResult] | None, error: str | None = None
+    ) -> list[StepOutput]:
+        """Take a step's results (one per plan item, or an error for all of them), advance
+        and finish sequences, release aborted ones, and return every output due."""
+        if plan is not None:
+            if results is None or error is not None:
+                for item in plan.items:
+                    seq = item.seq
+                    if seq.status is SequenceStatus.RUNNING and not seq.aborted:
+                        self._finish(seq, "error")
+                        self._pending.append(self._output(seq, error=error or "no result"))
+            else:
+                for item, result in zip(plan.items, results, strict=True):
+                    self._advance(item, result)
+        self._release_aborted()
+        outputs, self._pending = self._pending, []
         return outputs
 
-    def _append(self, seq: Sequence, token: int) -> StepOutput:
+    def _advance(self, item: ScheduledSeq, result: ItemResult) -> None:
+        seq = item.seq
+        if seq.status is not SequenceStatus.RUNNING or seq.aborted:
+            return
+        seq.num_computed_tokens = item.end
+        if self.prefix_cache:
+            self.blocks.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
+        if seq.wants_prompt_logprobs:
+            seq.input_logprobs += result.input_logprobs
+            seq.input_top_logprobs += result.input_top_logprobs
+        if not item.sample:
+            if item.start < seq.num_prompt_tokens:
+                self.chunked_prefills_total += 1
+            return
+        if result.token is None:
+            raise RuntimeError(f"no token sampled for {seq.rid!r}")
+        self._pending.append(self._append(seq, result))
+
+    def _append(self, seq: Sequence, result: ItemResult) -> StepOutput:
+        token = result.token
+        assert token is not None
         seq.token_ids.append(token)
         self.generated_tokens_total += 1
         p = seq.params
@@ -172,15 +305,11 @@ class Scheduler:
             self._finish(seq, "stop", token)
         elif seq.num_completion_tokens >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
-        return self._output(seq, [token])
+        return self._output(seq, [token], result)
 
     def _finish(self, seq: Sequence, reason: str, matched: int | None = None) -> None:
-        """The one place a sequence ends: frees its slot (once) and forgets it."""
-        if seq.slot is not None:
-            self.slots.free(seq.slot)
-            seq.slot = None
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+        """The one place a sequence ends: frees its blocks and row (once) and forgets it."""
+        self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.matched_token = reason, matched
         self._live.pop(seq.rid, None)
@@ -189,30 +318,58 @@ class Scheduler:
             self.aborted_total += 1
 
     @staticmethod
-    def _output(seq: Sequence, new: list[int], error: str | None = None) -> StepOutput:
+    def _output(
+        seq: Sequence, new: list[int] | None = None, result: ItemResult | None = None,
+        error: str | None = None,
+    ) -> StepOutput:
         finished = seq.status is SequenceStatus.FINISHED
-        return StepOutput(
+        out = StepOutput(
             rid=seq.rid,
-            new_token_ids=new,
+            new_token_ids=new or [],
             finished=finished,
             finish_reason=seq.finish_reason if finished else None,
             matched_token=seq.matched_token,
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_completion_tokens,
-            cached_tokens=0,
+            cached_tokens=seq.num_cached_tokens,
             error=error,
         )
+        if seq.params.return_logprob:
+            if result is not None and result.logprob is not None:
+                out.output_logprobs = [result.logprob]
+                if seq.params.top_logprobs_num:
+                    out.output_top_logprobs = [result.top_logprobs or []]
+            start = seq.input_logprob_start
+            if not seq.first_output_sent and start is not None:
+                out.input_logprob_start = start
+                out.input_logprobs, out.input_top_logprobs = (
+                    seq.input_logprobs, seq.input_top_logprobs
+                )
+        seq.first_output_sent = True
+        return out
 
     def stats(self) -> dict[str, Any]:
-        """Load figures; `finished_total` counts every end (aborts and errors included)."""
-        capacity = self.max_running * self.max_model_len
+        """Load and cache figures; `finished_total` counts every end (aborts and errors)."""
+        bm = self.blocks
+        # Shared blocks are full; only each sequence's last block has unused slots.
+        waste = sum(len(s.table.blocks) * bm.block_size - s.num_tokens for s in self.running)
+        used = bm.num_used
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
             "max_running": self.max_running,
-            "free_slots": self.slots.num_free,
+            "free_slots": self.rows.num_free,
             "finished_total": self.finished_total,
             "aborted_total": self.aborted_total,
+            "preempted_total": self.preempted_total,
             "generated_tokens_total": self.generated_tokens_total,
-            "token_usage": sum(s.num_tokens for s in self.running) / capacity,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_tokens_total": self.cached_tokens_total,
+            "chunked_prefills_total": self.chunked_prefills_total,
+            "kv_block_size": bm.block_size,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": used,
+            "kv_blocks_cached": bm.num_cached,
+            "kv_tokens_used": used * bm.block_size - max(waste, 0),
+            "token_usage": used / bm.num_blocks,
         }

@@ -2,8 +2,9 @@
 
 Order, as in vLLM: min_new_tokens masking, repetition / frequency / presence penalties,
 greedy argmax (temperature 0), then temperature, top-k, top-p (over what top-k left), min-p
-and a draw. The draw inverts each row's CDF at one uniform number; seeded rows take theirs
-from their own torch.Generator, so their tokens depend only on the seed and the logits.
+and a draw. The draw inverts each row's CDF at one uniform number; a seeded row takes its
+number from a generator seeded with (seed, tokens generated so far), so its tokens depend
+only on the seed and the logits: not on the batch, nor on a preemption and recompute.
 Top-k/top-p use `topk` over a few candidates and sort the whole vocabulary only when a
 nucleus is wider than the candidates (a full sort is slow on CPU).
 """
@@ -47,7 +48,7 @@ class SamplingBatch:
         params: list[SamplingParams],
         num_generated: list[int],
         eos_token_ids: tuple[int, ...],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
         vocab_size: int,
         device: torch.device,
     ) -> SamplingBatch:
@@ -95,8 +96,18 @@ class SamplingBatch:
                 if ban_rows
                 else None
             ),
-            generators=[None if g else gen for gen, g in zip(generators, greedy, strict=True)],
+            generators=[
+                None if g or seed is None else _generator(seed, n, device)
+                for seed, n, g in zip(seeds, num_generated, greedy, strict=True)
+            ],
         )
+
+
+def _generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """The generator for a seeded request's `step`-th token."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 0x9E3779B97F4A7C15 + step) % 2**63)
+    return gen
 
 
 class Sampler:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from meshlm.scheduler.engine.block_manager import BlockTable
+
 # Temperatures below this are greedy (division by ~0 would overflow).
 GREEDY_EPS = 1e-5
 
@@ -29,6 +31,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    # Logprobs are of the model's own distribution (log_softmax of the raw logits, before
+    # temperature, penalties and truncation), as SGLang and HF `output_logits` report them.
+    return_logprob: bool = False
+    top_logprobs_num: int = 0  # top alternatives per position, when return_logprob
+    logprob_start_len: int = -1  # prompt positions from here get logprobs too; -1 = none
 
     @property
     def greedy(self) -> bool:
@@ -48,6 +55,10 @@ class SamplingParams:
             return "repetition_penalty must be > 0"
         if self.max_new_tokens < 0 or self.min_new_tokens < 0:
             return "max_new_tokens and min_new_tokens must be >= 0"
+        if self.top_logprobs_num < 0:
+            return "top_logprobs_num must be >= 0"
+        if self.logprob_start_len < -1:
+            return "logprob_start_len must be >= -1"
         return None
 
 
@@ -57,19 +68,38 @@ class SequenceStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+TopLogprobs = list[tuple[int, float]]  # (token_id, logprob), best first
+
+
 @dataclass(eq=False)
 class Sequence:
-    """One request inside the engine: prompt + generated tokens, its KV slot and its state."""
+    """One request inside the engine: prompt + generated tokens, its KV blocks and its state.
+
+    `num_computed_tokens` of `token_ids` have their KV in the cache (the prefix-cache hit
+    included); the rest are computed by the coming steps, a chunk at a time while prefilling,
+    one (the last sampled token) while decoding. `row` indexes the runner's per-request
+    sampling state (penalty statistics) while the sequence runs.
+    """
 
     rid: str
     token_ids: list[int]
     num_prompt_tokens: int
     params: SamplingParams
     status: SequenceStatus = SequenceStatus.WAITING
-    slot: int | None = None
-    aborted: bool = False  # abort asked while running; released by the next postprocess
+    table: BlockTable = field(default_factory=BlockTable)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (first admission)
+    row: int | None = None
+    row_fresh: bool = False  # the row's statistics are still to be built from token_ids
+    aborted: bool = False  # abort asked while running; released before the next step
     finish_reason: str | None = None
     matched_token: int | None = None
+    admitted_once: bool = False
+    num_preemptions: int = 0
+    # Prompt logprobs gathered chunk by chunk, sent with the first output.
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    first_output_sent: bool = False
 
     @classmethod
     def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -87,30 +117,78 @@ class Sequence:
     def completion_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
+    @property
+    def input_logprob_start(self) -> int | None:
+        """First prompt position whose logprob is asked for, or None."""
+        p = self.params
+        if not p.return_logprob or p.logprob_start_len < 0:
+            return None
+        return min(p.logprob_start_len, self.num_prompt_tokens)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        start = self.input_logprob_start
+        return start is not None and not self.first_output_sent and start < self.num_prompt_tokens
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute positions [start, start + num_tokens) and,
+    when `sample`, draw the token after them. `reset_row` asks the runner to rebuild the
+    sequence's sampling row from its tokens first (it was just admitted)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool
+    reset_row: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
 
 @dataclass
 class Plan:
-    """One step of work for the model runner.
+    """One step of work for the model runner: chunks of prompts and decode tokens, mixed.
 
-    A prefill plan runs every token of each sequence (which has just been given a slot) and
-    samples its next token; a decode plan runs the last token of each running sequence.
-    The runner reads `seqs` (token ids, slot, params) and nothing else of the policy.
+    The runner reads the items, their sequences' token ids, block tables, rows and params,
+    and nothing else of the policy.
     """
 
-    is_prefill: bool
-    seqs: list[Sequence]
+    items: list[ScheduledSeq]
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [item.seq for item in self.items]
 
     @property
     def num_tokens(self) -> int:
         """Tokens the forward pass computes."""
-        return sum(s.num_tokens for s in self.seqs) if self.is_prefill else len(self.seqs)
+        return sum(item.num_tokens for item in self.items)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(item.num_tokens for item in self.items if item.num_tokens > 1)
+
+
+@dataclass
+class ItemResult:
+    """What one plan item produced: the sampled token (if it sampled), its logprobs, and the
+    logprobs of the prompt positions this chunk covered (when asked)."""
+
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass
 class ExecResult:
-    """What `execute()` produced: one sampled token per plan sequence, or an error."""
+    """What `execute()` produced: one ItemResult per plan item, or an error."""
 
-    token_ids: list[int] = field(default_factory=list)
+    items: list[ItemResult] = field(default_factory=list)
     error: str | None = None
 
 
@@ -125,5 +203,14 @@ class StepOutput:
     matched_token: int | None  # EOS / stop token that ended it
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int  # 0 for now (prefix cache comes later)
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # message when finish_reason == "error"
+    # With return_logprob: one entry per new token; top lists hold (token_id, logprob) pairs,
+    # best first, top_logprobs_num long.
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With return_logprob and logprob_start_len >= 0, on the request's first output only:
+    # prompt positions [input_logprob_start, prompt_tokens); position 0 has no logprob (None).
+    input_logprob_start: int = 0
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -256,3 +256,65 @@ def test_duplicate_rid_raises(make_engine: EngineFactory) -> None:
     run_all(engine)
     engine.add_request("a", [5], greedy(2))  # finished rids may be reused
     assert run_all(engine)["a"][-1].finished
+
+
+def test_n_samples_share_the_prompt_blocks(make_engine: EngineFactory) -> None:
+    """n > 1: the followers wait for the leader's prompt and take its blocks from the cache."""
+    engine = make_engine(max_running=8, block_size=4)
+    prompt = prompts(1, seed=13, lo=37, hi=37)[0]
+    engine.add_request("s0", prompt, greedy(6))
+    for i in range(1, 4):
+        engine.add_request(f"s{i}", prompt, SamplingParams(temperature=1.0, max_new_tokens=6,
+                                                           ignore_eos=True, seed=i), after="s0")
+    plan = engine.schedule()
+    assert plan is not None and [s.rid for s in plan.seqs] == ["s0"]  # followers held
+    first = engine.postprocess(plan, engine.execute(plan))
+    assert [o.rid for o in first] == ["s0"]
+    outs = run_all(engine)
+    for i in range(1, 4):
+        assert outs[f"s{i}"][-1].cached_tokens == 36  # every full block of the prompt
+        assert len(tokens_of(outs[f"s{i}"])) == 6
+    assert len({tuple(tokens_of(outs[f"s{i}"])) for i in range(1, 4)}) > 1  # own seeds
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_aborting_a_held_follower_or_its_leader(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_running=4)
+    engine.add_request("lead", [5] * 20, greedy(4))
+    engine.add_request("f1", [5] * 20, greedy(4), after="lead")
+    engine.add_request("f2", [5] * 20, greedy(4), after="lead")
+    assert engine.abort("f1")
+    assert engine.abort("lead")  # still waiting: f2 is let go, and runs on its own
+    outs = run_all(engine)
+    assert outs["f1"][-1].finish_reason == "abort" and outs["lead"][-1].finish_reason == "abort"
+    assert len(tokens_of(outs["f2"])) == 4 and outs["f2"][-1].finish_reason == "length"
+    assert not engine.has_work()
+
+
+def test_overload_completes_everything_within_the_cache(make_engine: EngineFactory) -> None:
+    """Far more concurrent requests than KV blocks: all finish, with preemptions, and the
+    cache never holds more than its blocks."""
+    engine = make_engine(max_running=16, block_size=4, num_kv_blocks=64, max_model_len=200,
+                         max_batched_tokens=48)
+    nbytes = engine.runner.kv.nbytes
+    ps = prompts(60, seed=14, lo=5, hi=60)
+    rng = random.Random(15)
+    lengths = [rng.randint(1, 40) for _ in ps]
+    for i, p in enumerate(ps):
+        engine.add_request(f"o{i}", p, greedy(lengths[i]))
+    outs: dict[str, list[StepOutput]] = {}
+    peak = 0
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.rid, []).append(o)
+        peak = max(peak, engine.stats()["kv_blocks_used"])
+    stats = engine.stats()
+    assert peak <= 64 and engine.runner.kv.nbytes == nbytes
+    assert stats["preempted_total"] > 0
+    for i in range(len(ps)):
+        assert len(tokens_of(outs[f"o{i}"])) == lengths[i]
+        assert outs[f"o{i}"][-1].finish_reason == "length"
+    # Preemption lost nothing: the same outputs as each request alone.
+    for i in (0, 17, 42):
+        engine.add_request("alone", ps[i], greedy(lengths[i]))
+        assert tokens_of(run_all(engine)["alone"]) == tokens_of(outs[f"o{i}"])

@@ -95,6 +95,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
             prefix_cache=config.enable_prefix_cache,
+            can_generate=mc.has_lm_head,
         )
         self.runner = ModelRunner(
             self.model, config.max_running, num_blocks, config.block_size,
@@ -132,12 +133,20 @@ class Engine:
             )
         return blocks
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                    after: str | None = None) -> None:
         """Queue a request (loop thread). Raises ValueError if `rid` is still live. A request
         that cannot run (prompt empty, too long for max_model_len, token ids out of range,
         bad params) is not raised on: it finishes with finish_reason "error" and a message in
-        the next postprocess()."""
-        self.scheduler.add(rid, prompt_ids, params)
+        the next postprocess(). `after`: the rid of a live request with the same prompt whose
+        KV this one should share (n > 1); it starts once that prompt is computed."""
+        self.scheduler.add(rid, prompt_ids, params, after)
+
+    def add_embed_request(self, rid: str, prompt_ids: list[int]) -> None:
+        """Queue an embedding request (loop thread): its one output has `embedding`, the
+        prompt's hidden states pooled as the checkpoint says (last token or mean) and
+        L2-normalised. Errors as for add_request."""
+        self.scheduler.add_embed(rid, prompt_ids, self.model_config.pooling)
 
     def abort(self, rid: str) -> bool:
         """End a request at any time (loop thread); True if it was live. Its one "abort"

@@ -8,6 +8,7 @@ executor thread.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from meshlm.scheduler.engine.kv_cache import (
@@ -47,6 +48,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.seen = torch.zeros(num_rows, cfg.vocab_size, dtype=torch.bool, device=device)
         self.counts = torch.zeros(num_rows, cfg.vocab_size, dtype=torch.int32, device=device)
+        # Embedding requests with mean pooling: the sum of their hidden states so far.
+        self.pooled = torch.zeros(num_rows, cfg.hidden_size, dtype=torch.float32, device=device)
 
     @torch.inference_mode()
     def run(self, plan: Plan) -> list[ItemResult]:
@@ -59,7 +62,8 @@ class ModelRunner:
         # Rows whose logits are needed: each sampling item's last token, then prompt
         # positions whose next token's logprob is asked for.
         offsets = _offsets(items)
-        sampling = [i for i, item in enumerate(items) if item.sample]
+        self._pool(items, offsets, hidden, results)
+        sampling = [i for i, item in enumerate(items) if item.sample and item.seq.embed is None]
         sample_rows = [offsets[i] + items[i].num_tokens - 1 for i in sampling]
         prompt_rows, prompt_targets = self._prompt_logprob_rows(items, offsets)
         rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device)
@@ -69,6 +73,22 @@ class ModelRunner:
         if sampling:
             self._sample(items, sampling, logits[: len(sample_rows)], results)
         return results
+
+    def _pool(self, items: list[ScheduledSeq], offsets: list[int], hidden: Tensor,
+              results: list[ItemResult]) -> None:
+        """Embedding requests: sum each chunk's hidden states (mean pooling) and, on the
+        last chunk, pool and normalise."""
+        for i, item in enumerate(items):
+            seq = item.seq
+            if seq.embed is None:
+                continue
+            rows = hidden[offsets[i] : offsets[i] + item.num_tokens].float()
+            row = _row_of(item)
+            if seq.embed == "mean":
+                self.pooled[row] += rows.sum(dim=0)
+            if item.sample:
+                vector = (self.pooled[row] / item.end if seq.embed == "mean" else rows[-1])
+                results[i].embedding = F.normalize(vector, dim=-1).tolist()
 
     def _prepare(self, items: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMeta]:
         bs = self.block_size
@@ -189,6 +209,7 @@ class ModelRunner:
                             device=self.device)
         self.seen[rows] = False
         self.counts[rows] = 0
+        self.pooled[rows] = 0
         seqs = [item.seq for item in items]
         index = [i for i, s in enumerate(seqs) for _ in range(s.num_tokens)]
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)

@@ -48,6 +48,7 @@ class Scheduler:
         vocab_size: int | None = None,
         watermark_blocks: int | None = None,
         prefix_cache: bool = True,
+        can_generate: bool = True,
     ) -> None:
         if max_batched_tokens < 1:
             raise ValueError("max_batched_tokens must be >= 1")
@@ -58,6 +59,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.blocks = BlockManager(num_blocks, block_size)
         self.prefix_cache = prefix_cache
+        self.can_generate = can_generate
         if watermark_blocks is None:
             watermark_blocks = num_blocks // 100
         self.watermark_blocks = watermark_blocks
@@ -77,10 +79,15 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+            after: str | None = None) -> None:
         """Queue a request. Raises ValueError if `rid` is live. An unusable request is not
         queued: it finishes with "error" (or "length" when max_new_tokens is 0) at once, its
-        output coming from the next postprocess."""
+        output coming from the next postprocess.
+
+        `after` names a live request with the same prompt (n > 1 samples of one prompt):
+        this one is held back until that one's prompt is computed, then admitted on the
+        prefix cache, sharing its prompt blocks instead of computing them again."""
         if rid in self._live:
             raise ValueError(f"duplicate request id {rid!r}")
         seq = Sequence.new(rid, prompt_ids, params)
@@ -93,7 +100,40 @@ class Scheduler:
             self._pending.append(self._output(seq))
         else:
             self._live[rid] = seq
+            leader = self._live.get(after) if after is not None else None
+            if leader is not None and leader is not seq and self._prefilling(leader):
+                leader.followers.append(seq)
+                seq.held = True
+            else:
+                self.waiting.append(seq)
+
+    def add_embed(self, rid: str, prompt_ids: list[int], pooling: str) -> None:
+        """Queue an embedding request: its prompt is computed (chunked, prefix-cached when
+        the pooling allows) and pooled; its one output carries the embedding."""
+        if rid in self._live:
+            raise ValueError(f"duplicate request id {rid!r}")
+        seq = Sequence.new(rid, prompt_ids, SamplingParams(max_new_tokens=1))
+        seq.embed = pooling
+        problem = self._problem(seq)
+        if problem is not None:
+            self._finish(seq, "error")
+            self._pending.append(self._output(seq, error=problem))
+        else:
+            self._live[rid] = seq
             self.waiting.append(seq)
+
+    @staticmethod
+    def _prefilling(seq: Sequence) -> bool:
+        return seq.status is not SequenceStatus.FINISHED and (
+            seq.num_computed_tokens < seq.num_prompt_tokens
+        )
+
+    def _release_followers(self, seq: Sequence) -> None:
+        """The leader's prompt is computed (or it ended): its followers queue up first."""
+        for follower in reversed(seq.followers):
+            follower.held = False
+            self.waiting.appendleft(follower)
+        seq.followers.clear()
 
     def _problem(self, seq: Sequence) -> str | None:
         n = seq.num_prompt_tokens
@@ -105,6 +145,8 @@ class Scheduler:
             0 <= min(seq.token_ids) and max(seq.token_ids) < self.vocab_size
         ):
             return f"prompt token id out of range [0, {self.vocab_size})"
+        if seq.embed is None and not self.can_generate:
+            return "this model serves embeddings only (it has no language-model head)"
         return seq.params.problem()
 
     def abort(self, rid: str) -> bool:
@@ -115,7 +157,10 @@ class Scheduler:
         if seq is None or seq.aborted:
             return False
         if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            if seq.held:
+                self._unhold(seq)
+            else:
+                self.waiting.remove(seq)
             self._finish(seq, "abort")
             self._pending.append(self._output(seq))
         else:
@@ -123,12 +168,18 @@ class Scheduler:
             self._aborting.append(seq)
         return True
 
+    def _unhold(self, seq: Sequence) -> None:
+        for leader in self._live.values():
+            if seq in leader.followers:
+                leader.followers.remove(seq)
+        seq.held = False
+
     def abort_all(self) -> int:
         """Abort every live request; returns how many."""
         return sum(self.abort(rid) for rid in list(self._live))
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending)
+        return bool(self._live or self._pending)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while any request is live."""
@@ -209,6 +260,8 @@ class Scheduler:
         start = seq.input_logprob_start
         if start is not None and seq.wants_prompt_logprobs:
             limit = min(limit, max(start - 1, 0))
+        if seq.embed == "mean":
+            limit = 0  # every position's hidden state is pooled
         reused, hashes = bm.match_prefix(seq.token_ids, limit if self.prefix_cache else 0)
         need = bm.blocks_for(seq.num_tokens) - len(reused)
         if not bm.can_allocate(need + self.watermark_blocks, reused):
@@ -283,9 +336,17 @@ class Scheduler:
         if seq.wants_prompt_logprobs:
             seq.input_logprobs += result.input_logprobs
             seq.input_top_logprobs += result.input_top_logprobs
+        if seq.followers and seq.num_computed_tokens >= seq.num_prompt_tokens:
+            self._release_followers(seq)
         if not item.sample:
             if item.start < seq.num_prompt_tokens:
                 self.chunked_prefills_total += 1
+            return
+        if seq.embed is not None:
+            self._finish(seq, "stop")
+            out = self._output(seq)
+            out.embedding = result.embedding
+            self._pending.append(out)
             return
         if result.token is None:
             raise RuntimeError(f"no token sampled for {seq.rid!r}")
@@ -309,6 +370,7 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str, matched: int | None = None) -> None:
         """The one place a sequence ends: frees its blocks and row (once) and forgets it."""
+        self._release_followers(seq)
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.matched_token = reason, matched

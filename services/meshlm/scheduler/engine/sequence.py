@@ -95,6 +95,9 @@ class Sequence:
     finish_reason: str | None = None
     matched_token: int | None = None
     admitted_once: bool = False
+    embed: str | None = None  # an embedding request: its pooling ("last" | "mean")
+    held: bool = False  # waiting for a leader's prompt (n > 1), not in the waiting queue
+    followers: list[Sequence] = field(default_factory=list)  # held for this one's prompt
     num_preemptions: int = 0
     # Prompt logprobs gathered chunk by chunk, sent with the first output.
     input_logprobs: list[float | None] = field(default_factory=list)
@@ -182,6 +185,7 @@ class ItemResult:
     top_logprobs: TopLogprobs | None = None
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's pooled, normalised vector
 
 
 @dataclass
@@ -214,3 +218,4 @@ class StepOutput:
     input_logprob_start: int = 0
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    embedding: list[float] | None = None  # an embedding request's result (then finished)

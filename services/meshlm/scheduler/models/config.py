@@ -7,6 +7,7 @@ is read here, per architecture, into plain fields (biases, sliding window).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -48,11 +49,16 @@ def _window(window: int | None, layers: Iterable[int]) -> dict[str, Any]:
 
 
 # Per architecture: config.json -> the ModelConfig fields in which it differs from the defaults.
+# The bare `*Model` classes are embedding checkpoints: no LM head, weights without "model.".
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LlamaForCausalLM": _llama_fields,
     "Qwen2ForCausalLM": _qwen2_fields,
     "MistralForCausalLM": _mistral_fields,
+    "LlamaModel": _llama_fields,
+    "Qwen2Model": _qwen2_fields,
+    "MistralModel": _mistral_fields,
 }
+POOLING_MODES = ("last", "mean")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
@@ -105,7 +111,15 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
+    # Embeddings: how hidden states pool into one vector (sentence-transformers'
+    # 1_Pooling/config.json when the checkpoint has one, else the last token's).
+    pooling: str = "last"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def has_lm_head(self) -> bool:
+        """False for embedding-only checkpoints (the bare `*Model` architectures)."""
+        return not self.architecture.endswith("Model")
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None if it attends to every earlier position."""
@@ -138,7 +152,10 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # A bare *Model has no head: tie one to the embedding (never used) so it loads.
+            tie_word_embeddings=(
+                bool(cfg.get("tie_word_embeddings", False)) or arch.endswith("Model")
+            ),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=cfg.get("bos_token_id"),
@@ -154,4 +171,25 @@ class ModelConfig:
         cfg = json.loads((root / "config.json").read_text())
         gen_path = root / "generation_config.json"
         generation = json.loads(gen_path.read_text()) if gen_path.exists() else None
-        return cls.from_dict(cfg, generation)
+        config = cls.from_dict(cfg, generation)
+        pooling = _pooling_of(root)
+        return dataclasses.replace(config, pooling=pooling) if pooling else config
+
+
+def _pooling_of(root: Path) -> str | None:
+    """The pooling a sentence-transformers checkpoint declares (modules.json -> the Pooling
+    module's config.json), or None when it declares none."""
+    modules_path = root / "modules.json"
+    if not modules_path.exists():
+        return None
+    for module in json.loads(modules_path.read_text()):
+        if str(module.get("type", "")).endswith("Pooling"):
+            pooling = json.loads((root / module.get("path", "") / "config.json").read_text())
+            if pooling.get("pooling_mode_mean_tokens"):
+                return "mean"
+            if pooling.get("pooling_mode_lasttoken"):
+                return "last"
+            modes = sorted(k for k, v in pooling.items() if k.startswith("pooling_mode") and v)
+            raise ValueError(f"unsupported sentence-transformers pooling {modes}; "
+                             f"have {POOLING_MODES}")
+    return None

@@ -79,13 +79,17 @@ def load_weights(model: LlamaForCausalLM, root: Path) -> None:
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
+                for key in f.keys():
+                    name = key
                     if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                         continue
                     param = params.get(name)
+                    if param is None and not name.startswith("model."):
+                        name = "model." + name  # a bare *Model checkpoint
+                        param = params.get(name)
                     if param is None:
-                        raise ValueError(f"unexpected tensor {name!r} in {file.name}")
-                    tensor = f.get_tensor(name)
+                        raise ValueError(f"unexpected tensor {key!r} in {file.name}")
+                    tensor = f.get_tensor(key)
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(
                             f"{name}: checkpoint shape {tuple(tensor.shape)}, "

@@ -31,7 +31,8 @@ def sentence_transformers_files(path: Path, mode: str) -> None:
     """modules.json + 1_Pooling/config.json as sentence-transformers writes them."""
     (path / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize",
          "type": "sentence_transformers.models.Normalize"},
     ]))

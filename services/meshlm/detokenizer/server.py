@@ -4,7 +4,7 @@ matched here; a match finishes the request for the client and tells its schedule
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -24,6 +24,7 @@ from meshlm.common.streams import StreamPool
 from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import context_of, tracer
 from meshlm.detokenizer.incremental import IncrementalDetokenizer, make_detokenizer
+from meshlm.detokenizer.token_texts import TokenTexts
 from meshlm.tokenizer.tokenization import TextTokenizer
 from meshlm.v1 import (
     common_pb2,
@@ -54,12 +55,14 @@ class DecodeState:
     scheduler: str
     decoder: IncrementalDetokenizer | None  # None: token ids only (Generate)
     span: trace.Span
+    logprob_texts: bool = False  # return_text_in_logprobs
 
 
 class DetokenizerServicer(pb_grpc.DetokenizerServicer):
     def __init__(self, tok: TextTokenizer, gateways: StreamPool[gateway_pb2.TextOutput],
                  channels: ChannelPool) -> None:
         self._tok = tok
+        self._token_texts = TokenTexts(tok.tokenizer)
         self._gateways = gateways
         self._channels = channels
         self._states: dict[str, DecodeState] = {}
@@ -79,9 +82,13 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
     def decode_batch(self, batch: detokenizer_pb2.TokenBatch
                      ) -> tuple[dict[str, list[gateway_pb2.TextOutput]], dict[str, list[str]]]:
         """Decode one step's outputs; returns text outputs per gateway and, per scheduler, the
-        rids that matched a stop string (to be stopped there)."""
+        rids that matched a stop string (to be stopped there).
+
+        Logprobs travel with the token ids they belong to (held-back text does not hold them
+        back), with their tokens' texts added when the request asked for them."""
         by_gateway: dict[str, list[gateway_pb2.TextOutput]] = {}
         stops: dict[str, list[str]] = {}
+        needs_texts: list[tuple[Sequence[int], common_pb2.Logprobs]] = []
         for out in batch.outputs:
             state = self._states.get(out.rid)
             if out.HasField("header"):
@@ -92,6 +99,10 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
                 rid=out.rid, token_ids=out.token_ids, prompt_tokens=out.prompt_tokens,
                 completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
             )
+            if out.HasField("logprobs"):
+                text_out.logprobs.CopyFrom(out.logprobs)
+                if state.logprob_texts:
+                    needs_texts.append((out.token_ids, text_out.logprobs))
             decoder = state.decoder
             if decoder is not None:
                 text_out.text = decoder.push(out.token_ids)
@@ -112,6 +123,8 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
             if text_out.finished:
                 self._close(out.rid, state, text_out.finish_reason)
             by_gateway.setdefault(state.gateway, []).append(text_out)
+        if needs_texts:
+            self._token_texts.fill(needs_texts)
         return by_gateway, stops
 
     def _open(self, out: detokenizer_pb2.TokenOutput) -> DecodeState:
@@ -124,7 +137,8 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         span = self._tracer.start_span("detokenizer.request", context=context_of(header.trace),
                                        attributes={"meshlm.rid": out.rid})
         state = DecodeState(gateway=header.route.gateway, scheduler=header.route.scheduler,
-                            decoder=decoder, span=span)
+                            decoder=decoder, span=span,
+                            logprob_texts=header.return_text_in_logprobs)
         self._states[out.rid] = state
         return state
 

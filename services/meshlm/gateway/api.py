@@ -26,6 +26,7 @@ from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import carrier_of, tracer
 from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.inbox import PendingRequest, RequestTable, Update
+from meshlm.gateway.logprob_meta import logprob_meta
 from meshlm.gateway.registry import RidRegistry
 from meshlm.gateway.validation import (
     Limits,
@@ -169,7 +170,7 @@ class GatewayAPI:
                     if merged:
                         update = _merge([*merged, update])
                         merged = []
-                    meta = self._meta(rid, update, pending)
+                    meta = self._meta(rid, update, pending, v.sampling)
                     if update.final is not None:
                         finished = True
                         reason = update.final.finish_reason
@@ -202,10 +203,15 @@ class GatewayAPI:
             msg.input_ids.ids.extend(v.input_ids or [])
         return msg
 
-    def _meta(self, rid: str, update: Update, pending: PendingRequest) -> dict[str, str]:
+    def _meta(self, rid: str, update: Update, pending: PendingRequest,
+              sampling: common_pb2.SamplingParams) -> dict[str, str]:
         meta = {"id": rid, "prompt_tokens": str(update.prompt_tokens),
                 "completion_tokens": str(update.completion_tokens),
                 "cached_tokens": str(update.cached_tokens)}
+        if sampling.return_logprob:
+            meta.update(logprob_meta(update.token_ids, update.logprobs,
+                                     top=sampling.top_logprobs_num > 0,
+                                     text=sampling.return_text_in_logprobs))
         final = update.final
         if final is not None:
             meta["finish_reason"] = final.finish_reason
@@ -358,7 +364,14 @@ class GatewayAPI:
 
 def _merge(updates: list[Update]) -> Update:
     last = updates[-1]
+    logprobs = None
+    for u in updates:
+        if u.logprobs is not None:
+            if logprobs is None:
+                logprobs = common_pb2.Logprobs()
+            logprobs.MergeFrom(u.logprobs)
     return Update(text="".join(u.text for u in updates),
                   token_ids=[t for u in updates for t in u.token_ids], final=last.final,
                   error=last.error, prompt_tokens=last.prompt_tokens,
-                  completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens)
+                  completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens,
+                  logprobs=logprobs)

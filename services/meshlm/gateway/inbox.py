@@ -30,6 +30,7 @@ class Update:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: common_pb2.Logprobs | None = None  # for token_ids (and the prompt, first)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class PendingRequest:
     _final: gateway_pb2.TextOutput | None = None
     _error: MeshError | None = None
     _counts: tuple[int, int, int] = (0, 0, 0)
+    _logprobs: common_pb2.Logprobs | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     first_output: bool = False
     done: bool = False
@@ -54,6 +56,10 @@ class PendingRequest:
         if out.text:
             self._text.append(out.text)
         self._ids.extend(out.token_ids)
+        if out.HasField("logprobs"):
+            if self._logprobs is None:
+                self._logprobs = common_pb2.Logprobs()
+            self._logprobs.MergeFrom(out.logprobs)  # repeated fields append
         self._counts = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
         if out.finished:
             if out.finish_reason == "error":
@@ -72,8 +78,9 @@ class PendingRequest:
         """Wait for news, then take all of it."""
         await self._ready.wait()
         self._ready.clear()
-        update = Update("".join(self._text), self._ids, self._final, self._error, *self._counts)
-        self._text, self._ids = [], []
+        update = Update("".join(self._text), self._ids, self._final, self._error, *self._counts,
+                        logprobs=self._logprobs)
+        self._text, self._ids, self._logprobs = [], [], None
         if update.final is not None or update.error is not None:
             self.done = True
         return update

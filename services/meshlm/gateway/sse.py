@@ -3,7 +3,8 @@
 SGLang's /generate answers {"text", "output_ids", "meta_info"}; when streaming, every
 Server-Sent Event carries the same shape with the text and ids so far (cumulative), and the
 stream ends with `data: [DONE]`. The api streams deltas (TextGenerateResponse.text,
-GenerateResponse.output_ids) with meta_info as strings; `NativeOutput` accumulates them.
+GenerateResponse.output_ids) with meta_info as strings; `NativeOutput` accumulates them, the
+logprob lists included (real JSON arrays here, cumulative like the text).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from typing import Any
 import orjson
 
 from meshlm.common.errors import MeshError
+from meshlm.gateway.logprob_meta import LOGPROB_KEYS
 from sglang.runtime.v1 import sglang_pb2
 
 SSE_DONE = b"data: [DONE]\n\n"
 
 _COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
-_CONSUMED = {"id", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency", *_COUNTS}
+_CONSUMED = {"id", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency", *_COUNTS,
+             *LOGPROB_KEYS}
 
 GenerateMessage = sglang_pb2.TextGenerateResponse | sglang_pb2.GenerateResponse
 
@@ -47,6 +50,7 @@ class NativeOutput:
         self.text = ""
         self.output_ids: list[int] | None = None
         self.meta: dict[str, str] = {}
+        self.logprobs: dict[str, list[Any]] = {}
         self.finished = False
 
     def add(self, message: GenerateMessage) -> None:
@@ -58,6 +62,9 @@ class NativeOutput:
                 self.output_ids = []
             self.output_ids.extend(ids)
         self.meta.update(message.meta_info)
+        for key in LOGPROB_KEYS:
+            if key in message.meta_info:
+                self.logprobs.setdefault(key, []).extend(orjson.loads(message.meta_info[key]))
         self.finished = self.finished or message.finished
 
     def to_dict(self) -> dict[str, Any]:
@@ -79,6 +86,7 @@ class NativeOutput:
         for key, value in meta.items():
             if key not in _CONSUMED:
                 info[key] = value
+        info.update(self.logprobs)
         return info
 
     def _finish_reason(self) -> dict[str, Any] | None:

@@ -6,7 +6,11 @@ bad value and UNIMPLEMENTED for a feature meshlm does not serve yet. Public samp
 (all optional) become internal ones with every field concrete.
 
 Text prompts are checked against the context length only after tokenization: the gateway calls
-`check_prompt_length` with the prompt's token count (field "text").
+`check_prompt_length` with the prompt's token count (field "text"); the tokenizer checks
+logprob_start_len against it the same way.
+
+Logprob options are request-level in the public API; internally they ride in the sampling params
+(set only when return_logprob was asked, so that the engine never sees stray values).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from sglang.runtime.v1 import sglang_pb2
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_TOP_LOGPROBS = 20
 _RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -190,14 +195,36 @@ def check_prompt_length(
 _GenerateLike = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
 
 
+def _logprob_options(
+    req: _GenerateLike, sampling: common_pb2.SamplingParams, prompt_tokens: int | None
+) -> None:
+    """Check the logprob options and copy them into `sampling` when return_logprob is asked.
+
+    Ranges are checked even when return_logprob is off (then the options are ignored).
+    `prompt_tokens` is None for text prompts: the tokenizer checks logprob_start_len.
+    """
+    top = req.top_logprobs_num
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid("top_logprobs_num", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    start = req.logprob_start_len if req.HasField("logprob_start_len") else -1
+    if start < -1:
+        raise invalid("logprob_start_len",
+                      f"must be -1 (no prompt logprobs) or a prompt position >= 0, got {start}")
+    if not req.return_logprob:
+        sampling.logprob_start_len = -1
+        return
+    if prompt_tokens is not None and start >= prompt_tokens:
+        raise invalid("logprob_start_len",
+                      f"must be less than the prompt's length ({prompt_tokens} tokens), "
+                      f"got {start}")
+    sampling.return_logprob = True
+    sampling.top_logprobs_num = top
+    sampling.logprob_start_len = start
+    sampling.return_text_in_logprobs = req.return_text_in_logprobs
+
+
 def _check_unsupported(req: _GenerateLike) -> None:
     """Options that later issues implement. SGLang's explicit defaults are accepted."""
-    if req.return_logprob:
-        raise unimplemented("return_logprob", "logprobs are not supported yet")
-    if req.HasField("top_logprobs_num") and req.top_logprobs_num != 0:
-        raise unimplemented("top_logprobs_num", "logprobs are not supported yet")
-    if req.HasField("logprob_start_len") and req.logprob_start_len != -1:
-        raise unimplemented("logprob_start_len", "logprobs are not supported yet")
     if req.lora_path:
         raise unimplemented("lora_path", "LoRA adapters are not supported yet")
     if req.HasField("disaggregated_params"):
@@ -216,6 +243,7 @@ def _validated(
     input_ids: list[int] | None,
 ) -> ValidatedRequest:
     _check_unsupported(req)
+    _logprob_options(req, sampling, None if input_ids is None else len(input_ids))
     rid = req.rid if req.HasField("rid") else None
     if rid is not None:
         check_rid(rid)

@@ -30,7 +30,7 @@ from meshlm.common.service import (
 from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams, StepOutput
-from meshlm.scheduler.wire import engine_params
+from meshlm.scheduler.wire import engine_params, fill_logprobs, has_logprobs
 from meshlm.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
 
@@ -49,9 +49,16 @@ class SchedulerConfig(ServiceConfig):
     dtype: str = cfg.field("auto", "auto | float32 | bfloat16 | float16")
     load_format: str = cfg.field("auto", "auto | safetensors | dummy (random weights from "
                                          "config.json)")
-    max_running: int = cfg.field(64, "requests decoded together (KV slots)")
-    max_prefill_tokens: int = cfg.field(4096, "prompt tokens prefilled per engine step")
+    max_running: int = cfg.field(64, "requests in the running batch")
+    max_batched_tokens: int = cfg.field(2048, "tokens per engine step (decodes + prompt "
+                                              "chunks); longer prompts are chunked")
     max_model_len: int = cfg.field(0, "context length; 0 = the checkpoint's")
+    block_size: int = cfg.field(16, "tokens per KV cache block")
+    kv_cache_bytes: int = cfg.field(0, "KV cache budget in bytes; 0 = auto (CUDA: "
+                                       "mem-fraction; CPU: max-running full sequences, <= 2 GiB)")
+    num_kv_blocks: int = cfg.field(0, "KV cache blocks; overrides kv-cache-bytes when set")
+    mem_fraction: float = cfg.field(0.85, "CUDA: share of device memory for weights + KV")
+    prefix_cache: bool = cfg.field(True, "reuse the KV of shared prompt prefixes")
     num_threads: int = cfg.field(0, "torch CPU threads; 0 = torch's default")
 
 
@@ -68,6 +75,8 @@ class Tracked:
     header_sent: bool = False
     silent: bool = False  # finished elsewhere (stop string): its abort output is not sent
     first_token_at: float | None = None
+    return_text_in_logprobs: bool = False
+    prompt_ids: list[int] = field(default_factory=list)  # kept until prompt logprobs are sent
 
 
 @dataclass
@@ -109,7 +118,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             route=req.route, return_text=req.return_text, stop=list(req.sampling.stop),
             skip_special_tokens=req.sampling.skip_special_tokens,
             prompt_tokens=len(req.input_ids), span=span,
+            return_text_in_logprobs=req.sampling.return_text_in_logprobs,
         )
+        if req.sampling.return_logprob and req.sampling.logprob_start_len >= 0:
+            tracked.prompt_ids = list(req.input_ids)
         if req.rid in self.state.tracked:
             span.end()
             self._refuse_duplicate(req, tracked)
@@ -237,6 +249,10 @@ def _to_pb(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
     if out.error is not None:
         msg.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
         msg.error.message = out.error
+    if has_logprobs(out):
+        fill_logprobs(msg.logprobs, out, tracked.prompt_ids)
+        if out.input_logprobs:
+            tracked.prompt_ids = []
     if not tracked.header_sent:
         tracked.header_sent = True
         msg.header.route.CopyFrom(tracked.route)
@@ -244,6 +260,7 @@ def _to_pb(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
         msg.header.skip_special_tokens = tracked.skip_special_tokens
         msg.header.return_text = tracked.return_text
         msg.header.prompt_tokens = tracked.prompt_tokens
+        msg.header.return_text_in_logprobs = tracked.return_text_in_logprobs
         msg.header.trace.update(carrier_of(tracked.span))
     return msg
 
@@ -266,8 +283,11 @@ async def serve(config: SchedulerConfig) -> None:
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, EngineConfig(
         model_path=model_path, device=config.device, dtype=config.dtype,
         load_format=config.load_format, max_running=config.max_running,
-        max_prefill_tokens=config.max_prefill_tokens,
+        max_batched_tokens=config.max_batched_tokens,
         max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
+        block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+        kv_cache_bytes=config.kv_cache_bytes, mem_fraction=config.mem_fraction,
+        enable_prefix_cache=config.prefix_cache,
     ))
     await asyncio.get_running_loop().run_in_executor(executor, _warm_up, engine)
     peers = MeshPeers(config)

@@ -80,7 +80,10 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                 "tokenizer.tokenize", context=context_of(req.trace),
                 attributes={"meshlm.rid": req.rid, "meshlm.prompt_tokens": len(prompt)},
             ) as span:
-                problem = self._tok.check_context(len(prompt), req.sampling.max_new_tokens)
+                sampling = req.sampling
+                start = sampling.logprob_start_len if sampling.return_logprob else -1
+                problem = self._tok.check_context(len(prompt), sampling.max_new_tokens,
+                                                  logprob_start_len=start)
                 if problem is not None:
                     span.set_status(trace.StatusCode.ERROR, problem)
                     rejections.append(tokenizer_pb2.Rejection(rid=req.rid, status=common_pb2.Status(

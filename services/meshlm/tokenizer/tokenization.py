@@ -159,11 +159,14 @@ class TextTokenizer:
     # -- checks -----------------------------------------------------------------------------
 
     def check_context(
-        self, prompt_len: int, max_new_tokens: int, *, prompt_field: str = "text"
+        self, prompt_len: int, max_new_tokens: int, *, prompt_field: str = "text",
+        logprob_start_len: int = -1,
     ) -> str | None:
         """None if the request fits the context; else a client-facing message naming the field.
 
         `prompt_field` is the request field the prompt came from ("text", "input_ids", ...).
+        `logprob_start_len` (prompt logprobs asked from there; -1 = none) must be a prompt
+        position.
         """
         limit = self._max_model_len
         if prompt_len <= 0:
@@ -179,6 +182,11 @@ class TextTokenizer:
             return (
                 f"sampling_params.max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
                 f"({max_new_tokens}) exceeds the context length ({limit})"
+            )
+        if logprob_start_len >= prompt_len:
+            return (
+                f"logprob_start_len: must be less than the prompt's length ({prompt_len} tokens), "
+                f"got {logprob_start_len}"
             )
         return None
 

@@ -194,9 +194,12 @@ BAD_REQUESTS: list[tuple[Any, str, grpc.StatusCode]] = [
     (pb.GenerateRequest(input_ids=[1], rid="x" * 129), "rid", INVALID),
     (pb.GenerateRequest(input_ids=[1], rid="a b"), "rid", INVALID),
     (pb.GenerateRequest(input_ids=[1], rid="a/b"), "rid", INVALID),
-    (pb.TextGenerateRequest(text="a", return_logprob=True), "return_logprob", UNIMPLEMENTED),
-    (pb.TextGenerateRequest(text="a", top_logprobs_num=3), "top_logprobs_num", UNIMPLEMENTED),
-    (pb.TextGenerateRequest(text="a", logprob_start_len=0), "logprob_start_len", UNIMPLEMENTED),
+    (pb.TextGenerateRequest(text="a", return_logprob=True, top_logprobs_num=21),
+     "top_logprobs_num", INVALID),
+    (pb.TextGenerateRequest(text="a", top_logprobs_num=-1), "top_logprobs_num", INVALID),
+    (pb.TextGenerateRequest(text="a", logprob_start_len=-2), "logprob_start_len", INVALID),
+    (pb.GenerateRequest(input_ids=[1, 2], return_logprob=True, logprob_start_len=2),
+     "logprob_start_len", INVALID),
     (pb.TextGenerateRequest(text="a", lora_path="x"), "lora_path", UNIMPLEMENTED),
     (
         pb.GenerateRequest(input_ids=[1], disaggregated_params=pb.DisaggregatedParams()),
@@ -269,3 +272,43 @@ def test_seed_is_passed_through_only_when_given() -> None:
     assert normalize_sampling(pb.SamplingParams(seed=42)).seed == 42
     err = _error(normalize_sampling, pb.SamplingParams(seed=-1))
     assert err.code == INVALID and err.message.startswith("sampling_params.seed")
+
+
+def test_logprob_options_go_into_sampling_when_asked() -> None:
+    v = validate_text_generate(pb.TextGenerateRequest(
+        text="a", return_logprob=True, top_logprobs_num=20, logprob_start_len=0,
+        return_text_in_logprobs=True), LIMITS)
+    s = v.sampling
+    assert s.return_logprob and s.top_logprobs_num == 20 and s.logprob_start_len == 0
+    assert s.return_text_in_logprobs
+    # Defaults: no top alternatives, no prompt logprobs, no texts.
+    s = validate_generate(pb.GenerateRequest(input_ids=[1, 2], return_logprob=True),
+                          LIMITS).sampling
+    assert s.return_logprob and s.top_logprobs_num == 0 and s.logprob_start_len == -1
+    assert not s.return_text_in_logprobs
+    # The last prompt position is the last valid start.
+    s = validate_generate(pb.GenerateRequest(input_ids=[1, 2], return_logprob=True,
+                                             logprob_start_len=1, return_text_in_logprobs=True),
+                          LIMITS).sampling
+    assert s.logprob_start_len == 1 and s.return_text_in_logprobs
+
+
+def test_logprob_options_are_ignored_without_return_logprob() -> None:
+    s = validate_text_generate(pb.TextGenerateRequest(
+        text="a", top_logprobs_num=5, logprob_start_len=3, return_text_in_logprobs=True),
+        LIMITS).sampling
+    assert not s.return_logprob and s.top_logprobs_num == 0 and s.logprob_start_len == -1
+    assert not s.return_text_in_logprobs
+    # A start past the prompt only matters when logprobs are asked.
+    validate_generate(pb.GenerateRequest(input_ids=[1], logprob_start_len=5), LIMITS)
+
+
+def test_logprob_errors_say_what_is_allowed() -> None:
+    err = _error(validate_text_generate,
+                 pb.TextGenerateRequest(text="a", return_logprob=True, top_logprobs_num=50),
+                 LIMITS)
+    assert err.message == "top_logprobs_num: must be in [0, 20], got 50"
+    err = _error(validate_generate, pb.GenerateRequest(
+        input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=3), LIMITS)
+    assert err.message == (
+        "logprob_start_len: must be less than the prompt's length (3 tokens), got 3")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import EngineFactory
-from scheduler_helpers import greedy, run_all, tokens_of, write_checkpoint
+from scheduler_helpers import greedy, reference_greedy, run_all, tokens_of, write_checkpoint
 
 from meshlm.scheduler.models.loader import load_model
 
@@ -56,15 +56,15 @@ def test_engine_serves_dummy_weights(
     assert len(tokens_of(run_all(engine)["r"])) == 4
 
 
-def test_engine_caps_max_model_len_at_sliding_window(
+def test_sliding_window_applies_past_the_window(
     tmp_path: Path, make_engine: EngineFactory
 ) -> None:
-    window = {"architectures": ["MistralForCausalLM"], "sliding_window": 32}
-    path = write_checkpoint(tmp_path / "m", layers=1, extra_config=window)
-    assert make_engine(path).max_model_len == 32
-    assert make_engine(path, max_model_len=20).max_model_len == 20
-    with pytest.raises(ValueError, match="sliding_window"):
-        make_engine(path, max_model_len=64)
-    wide = {**window, "sliding_window": 999}
-    wide_path = write_checkpoint(tmp_path / "w", layers=1, extra_config=wide)
-    assert make_engine(wide_path).max_model_len == 256  # a window past max_position_embeddings
+    """The paged attention applies the window: the full context is served, and decoding
+    past the window matches a full recompute within the window."""
+    window = {"architectures": ["MistralForCausalLM"], "sliding_window": 8}
+    path = write_checkpoint(tmp_path / "m", layers=2, extra_config=window)
+    engine = make_engine(path, block_size=4, max_batched_tokens=16)
+    assert engine.max_model_len == 256 and engine.model_config.sliding_window == 8
+    prompt = list(range(5, 35))
+    engine.add_request("w", prompt, greedy(6))
+    assert tokens_of(run_all(engine)["w"]) == reference_greedy(engine, prompt, 6)

@@ -136,6 +136,12 @@ def test_check_context(tok: TextTokenizer) -> None:
     )
     message = tok.check_context(10, -1)
     assert message is not None and message.startswith("sampling_params.max_new_tokens:")
+    # Prompt logprobs must start inside the prompt.
+    assert tok.check_context(10, 5, logprob_start_len=9) is None
+    assert tok.check_context(10, 5, logprob_start_len=-1) is None
+    assert tok.check_context(10, 5, logprob_start_len=10) == (
+        "logprob_start_len: must be less than the prompt's length (10 tokens), got 10"
+    )
 
 
 def test_max_model_len_override(model_dir: Path) -> None:

@@ -1,0 +1,109 @@
+"""Wire <-> engine conversion: sampling params in, step outputs (logprobs included) out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from opentelemetry import trace
+
+from meshlm.scheduler.engine.sequence import SamplingParams, StepOutput
+from meshlm.scheduler.server import SchedulerServicer, Tracked, _to_pb
+from meshlm.scheduler.wire import engine_params, fill_logprobs, has_logprobs
+from meshlm.v1 import common_pb2, scheduler_pb2
+
+
+def _step(**kw: object) -> StepOutput:
+    base: dict[str, object] = dict(rid="r", new_token_ids=[7], finished=False, finish_reason=None,
+                                   matched_token=None, prompt_tokens=4, completion_tokens=1,
+                                   cached_tokens=0)
+    return StepOutput(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _tracked(**kw: object) -> Tracked:
+    return Tracked(route=common_pb2.Route(detokenizer="d"), return_text=True, stop=[],
+                   skip_special_tokens=True, prompt_tokens=4, span=trace.INVALID_SPAN,
+                   **kw)  # type: ignore[arg-type]
+
+
+def test_engine_params_carry_logprob_options() -> None:
+    p = engine_params(common_pb2.SamplingParams(
+        temperature=0.0, top_p=1.0, repetition_penalty=1.0, max_new_tokens=3,
+        return_logprob=True, top_logprobs_num=5, logprob_start_len=0,
+        return_text_in_logprobs=True))
+    assert (p.return_logprob, p.top_logprobs_num, p.logprob_start_len) == (True, 5, 0)
+    assert p.problem() is None
+
+
+def test_engine_params_without_return_logprob_ask_for_nothing() -> None:
+    # Stray values (e.g. proto3's default 0 for logprob_start_len) never reach the engine.
+    p = engine_params(common_pb2.SamplingParams(top_p=1.0, top_logprobs_num=5))
+    assert (p.return_logprob, p.top_logprobs_num, p.logprob_start_len) == (False, 0, -1)
+
+
+def test_output_logprobs_to_wire() -> None:
+    out = _step(new_token_ids=[7, 8], output_logprobs=[-0.5, -1.5],
+                output_top_logprobs=[[(7, -0.5), (3, -2.0)], [(8, -1.5), (7, -1.75)]])
+    assert has_logprobs(out)
+    msg = common_pb2.Logprobs()
+    fill_logprobs(msg, out, [])
+    assert list(msg.output_logprobs) == [-0.5, -1.5]
+    assert [list(t.token_ids) for t in msg.output_top] == [[7, 3], [8, 7]]
+    assert [list(t.logprobs) for t in msg.output_top] == [[-0.5, -2.0], [-1.5, -1.75]]
+    assert not msg.input_logprobs and not msg.input_token_ids and msg.input_start == 0
+
+
+def test_input_logprobs_carry_their_prompt_ids_and_nan_for_position_0() -> None:
+    out = _step(output_logprobs=[-0.25], input_logprob_start=0,
+                input_logprobs=[None, -1.0, -2.0, -3.0],
+                input_top_logprobs=[[], [(5, -0.5)], [(6, -0.75)], [(1, -1.0)]])
+    msg = common_pb2.Logprobs()
+    fill_logprobs(msg, out, [1, 2, 3, 4])
+    assert list(msg.input_token_ids) == [1, 2, 3, 4]
+    assert math.isnan(msg.input_logprobs[0]) and list(msg.input_logprobs[1:]) == [-1, -2, -3]
+    assert [list(t.token_ids) for t in msg.input_top] == [[], [5], [6], [1]]
+    # From a later position: ids of [start, prompt_tokens) only.
+    msg = common_pb2.Logprobs()
+    fill_logprobs(msg, _step(input_logprob_start=2, input_logprobs=[-2.0, -3.0]), [1, 2, 3, 4])
+    assert msg.input_start == 2 and list(msg.input_token_ids) == [3, 4]
+
+
+def test_to_pb_sends_logprobs_only_when_there_are_some() -> None:
+    tracked = _tracked()
+    assert not _to_pb(_step(), tracked).HasField("logprobs")
+    msg = _to_pb(_step(output_logprobs=[-0.5]), tracked)
+    assert msg.HasField("logprobs") and list(msg.logprobs.output_logprobs) == [-0.5]
+
+
+def test_to_pb_header_and_prompt_ids_for_input_logprobs() -> None:
+    tracked = _tracked(return_text_in_logprobs=True, prompt_ids=[1, 2, 3, 4])
+    first = _to_pb(_step(output_logprobs=[-0.5], input_logprob_start=1,
+                         input_logprobs=[-1.0, -2.0, -3.0]), tracked)
+    assert first.header.return_text_in_logprobs
+    assert list(first.logprobs.input_token_ids) == [2, 3, 4]
+    assert tracked.prompt_ids == []  # sent once: not kept for the request's lifetime
+    second = _to_pb(_step(output_logprobs=[-0.75]), tracked)
+    assert not second.HasField("header") and not second.logprobs.input_token_ids
+
+
+class _FakeEngine:
+    def __init__(self) -> None:
+        self.added: list[tuple[str, list[int], SamplingParams]] = []
+
+    def add_request(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+        self.added.append((rid, ids, params))
+
+
+@pytest.mark.parametrize("start", [-1, 0])
+def test_admission_keeps_the_prompt_only_for_prompt_logprobs(start: int) -> None:
+    engine = _FakeEngine()
+    servicer = SchedulerServicer(engine, None, None, common_pb2.ModelInfo(), "")  # type: ignore
+    servicer._admit(scheduler_pb2.TokenizedRequest(
+        rid="r", input_ids=[1, 2, 3], route=common_pb2.Route(detokenizer="d"),
+        sampling=common_pb2.SamplingParams(top_p=1.0, max_new_tokens=2, return_logprob=True,
+                                           logprob_start_len=start,
+                                           return_text_in_logprobs=True)))
+    tracked = servicer.state.tracked["r"]
+    assert tracked.return_text_in_logprobs
+    assert tracked.prompt_ids == ([1, 2, 3] if start >= 0 else [])
+    assert engine.added[0][2].logprob_start_len == start

@@ -5,8 +5,9 @@ PY := $(VENV)/bin/python
 SITE = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 PROTOS := $(shell find proto -name '*.proto')
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install proto run test test-unit test-e2e bench lint clean
+.PHONY: install proto run test test-unit test-e2e bench bench-engine lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +42,14 @@ test-e2e: install
 
 bench: install
 	$(PY) -m meshlm.bench
+
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+# The engine and the mesh vs HF generate and transformers serve (~4 minutes on 2 cores).
+bench-engine: install $(BENCH_STAMP)
+	$(PY) -m meshlm.bench.engine $(BENCH_ARGS)
 
 lint: install
 	$(PY) -m ruff check services tests

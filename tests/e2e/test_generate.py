@@ -91,7 +91,7 @@ def test_model_info_and_list_models(stub):
 
 def test_unimplemented_rpcs_say_so(stub):
     with pytest.raises(grpc.RpcError) as err:
-        stub.FlushCache(pb.FlushCacheRequest())
+        stub.Classify(pb.ClassifyRequest(text="x"))
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 

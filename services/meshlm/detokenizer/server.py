@@ -99,6 +99,8 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
                 rid=out.rid, token_ids=out.token_ids, prompt_tokens=out.prompt_tokens,
                 completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
             )
+            if out.embedding:
+                text_out.embedding.extend(out.embedding)
             if out.HasField("logprobs"):
                 text_out.logprobs.CopyFrom(out.logprobs)
                 if state.logprob_texts:

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-from opentelemetry import trace
 
 from meshlm.common.channels import ChannelPool
 from meshlm.common.errors import MeshError
@@ -24,15 +23,18 @@ from meshlm.common.rpc import CallContext
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import carrier_of, tracer
+from meshlm.gateway.choices import Child, Choices, child_rids, fan_out
 from meshlm.gateway.dependencies import Dependencies
-from meshlm.gateway.inbox import PendingRequest, RequestTable, Update
+from meshlm.gateway.inbox import PendingRequest, RequestTable, Update, next_updates
 from meshlm.gateway.logprob_meta import logprob_meta
 from meshlm.gateway.registry import RidRegistry
 from meshlm.gateway.validation import (
     Limits,
     ValidatedRequest,
     validate_detokenize,
+    validate_embed,
     validate_generate,
+    validate_text_embed,
     validate_text_generate,
     validate_tokenize,
 )
@@ -130,19 +132,29 @@ class GatewayAPI:
                                       finished=update.final is not None)
 
     async def _generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
-        """Dispatch one request into the mesh and yield its updates (merged into one when the
-        client did not ask to stream). Ends it in the mesh if the client goes away."""
+        """Dispatch one request into the mesh (n child requests when it asks for n samples,
+        `gateway/choices.py`) and yield what the client gets: (update, meta_info) pairs, each
+        update one child's news (merged into one per child when the client did not ask to
+        stream). Ends it in the mesh if the client goes away."""
         rid = v.rid or uuid.uuid4().hex
         tokenizer = self._pick("tokenizer")
-        pending = PendingRequest(rid=rid, tokenizer=tokenizer, scheduler=self._pick("scheduler"),
-                                 detokenizer=self._pick("detokenizer"), started_at=time.time())
-        self.table.add(pending)
-        finished = dispatched = False
-        with self._tracer.start_as_current_span("gateway.generate",
-                                                attributes={"meshlm.rid": rid}) as span:
+        scheduler, detokenizer = self._pick("scheduler"), self._pick("detokenizer")
+        children = fan_out(rid, v.n, v.sampling)
+        ready, started = asyncio.Event(), time.time()
+        pendings = [PendingRequest(rid=c.rid, tokenizer=tokenizer, scheduler=scheduler,
+                                   detokenizer=detokenizer, started_at=started, ready=ready)
+                    for c in children]
+        self.table.add_group(rid, pendings)
+        choices = Choices(v.n, v.stream)
+        dispatched = ended = False  # ended: the registry has the request's final state
+        name = "gateway.embed" if v.embed else "gateway.generate"
+        with self._tracer.start_as_current_span(name, attributes={"meshlm.rid": rid,
+                                                                  "meshlm.n": v.n}) as span:
             try:
                 record = {"gateway": self.identity.inbox, "tokenizer": tokenizer,
-                          "scheduler": pending.scheduler, "detokenizer": pending.detokenizer}
+                          "scheduler": scheduler, "detokenizer": detokenizer}
+                if v.n > 1:
+                    record["n"] = str(v.n)  # how an abort elsewhere finds the children
                 if v.rid:
                     # A client's rid may clash with one on another gateway: check first.
                     if not await self.registry.create(rid, record):
@@ -151,51 +163,51 @@ class GatewayAPI:
                 else:
                     # A fresh uuid4 cannot clash: record it off the request's path.
                     self.registry.create_later(rid, record)
-                await self.submit[tokenizer].put([self._internal_request(v, rid, pending, span)])
+                trace_context = carrier_of(span)
+                await self.submit[tokenizer].put([  # one batch, the leader first
+                    self._internal_request(v, c, pendings[c.index], trace_context)
+                    for c in children])
                 dispatched = True
-                merged: list[Update] = []
-                while True:
-                    update = await pending.next()
-                    if update.error is not None:
-                        self.registry.finish(rid, "error", finish_reason="error")
-                        finished = True
-                        raise update.error
-                    if not pending.first_output:
-                        pending.first_output = True
-                        span.add_event("first_output")
-                        self.registry.update(rid, state="running")
-                    if update.final is None and not v.stream:
-                        merged.append(update)
-                        continue
-                    if merged:
-                        update = _merge([*merged, update])
-                        merged = []
-                    meta = self._meta(rid, update, pending, v.sampling)
-                    if update.final is not None:
-                        finished = True
-                        reason = update.final.finish_reason
-                        span.set_attribute("meshlm.finish_reason", reason)
-                        self.registry.finish(rid, "aborted" if reason == "abort" else "finished",
-                                             finish_reason=reason,
-                                             completion_tokens=update.completion_tokens)
-                    yield update, meta
-                    if finished:
-                        return
+                while not choices.done:
+                    for index, update in await next_updates(pendings):
+                        if update.error is not None:
+                            self.registry.finish(rid, "error", finish_reason="error")
+                            ended = True
+                            raise update.error
+                        if not any(p.first_output for p in pendings):
+                            span.add_event("first_output")
+                            self.registry.update(rid, state="running")
+                        pendings[index].first_output = True
+                        due = choices.add(index, update)
+                        if choices.done and not ended:
+                            ended = True
+                            reason = choices.finish_reason()
+                            span.set_attribute("meshlm.finish_reason", reason)
+                            self.registry.finish(
+                                rid, "aborted" if "abort" in reason.split(",") else "finished",
+                                finish_reason=reason, completion_tokens=sum(
+                                    f.completion_tokens for f in choices.finals if f is not None))
+                        for i, out in due:
+                            yield out, self._meta(v, children[i], out, started)
             finally:
-                self.table.remove(rid)
-                if dispatched and not finished:
-                    # The client went away (cancelled call, closed connection): end it now.
-                    span.add_event("client_gone")
-                    self.background.spawn(self._abort_in_scheduler(pending.scheduler, [rid], False))
-                    self.registry.finish(rid, "aborted", finish_reason="abort")
+                self.table.remove_group(rid)
+                live = [p.rid for p in pendings if not p.done]
+                if dispatched and live:
+                    # The client went away (cancelled call, closed connection), or a sibling
+                    # failed: end the rest now.
+                    self.background.spawn(self._abort_in_scheduler(scheduler, live, False))
+                    if not ended:
+                        span.add_event("client_gone")
+                        self.registry.finish(rid, "aborted", finish_reason="abort")
 
-    def _internal_request(self, v: ValidatedRequest, rid: str, pending: PendingRequest,
-                          span: trace.Span) -> tokenizer_pb2.GenerateRequest:
+    def _internal_request(self, v: ValidatedRequest, child: Child, pending: PendingRequest,
+                          trace_context: dict[str, str]) -> tokenizer_pb2.GenerateRequest:
         msg = tokenizer_pb2.GenerateRequest(
-            rid=rid, sampling=v.sampling, stream=v.stream, return_text=v.return_text,
+            rid=child.rid, sampling=child.sampling, stream=v.stream, return_text=v.return_text,
             route=common_pb2.Route(gateway=self.identity.inbox, scheduler=pending.scheduler,
                                    detokenizer=pending.detokenizer),
-            trace=carrier_of(span), add_special_tokens=True, arrival_time=pending.started_at,
+            trace=trace_context, add_special_tokens=True, arrival_time=pending.started_at,
+            embed=v.embed, after=child.after,
         )
         if v.text is not None:
             msg.text = v.text
@@ -203,11 +215,16 @@ class GatewayAPI:
             msg.input_ids.ids.extend(v.input_ids or [])
         return msg
 
-    def _meta(self, rid: str, update: Update, pending: PendingRequest,
-              sampling: common_pb2.SamplingParams) -> dict[str, str]:
-        meta = {"id": rid, "prompt_tokens": str(update.prompt_tokens),
+    def _meta(self, v: ValidatedRequest, child: Child, update: Update,
+              started: float) -> dict[str, str]:
+        meta = {"id": child.rid, "prompt_tokens": str(update.prompt_tokens),
                 "completion_tokens": str(update.completion_tokens),
                 "cached_tokens": str(update.cached_tokens)}
+        if v.n > 1:
+            meta["index"] = str(child.index)
+        if v.embed:
+            del meta["completion_tokens"]
+        sampling = v.sampling
         if sampling.return_logprob:
             meta.update(logprob_meta(update.token_ids, update.logprobs,
                                      top=sampling.top_logprobs_num > 0,
@@ -222,8 +239,26 @@ class GatewayAPI:
             elif matched == "matched_text":
                 meta["matched_stop"] = final.matched_text
                 meta["matched_stop_type"] = "text"
-            meta["e2e_latency"] = f"{time.time() - pending.started_at:.6f}"
+            meta["e2e_latency"] = f"{time.time() - started:.6f}"
         return meta
+
+    # -- embeddings --------------------------------------------------------------------------
+
+    async def TextEmbed(self, req: pb.TextEmbedRequest, ctx: CallContext) -> pb.TextEmbedResponse:
+        await self._limits()  # readiness
+        update, meta = await self._embed(validate_text_embed(req))
+        return pb.TextEmbedResponse(embedding=update.embedding or [], meta_info=meta)
+
+    async def Embed(self, req: pb.EmbedRequest, ctx: CallContext) -> pb.EmbedResponse:
+        update, meta = await self._embed(validate_embed(req, await self._limits()))
+        return pb.EmbedResponse(embedding=update.embedding or [], meta_info=meta)
+
+    async def _embed(self, v: ValidatedRequest) -> tuple[Update, dict[str, str]]:
+        """An embedding request takes the generation path; its one output has the vector."""
+        async for update, meta in self._generate(v):
+            if update.final is not None:
+                return update, meta
+        raise MeshError(grpc.StatusCode.INTERNAL, "the embedding request ended without a result")
 
     def on_rejections(self, batch: tokenizer_pb2.RejectionBatch) -> None:
         """Requests a tokenizer refused (e.g. prompt too long) fail with its status."""
@@ -252,18 +287,21 @@ class GatewayAPI:
             return pb.AbortResponse(success=all(r is not None for r in results))
         if not req.rid:
             raise MeshError(grpc.StatusCode.INVALID_ARGUMENT, "rid: give a rid or abort_all")
-        pending = self.table.get(req.rid)
-        scheduler = pending.scheduler if pending is not None else None
-        if scheduler is None:
+        # A request with n > 1 samples is its children: aborting it aborts them all.
+        members = self.table.members(req.rid)
+        if members:  # this gateway's: the children share one scheduler
+            scheduler, rids = members[0].scheduler, [m.rid for m in members]
+        else:
             record = await self.registry.get(req.rid)
             if record is None:
                 return pb.AbortResponse(success=False)
             if record.get("state") not in ("queued", "running"):
                 return pb.AbortResponse(success=True)  # already over: nothing to do
-            scheduler = record.get("scheduler")
+            scheduler = record.get("scheduler", "")
+            rids = child_rids(req.rid, int(record.get("n") or 1))
         if not scheduler:
             return pb.AbortResponse(success=False)
-        aborted = await self._abort_in_scheduler(scheduler, [req.rid], False)
+        aborted = await self._abort_in_scheduler(scheduler, rids, False)
         return pb.AbortResponse(success=aborted is not None)
 
     async def _abort_in_scheduler(self, scheduler: str, rids: list[str], all_: bool) -> int | None:
@@ -276,6 +314,33 @@ class GatewayAPI:
             log.warning("abort_failed", scheduler=scheduler, error=exc.details())
             return None
         return reply.aborted
+
+    # -- cache -------------------------------------------------------------------------------
+
+    async def FlushCache(self, req: pb.FlushCacheRequest,
+                         ctx: CallContext) -> pb.FlushCacheResponse:
+        """Empty the prefix cache of every scheduler replica; success only if all did. A
+        scheduler refuses while it has requests running or waiting."""
+        schedulers = list(self.deps.addresses["scheduler"])
+        replies = await asyncio.gather(*(self._flush_scheduler(s) for s in schedulers))
+        refused = [f"{address}: {reply.message}" for address, reply in
+                   zip(schedulers, replies, strict=True) if not reply.success]
+        if refused:
+            return pb.FlushCacheResponse(success=False, message=(
+                f"not flushed on {len(refused)} of {len(schedulers)} scheduler(s): "
+                + "; ".join(refused)))
+        return pb.FlushCacheResponse(
+            success=True, message=f"flushed the prefix cache of {len(schedulers)} scheduler(s)")
+
+    async def _flush_scheduler(self, address: str) -> scheduler_pb2.FlushCacheResponse:
+        stub = scheduler_pb2_grpc.SchedulerStub(self.channels.get(address))
+        try:
+            return await stub.FlushCache(scheduler_pb2.FlushCacheRequest(),
+                                         timeout=CONTROL_TIMEOUT * 4)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("flush_cache_failed", scheduler=address, error=exc.details())
+            return scheduler_pb2.FlushCacheResponse(success=False,
+                                                    message=f"unreachable ({exc.code().name})")
 
     # -- tokenizer passthrough ---------------------------------------------------------------
 
@@ -358,20 +423,8 @@ class GatewayAPI:
         info = {"gateway": self.identity.inbox, "served_model_name":
                 self.identity.served_model_name, "dependencies": self.deps.status(),
                 "registry_degraded": self.registry.degraded,
+                "requests_in_flight": len(self.table.requests),
+                "request_groups": len(self.table.groups),
                 "max_model_len": self.info.max_model_len if self.info else None}
         return pb.GetServerInfoResponse(json_info=json.dumps(info))
 
-
-def _merge(updates: list[Update]) -> Update:
-    last = updates[-1]
-    logprobs = None
-    for u in updates:
-        if u.logprobs is not None:
-            if logprobs is None:
-                logprobs = common_pb2.Logprobs()
-            logprobs.MergeFrom(u.logprobs)
-    return Update(text="".join(u.text for u in updates),
-                  token_ids=[t for u in updates for t in u.token_ids], final=last.final,
-                  error=last.error, prompt_tokens=last.prompt_tokens,
-                  completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens,
-                  logprobs=logprobs)

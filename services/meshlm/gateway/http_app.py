@@ -1,5 +1,6 @@
 """The gateway's HTTP front (Starlette): every SglangService RPC transcoded from its
-google.api.http annotation, SGLang-native POST /generate, GET /health and OpenAI GET /v1/models.
+google.api.http annotation, SGLang-native POST /generate, /encode and /flush_cache, GET /health
+and OpenAI GET /v1/models.
 
 All routes call the same `api` object as the gRPC servicer: `await api.Rpc(req, ctx)` for unary
 RPCs, `api.Rpc(req, ctx)` -> async iterator for server streams. A stream's first message is
@@ -30,7 +31,13 @@ from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
 from meshlm.common.rpc import CallContext
 from meshlm.gateway import transcode
-from meshlm.gateway.sse import SSE_DONE, NativeOutput, native_error, sse_event
+from meshlm.gateway.sse import (
+    SSE_DONE,
+    NativeChoices,
+    native_embedding,
+    native_error,
+    sse_event,
+)
 from meshlm.gateway.validation import DEFAULT_MAX_NEW_TOKENS
 from sglang.runtime.v1 import sglang_pb2
 
@@ -45,6 +52,8 @@ def build_http_app(api: Any) -> Starlette:
     h = _Handlers(api)
     routes: list[BaseRoute] = [
         Route("/generate", h.generate, methods=["POST"]),
+        Route("/encode", h.encode, methods=["POST"]),
+        Route("/flush_cache", h.flush_cache, methods=["GET", "POST"]),
         Route("/health", h.health, methods=["GET"]),
         Route("/v1/models", h.models, methods=["GET"]),
     ]
@@ -96,13 +105,15 @@ class _Handlers:
             return _status_response(_internal())
 
     async def generate(self, request: Request) -> Response:
-        """SGLang-native /generate: JSON reply, or SSE with cumulative text when streaming."""
+        """SGLang-native /generate: JSON reply, or SSE with cumulative text when streaming;
+        with n > 1 samples a JSON list of n replies, or events carrying an "index"."""
         started = time.monotonic()
         try:
             req = transcode.native_generate_request(await request.body())
             is_text = isinstance(req, sglang_pb2.TextGenerateRequest)
             sampling = req.sampling_params
-            out = NativeOutput(
+            out = NativeChoices(
+                sampling.n if sampling.HasField("n") and sampling.n > 1 else 1,
                 return_text=is_text,
                 max_new_tokens=sampling.max_new_tokens
                 if sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
@@ -119,12 +130,41 @@ class _Handlers:
                 return Response(status_code=499)
             finally:
                 await _aclose(stream)
-            return Response(orjson.dumps(out.to_dict()), media_type=JSON)
+            return Response(orjson.dumps(out.to_json()), media_type=JSON)
         except MeshError as e:
             return _native_error_response(e)
         except Exception:
             log.exception("http_request_failed", path="/generate")
             return _native_error_response(_internal())
+
+    async def encode(self, request: Request) -> Response:
+        """SGLang-native /encode: {"text"} or {"input_ids"} -> {"embedding", "meta_info"}."""
+        started = time.monotonic()
+        try:
+            req = transcode.native_embed_request(await request.body())
+            rpc = "TextEmbed" if isinstance(req, sglang_pb2.TextEmbedRequest) else "Embed"
+            reply = await self._invoke(rpc, req, call_context(request))
+            return Response(orjson.dumps(native_embedding(reply, started)), media_type=JSON)
+        except MeshError as e:
+            return _native_error_response(e)
+        except Exception:
+            log.exception("http_request_failed", path="/encode")
+            return _native_error_response(_internal())
+
+    async def flush_cache(self, request: Request) -> Response:
+        """SGLang-native /flush_cache: plain text; 200 when flushed, 400 when refused."""
+        try:
+            reply = await self._invoke("FlushCache", sglang_pb2.FlushCacheRequest(),
+                                       call_context(request))
+        except MeshError as e:
+            return _native_error_response(e)
+        except Exception:
+            log.exception("http_request_failed", path="/flush_cache")
+            return _native_error_response(_internal())
+        if reply.success:
+            return Response(f"Cache flushed.\n{reply.message}\n", media_type="text/plain")
+        return Response(f"Cache not flushed: {reply.message}\n", status_code=400,
+                        media_type="text/plain")
 
     async def health(self, request: Request) -> Response:
         try:
@@ -187,7 +227,7 @@ async def _aclose(stream: Any) -> None:
         await aclose()
 
 
-async def _drain(stream: AsyncIterator[Any], out: NativeOutput) -> None:
+async def _drain(stream: AsyncIterator[Any], out: NativeChoices) -> None:
     async for message in stream:
         out.add(message)
 
@@ -206,14 +246,13 @@ async def _ndjson(first: Any, stream: AsyncIterator[Any], rpc: str) -> AsyncIter
         yield transcode.error_line(_internal())
 
 
-async def _sse(out: NativeOutput, first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+async def _sse(out: NativeChoices, first: Any,
+               stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     if first is not _EMPTY:
-        out.add(first)
-        yield sse_event(out.to_dict())
+        yield sse_event(out.add(first).to_dict())
         try:
             async for message in stream:
-                out.add(message)
-                yield sse_event(out.to_dict())
+                yield sse_event(out.add(message).to_dict())
         except MeshError as e:
             yield sse_event(native_error(e))
         except Exception:

@@ -3,13 +3,14 @@
 Each request has a mailbox that coalesces: outputs that arrive while the client is still
 reading the previous ones are merged, never queued without bound and never blocking the
 inbox. A slow client therefore costs only its own buffered text and stalls nobody else.
+The n children of one request (n > 1) share one `ready` event, so one wait covers them all.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -31,6 +32,7 @@ class Update:
     completion_tokens: int
     cached_tokens: int
     logprobs: common_pb2.Logprobs | None = None  # for token_ids (and the prompt, first)
+    embedding: list[float] | None = None  # an embedding request's result
 
 
 @dataclass
@@ -46,9 +48,12 @@ class PendingRequest:
     _error: MeshError | None = None
     _counts: tuple[int, int, int] = (0, 0, 0)
     _logprobs: common_pb2.Logprobs | None = None
-    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _embedding: list[float] | None = None
+    _news: bool = False
+    # Set on news; shared by the children of one request (see `next_updates`).
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
     first_output: bool = False
-    done: bool = False
+    done: bool = False  # its final output or error was taken
 
     def deliver(self, out: gateway_pb2.TextOutput) -> None:
         if self._final is not None or self._error is not None:
@@ -61,29 +66,51 @@ class PendingRequest:
                 self._logprobs = common_pb2.Logprobs()
             self._logprobs.MergeFrom(out.logprobs)  # repeated fields append
         self._counts = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+        if out.embedding:
+            self._embedding = list(out.embedding)
         if out.finished:
             if out.finish_reason == "error":
                 code = out.error.code or grpc.StatusCode.INTERNAL.value[0]
                 self._error = MeshError.from_number(code, out.error.message or "request failed")
             else:
                 self._final = out
-        self._ready.set()
+        self._news = True
+        self.ready.set()
 
     def fail(self, error: MeshError) -> None:
         if self._final is None and self._error is None:
             self._error = error
-            self._ready.set()
+            self._news = True
+            self.ready.set()
 
-    async def next(self) -> Update:
-        """Wait for news, then take all of it."""
-        await self._ready.wait()
-        self._ready.clear()
+    def take(self) -> Update | None:
+        """Everything that arrived since the last take, or None when nothing did."""
+        if not self._news:
+            return None
+        self._news = False
         update = Update("".join(self._text), self._ids, self._final, self._error, *self._counts,
-                        logprobs=self._logprobs)
+                        logprobs=self._logprobs, embedding=self._embedding)
         self._text, self._ids, self._logprobs = [], [], None
         if update.final is not None or update.error is not None:
             self.done = True
         return update
+
+    async def next(self) -> Update:
+        """Wait for news, then take all of it."""
+        [(_, update)] = await next_updates([self])
+        return update
+
+
+async def next_updates(requests: Sequence[PendingRequest]) -> list[tuple[int, Update]]:
+    """Wait until any of `requests` (which share one `ready` event) has news; take it all, as
+    (position in `requests`, update) pairs."""
+    ready = requests[0].ready
+    while True:
+        news = [(i, u) for i, r in enumerate(requests) if (u := r.take()) is not None]
+        if news:
+            return news
+        ready.clear()
+        await ready.wait()
 
 
 class RequestTable:
@@ -91,13 +118,33 @@ class RequestTable:
 
     def __init__(self) -> None:
         self.requests: dict[str, PendingRequest] = {}
+        self.groups: dict[str, list[str]] = {}  # rid of an n > 1 request -> its children's
         self._per_scheduler: collections.Counter[str] = collections.Counter()
 
     def add(self, req: PendingRequest) -> None:
-        if req.rid in self.requests:
-            raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"rid: {req.rid!r} is already in use")
-        self.requests[req.rid] = req
-        self._per_scheduler[req.scheduler] += 1
+        self.add_group(req.rid, [req])
+
+    def add_group(self, rid: str, children: list[PendingRequest]) -> None:
+        """Add request `rid` as its child requests (n > 1; n == 1: the one child is `rid`
+        itself), all or none."""
+        names = {rid, *(c.rid for c in children)}
+        if any(name in self.requests or name in self.groups for name in names):
+            raise MeshError(grpc.StatusCode.ALREADY_EXISTS, f"rid: {rid!r} is already in use")
+        for req in children:
+            self.requests[req.rid] = req
+            self._per_scheduler[req.scheduler] += 1
+        if [c.rid for c in children] != [rid]:
+            self.groups[rid] = [c.rid for c in children]
+
+    def remove_group(self, rid: str) -> None:
+        """Remove request `rid` and its children."""
+        for child in self.groups.pop(rid, [rid]):
+            self.remove(child)
+
+    def members(self, rid: str) -> list[PendingRequest]:
+        """The live requests `rid` names: its children (n > 1), or itself."""
+        names = self.groups.get(rid, [rid])
+        return [r for name in names if (r := self.requests.get(name)) is not None]
 
     def remove(self, rid: str) -> None:
         req = self.requests.pop(rid, None)

@@ -1,10 +1,13 @@
-"""SGLang-native /generate output: api messages folded into SGLang's JSON, and SSE framing.
+"""SGLang-native /generate and /encode output: api messages folded into SGLang's JSON, and SSE
+framing.
 
 SGLang's /generate answers {"text", "output_ids", "meta_info"}; when streaming, every
 Server-Sent Event carries the same shape with the text and ids so far (cumulative), and the
 stream ends with `data: [DONE]`. The api streams deltas (TextGenerateResponse.text,
 GenerateResponse.output_ids) with meta_info as strings; `NativeOutput` accumulates them, the
-logprob lists included (real JSON arrays here, cumulative like the text).
+logprob lists included (real JSON arrays here, cumulative like the text). With n > 1 samples
+(`NativeChoices`) each sample is one such object with an "index": a JSON list of n of them, or
+events for each sample in turn as its news arrives. /encode answers {"embedding", "meta_info"}.
 """
 
 from __future__ import annotations
@@ -21,10 +24,11 @@ from sglang.runtime.v1 import sglang_pb2
 SSE_DONE = b"data: [DONE]\n\n"
 
 _COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
-_CONSUMED = {"id", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency", *_COUNTS,
-             *LOGPROB_KEYS}
+_CONSUMED = {"id", "index", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency",
+             *_COUNTS, *LOGPROB_KEYS}
 
 GenerateMessage = sglang_pb2.TextGenerateResponse | sglang_pb2.GenerateResponse
+EmbedMessage = sglang_pb2.TextEmbedResponse | sglang_pb2.EmbedResponse
 
 
 def sse_event(payload: Any) -> bytes:
@@ -43,7 +47,9 @@ class NativeOutput:
     them (GenerateResponse; TextGenerateResponse has no output_ids field in the public proto).
     """
 
-    def __init__(self, *, return_text: bool, max_new_tokens: int, started: float) -> None:
+    def __init__(self, *, return_text: bool, max_new_tokens: int, started: float,
+                 index: int | None = None) -> None:
+        self.index = index  # the sample's index when the request asked for n > 1
         self.return_text = return_text
         self.max_new_tokens = max_new_tokens
         self.started = started  # time.monotonic() when the HTTP request arrived
@@ -74,6 +80,8 @@ class NativeOutput:
         if self.output_ids is not None:
             out["output_ids"] = self.output_ids
         out["meta_info"] = self._meta_info()
+        if self.index is not None:
+            out["index"] = self.index
         return out
 
     def _meta_info(self) -> dict[str, Any]:
@@ -101,6 +109,39 @@ class NativeOutput:
         if kind == "length":
             reason["length"] = self.max_new_tokens
         return reason
+
+
+class NativeChoices:
+    """The n samples of one /generate request, each a NativeOutput, found by the messages'
+    meta_info["index"]. n == 1: one object without an index, as SGLang answers."""
+
+    def __init__(self, n: int, *, return_text: bool, max_new_tokens: int,
+                 started: float) -> None:
+        self.outputs = [NativeOutput(return_text=return_text, max_new_tokens=max_new_tokens,
+                                     started=started, index=i if n > 1 else None)
+                        for i in range(n)]
+
+    def add(self, message: GenerateMessage) -> NativeOutput:
+        """Fold in one message; returns the sample it belongs to."""
+        index = _int(message.meta_info.get("index", "0"))
+        out = self.outputs[index if isinstance(index, int) else 0]
+        out.add(message)
+        return out
+
+    def to_json(self) -> Any:
+        if len(self.outputs) == 1:
+            return self.outputs[0].to_dict()
+        return [out.to_dict() for out in self.outputs]
+
+
+def native_embedding(message: EmbedMessage, started: float) -> dict[str, Any]:
+    """An Embed/TextEmbed reply in /encode's shape."""
+    meta = message.meta_info
+    info: dict[str, Any] = {"id": meta.get("id", ""), "finish_reason": {"type": "stop"}}
+    for key in ("prompt_tokens", "cached_tokens"):
+        info[key] = _int(meta.get(key, "0"))
+    info["e2e_latency"] = round(time.monotonic() - started, 6)
+    return {"embedding": list(message.embedding), "meta_info": info}
 
 
 def _int(value: str) -> int | str:

@@ -295,7 +295,7 @@ def error_line(err: MeshError) -> bytes:
     return orjson.dumps({"error": status_dict(err)}) + b"\n"
 
 
-# ---- SGLang-native /generate -----------------------------------------------------------------
+# ---- SGLang-native /generate and /encode -----------------------------------------------------
 
 NativeRequest = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
 
@@ -306,6 +306,32 @@ def native_generate_request(body: bytes) -> NativeRequest:
     Sampling params use SGLang's names, which are the proto's; "stop" may be a single string.
     JSON nulls mean "not given".
     """
+    doc, has_text = _native_prompt(body)
+    sampling = doc.get("sampling_params")
+    if isinstance(sampling, dict):
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        if isinstance(sampling.get("stop"), str):
+            sampling["stop"] = [sampling["stop"]]
+        doc["sampling_params"] = sampling
+    cls = sglang_pb2.TextGenerateRequest if has_text else sglang_pb2.GenerateRequest
+    check_known_fields(doc, cls.DESCRIPTOR, "")
+    return parse_dict(doc, cls())
+
+
+NativeEmbedRequest = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest
+
+
+def native_embed_request(body: bytes) -> NativeEmbedRequest:
+    """SGLang's /encode body -> TextEmbedRequest ("text") or EmbedRequest ("input_ids")."""
+    doc, has_text = _native_prompt(body)
+    cls = sglang_pb2.TextEmbedRequest if has_text else sglang_pb2.EmbedRequest
+    check_known_fields(doc, cls.DESCRIPTOR, "")
+    return parse_dict(doc, cls())
+
+
+def _native_prompt(body: bytes) -> tuple[dict[str, Any], bool]:
+    """A native body without its nulls, and whether its one prompt is "text" (else
+    "input_ids"); batches (lists of prompts) are not served."""
     doc = parse_json_body(body)
     if not isinstance(doc, dict):
         raise invalid("body", "must be a JSON object")
@@ -320,15 +346,7 @@ def native_generate_request(body: bytes) -> NativeRequest:
             grpc.StatusCode.UNIMPLEMENTED,
             f"{field}: batched requests (a list of prompts) are not supported yet",
         )
-    sampling = doc.get("sampling_params")
-    if isinstance(sampling, dict):
-        sampling = {k: v for k, v in sampling.items() if v is not None}
-        if isinstance(sampling.get("stop"), str):
-            sampling["stop"] = [sampling["stop"]]
-        doc["sampling_params"] = sampling
-    cls = sglang_pb2.TextGenerateRequest if has_text else sglang_pb2.GenerateRequest
-    check_known_fields(doc, cls.DESCRIPTOR, "")
-    return parse_dict(doc, cls())
+    return doc, has_text
 
 
 def _is_batch(input_ids: Any) -> bool:

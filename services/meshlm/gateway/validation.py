@@ -11,6 +11,10 @@ logprob_start_len against it the same way.
 
 Logprob options are request-level in the public API; internally they ride in the sampling params
 (set only when return_logprob was asked, so that the engine never sees stray values).
+
+`sampling_params.n` (samples of one prompt, 1 to MAX_N) stays out of the internal params: the
+gateway fans such a request out into n child requests (`gateway/choices.py`). Embedding requests
+become a ValidatedRequest with `embed` set and no output tokens (max_new_tokens 0).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_TOP_LOGPROBS = 20
+MAX_N = 16  # samples of one prompt (sampling_params.n)
 _RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -42,7 +47,8 @@ class Limits:
 
 @dataclass
 class ValidatedRequest:
-    """A generation request that passed validation; exactly one of text / input_ids is set."""
+    """A generation or embedding request that passed validation; exactly one of text /
+    input_ids is set."""
 
     rid: str | None
     text: str | None
@@ -52,6 +58,8 @@ class ValidatedRequest:
     return_text: bool
     routing_key: str | None
     trace_headers: dict[str, str] = field(default_factory=dict)
+    n: int = 1  # samples of the prompt (child requests)
+    embed: bool = False  # an embedding request
 
 
 def unimplemented(field_path: str, problem: str) -> MeshError:
@@ -109,10 +117,8 @@ def normalize_sampling(
             f"must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}",
         )
     _check_stop(p, field_prefix)
-    if p.HasField("n") and p.n != 1:
-        if p.n > 1:
-            raise unimplemented(name("n"), "n > 1 is not supported yet")
-        raise invalid(name("n"), f"must be >= 1, got {p.n}")
+    if p.HasField("n") and not 1 <= p.n <= MAX_N:
+        raise invalid(name("n"), f"must be in [1, {MAX_N}] (samples of the prompt), got {p.n}")
     for f in ("json_schema", "regex"):
         if p.HasField(f):
             raise unimplemented(name(f), "constrained decoding is not supported yet")
@@ -247,6 +253,7 @@ def _validated(
     rid = req.rid if req.HasField("rid") else None
     if rid is not None:
         check_rid(rid)
+    params = req.sampling_params
     return ValidatedRequest(
         rid=rid,
         text=text,
@@ -256,6 +263,7 @@ def _validated(
         return_text=text is not None,
         routing_key=req.routing_key if req.HasField("routing_key") else None,
         trace_headers=dict(req.trace_headers),
+        n=params.n if params.HasField("n") else 1,
     )
 
 
@@ -281,6 +289,44 @@ def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> Valida
     check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
     check_prompt_length(len(ids), sampling.max_new_tokens, limits)
     return _validated(req, sampling, text=None, input_ids=ids)
+
+
+_EmbedLike = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest
+
+
+def _validated_embed(
+    req: _EmbedLike, *, text: str | None, input_ids: list[int] | None
+) -> ValidatedRequest:
+    rid = req.rid if req.HasField("rid") else None
+    if rid is not None:
+        check_rid(rid)
+    return ValidatedRequest(
+        rid=rid,
+        text=text,
+        input_ids=input_ids,
+        sampling=common_pb2.SamplingParams(max_new_tokens=0, logprob_start_len=-1),
+        stream=False,
+        return_text=False,
+        routing_key=req.routing_key if req.HasField("routing_key") else None,
+        trace_headers=dict(req.trace_headers),
+        embed=True,
+    )
+
+
+def validate_text_embed(req: sglang_pb2.TextEmbedRequest) -> ValidatedRequest:
+    """The prompt's length is checked after tokenization, as for TextGenerate."""
+    if not req.text:
+        raise invalid("text", "must not be empty")
+    return _validated_embed(req, text=req.text, input_ids=None)
+
+
+def validate_embed(req: sglang_pb2.EmbedRequest, limits: Limits) -> ValidatedRequest:
+    ids = list(req.input_ids)
+    if not ids:
+        raise invalid("input_ids", "must not be empty")
+    check_token_ids(ids, limits, "input_ids")
+    check_prompt_length(len(ids), 0, limits)
+    return _validated_embed(req, text=None, input_ids=ids)
 
 
 def validate_tokenize(req: sglang_pb2.TokenizeRequest) -> None:

@@ -2,7 +2,8 @@
 
 Tokenizers stream requests in (Submit); an engine loop runs schedule -> execute -> postprocess
 (the forward pass in a worker thread, all scheduling state on the event loop), and each step's
-outputs leave as one TokenBatch per detokenizer. Abort ends requests between steps.
+outputs leave as one TokenBatch per detokenizer. Abort ends requests between steps; FlushCache
+empties the prefix cache between steps too (the engine loop runs it before planning the next).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
 log = get_logger(__name__)
 
 PRE_ABORT_TTL = 60.0  # seconds an abort for a not-yet-seen rid is remembered
+FLUSH_TIMEOUT = 30.0  # seconds FlushCache waits for the engine loop to reach a step boundary
 
 
 @dataclass
@@ -77,6 +79,9 @@ class Tracked:
     first_token_at: float | None = None
     return_text_in_logprobs: bool = False
     prompt_ids: list[int] = field(default_factory=list)  # kept until prompt logprobs are sent
+    # Status code of an engine refusal: a generation request to an embedding-only model is
+    # FAILED_PRECONDITION (the model cannot do it), any other refusal INVALID_ARGUMENT.
+    error_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
 
 
 @dataclass
@@ -98,6 +103,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._tracer = tracer("meshlm.scheduler")
         self._executor = executor
         self._pending: list[StepOutput] = []  # outputs made outside a step (refusals)
+        self._flushes: list[asyncio.Future[bool]] = []  # FlushCache calls awaiting the loop
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -122,6 +128,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         )
         if req.sampling.return_logprob and req.sampling.logprob_start_len >= 0:
             tracked.prompt_ids = list(req.input_ids)
+        if not req.embed and not self.engine.model_config.has_lm_head:
+            tracked.error_code = grpc.StatusCode.FAILED_PRECONDITION
         if req.rid in self.state.tracked:
             span.end()
             self._refuse_duplicate(req, tracked)
@@ -131,7 +139,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self._pending.append(_final(req.rid, len(req.input_ids), "abort"))
             return
         try:
-            self.engine.add_request(req.rid, list(req.input_ids), engine_params(req.sampling))
+            if req.embed:
+                self.engine.add_embed_request(req.rid, list(req.input_ids))
+            else:
+                self.engine.add_request(req.rid, list(req.input_ids), engine_params(req.sampling),
+                                        after=req.after or None)
         except ValueError as exc:
             self._pending.append(_final(req.rid, len(req.input_ids), "error", str(exc)))
 
@@ -184,15 +196,43 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                       context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         return self.info
 
+    async def FlushCache(self, request: scheduler_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> scheduler_pb2.FlushCacheResponse:
+        """Queue a flush for the engine loop, which runs it between two steps."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._flushes.append(done)
+        self.wake.set()
+        try:
+            flushed = await asyncio.wait_for(done, FLUSH_TIMEOUT)
+        except TimeoutError:
+            return scheduler_pb2.FlushCacheResponse(
+                success=False, message=f"the engine loop did not answer within {FLUSH_TIMEOUT} s")
+        if flushed:
+            log.info("prefix_cache_flushed")
+            return scheduler_pb2.FlushCacheResponse(success=True)
+        s = self.engine.stats()
+        return scheduler_pb2.FlushCacheResponse(
+            success=False, message=f"requests are running ({s['running']} running, "
+                                   f"{s['waiting']} waiting); retry when idle")
+
+    def _run_flushes(self) -> None:
+        """Answer queued FlushCache calls (loop thread, no plan in flight)."""
+        for done in self._flushes:
+            if not done.done():
+                done.set_result(self.engine.flush_cache())
+        self._flushes = []
+
     # -- the engine loop ---------------------------------------------------------------------
 
     async def run_engine(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            # 1. sleep until there is work
-            if not self.engine.has_work() and not self._pending:
+            # 1. sleep until there is work; between steps, answer cache flushes
+            if not self.engine.has_work() and not self._pending and not self._flushes:
                 self.wake.clear()
                 await self.wake.wait()
+            if self._flushes:
+                self._run_flushes()
             # 2. plan on the loop thread, run the forward pass in the engine thread
             plan = self.engine.schedule()
             result = None
@@ -247,8 +287,10 @@ def _to_pb(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
     if out.matched_token is not None:
         msg.matched_token = out.matched_token
     if out.error is not None:
-        msg.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        msg.error.code = tracked.error_code.value[0]
         msg.error.message = out.error
+    if out.embedding is not None:
+        msg.embedding.extend(out.embedding)
     if has_logprobs(out):
         fill_logprobs(msg.logprobs, out, tracked.prompt_ids)
         if out.input_logprobs:
@@ -268,8 +310,11 @@ def _to_pb(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
 def _warm_up(engine: Engine) -> None:
     """One tiny request before SERVING, so the first client does not pay for torch's
     first-call set-up (hundreds of ms on CPU)."""
-    engine.add_request("meshlm-warm-up", [0, 1, 2, 3], SamplingParams(
-        temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    if engine.model_config.has_lm_head:
+        engine.add_request("meshlm-warm-up", [0, 1, 2, 3], SamplingParams(
+            temperature=0.0, max_new_tokens=2, ignore_eos=True))
+    else:
+        engine.add_embed_request("meshlm-warm-up", [0, 1, 2, 3])
     while engine.has_work():
         engine.step()
 

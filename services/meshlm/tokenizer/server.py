@@ -93,7 +93,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                     scheduler_pb2.TokenizedRequest(
                         rid=req.rid, input_ids=prompt, sampling=req.sampling, stream=req.stream,
                         return_text=req.return_text, route=req.route, trace=carrier_of(span),
-                        arrival_time=req.arrival_time,
+                        arrival_time=req.arrival_time, embed=req.embed, after=req.after,
                     )
                 )
         for address, items in by_scheduler.items():

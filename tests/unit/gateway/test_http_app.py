@@ -1,5 +1,6 @@
-"""The HTTP app over a fake api: transcoded routes, NDJSON and SSE streams, native /generate,
-/health, /v1/models, error shapes, and closing the api stream when the client goes away."""
+"""The HTTP app over a fake api: transcoded routes, NDJSON and SSE streams, native /generate
+(n > 1 included), /encode and /flush_cache, /health, /v1/models, error shapes, and closing the
+api stream when the client goes away."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class FakeApi:
 
     def __init__(self) -> None:
         self.healthy = True
+        self.flushable = True
         self.contexts: list[CallContext] = []
         self.ended: list[tuple[str, bool]] = []  # (prompt, ran to completion)
 
@@ -56,7 +58,48 @@ class FakeApi:
         self, req: pb.TextGenerateRequest, ctx: CallContext
     ) -> AsyncIterator[pb.TextGenerateResponse]:
         self.contexts.append(ctx)
+        if req.sampling_params.n > 1:
+            return self._samples(req)
         return self._text(req)
+
+    async def _samples(self, req: pb.TextGenerateRequest
+                       ) -> AsyncIterator[pb.TextGenerateResponse]:
+        """n samples "a", "b", ...: streamed as two pieces each, interleaved (the last sample
+        first), or as one finished message each, in index order."""
+        n = req.sampling_params.n
+        letters = "abcdefghijklmnop"[:n]
+
+        def meta(i: int, done: bool) -> dict[str, str]:
+            m = {"id": f"r1-{i}", "index": str(i), "prompt_tokens": "3",
+                 "completion_tokens": str(2 if done else 1), "cached_tokens": str(i and 3)}
+            return m | {"finish_reason": "length"} if done else m
+
+        if not req.stream:
+            for i, c in enumerate(letters):
+                yield pb.TextGenerateResponse(text=c * 2, meta_info=meta(i, True), finished=True)
+            return
+        for i in reversed(range(n)):
+            yield pb.TextGenerateResponse(text=letters[i], meta_info=meta(i, False))
+        for i in range(n):
+            yield pb.TextGenerateResponse(text=letters[i], meta_info=meta(i, True),
+                                          finished=True)
+
+    async def TextEmbed(self, req: pb.TextEmbedRequest, ctx: CallContext) -> pb.TextEmbedResponse:
+        if not req.text:
+            raise MeshError(grpc.StatusCode.INVALID_ARGUMENT, "text: must not be empty")
+        return pb.TextEmbedResponse(embedding=[0.6, 0.8], meta_info={
+            "id": req.rid or "e1", "prompt_tokens": "2", "cached_tokens": "0",
+            "finish_reason": "stop"})
+
+    async def Embed(self, req: pb.EmbedRequest, ctx: CallContext) -> pb.EmbedResponse:
+        return pb.EmbedResponse(embedding=[1.0, 0.0], meta_info={
+            "id": "e2", "prompt_tokens": str(len(req.input_ids)), "cached_tokens": "1"})
+
+    async def FlushCache(self, req: pb.FlushCacheRequest,
+                         ctx: CallContext) -> pb.FlushCacheResponse:
+        if self.flushable:
+            return pb.FlushCacheResponse(success=True, message="flushed 1")
+        return pb.FlushCacheResponse(success=False, message="s1: requests are running")
 
     async def _text(self, req: pb.TextGenerateRequest) -> AsyncIterator[pb.TextGenerateResponse]:
         completed = False
@@ -187,8 +230,8 @@ async def test_unary_invalid(client: httpx.AsyncClient, body: bytes, start: str)
 
 
 async def test_unimplemented(client: httpx.AsyncClient) -> None:
-    r = await client.post("/v1/runtime/embed", json={"input_ids": [1]})  # absent from the api
-    assert "Embed" in _status(r, 501, grpc.StatusCode.UNIMPLEMENTED)
+    r = await client.post("/v1/runtime/classify", json={"text": "a"})  # absent from the api
+    assert "Classify" in _status(r, 501, grpc.StatusCode.UNIMPLEMENTED)
     r = await client.post("/v1/runtime/abort", json={"rid": "x"})  # raises UNIMPLEMENTED
     _status(r, 501, grpc.StatusCode.UNIMPLEMENTED)
 
@@ -307,6 +350,69 @@ async def test_native_errors(
     error = r.json()["error"]
     assert error["message"].startswith(start) and error["code"] == status
     assert error["type"] in ("INVALID_ARGUMENT", "UNIMPLEMENTED")
+
+
+async def test_native_n_samples_are_a_list_in_index_order(client: httpx.AsyncClient) -> None:
+    r = await client.post("/generate", json={"text": "hi", "sampling_params": {"n": 3}})
+    assert r.status_code == 200
+    body = r.json()
+    assert [x["index"] for x in body] == [0, 1, 2]
+    assert [x["text"] for x in body] == ["aa", "bb", "cc"]
+    assert [x["meta_info"]["id"] for x in body] == ["r1-0", "r1-1", "r1-2"]
+    assert [x["meta_info"]["cached_tokens"] for x in body] == [0, 3, 3]
+    assert all(x["meta_info"]["finish_reason"] == {"type": "length", "length": 128}
+               and "index" not in x["meta_info"] for x in body)
+
+
+async def test_native_n_samples_stream_with_their_index(client: httpx.AsyncClient) -> None:
+    events = _events(await client.post(
+        "/generate", json={"text": "hi", "stream": True, "sampling_params": {"n": 2}}))
+    assert [(e["index"], e["text"]) for e in events] == [(1, "b"), (0, "a"), (0, "aa"), (1, "bb")]
+    assert [e["meta_info"]["finish_reason"] for e in events][2:] == [
+        {"type": "length", "length": 128}] * 2
+
+
+# ---- native /encode and /flush_cache ---------------------------------------------------------
+
+
+async def test_native_encode(client: httpx.AsyncClient) -> None:
+    r = await client.post("/encode", json={"text": "hi", "rid": "mine"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["embedding"] == [0.6000000238418579, 0.800000011920929]  # float32 on the wire
+    meta = body["meta_info"]
+    assert (meta["id"], meta["prompt_tokens"], meta["cached_tokens"]) == ("mine", 2, 0)
+    assert meta["finish_reason"] == {"type": "stop"} and meta["e2e_latency"] >= 0
+    body = (await client.post("/encode", json={"input_ids": [4, 5, 6]})).json()
+    assert body["embedding"] == [1.0, 0.0] and body["meta_info"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "start"),
+    [
+        (b'{"text": ""}', 400, "text: must not be empty"),
+        (b'{"text": "a", "input_ids": [1]}', 400, "text: give exactly one of text and input_ids"),
+        (b'{"text": "a", "sampling_params": {}}', 400, "sampling_params: unknown field"),
+        (b'{"text": ["a", "b"]}', 501, "text: batched"),
+    ],
+)
+async def test_native_encode_errors(
+    client: httpx.AsyncClient, body: bytes, status: int, start: str
+) -> None:
+    r = await client.post("/encode", content=body)
+    assert r.status_code == status
+    assert r.json()["error"]["message"].startswith(start), r.text
+
+
+async def test_native_flush_cache(client: httpx.AsyncClient, api: FakeApi) -> None:
+    r = await client.post("/flush_cache")
+    assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+    assert (await client.get("/flush_cache")).status_code == 200
+    api.flushable = False
+    r = await client.post("/flush_cache")
+    assert r.status_code == 400 and "requests are running" in r.text
+    r = await client.post("/v1/runtime/flush_cache", json={})
+    assert r.json() == {"success": False, "message": "s1: requests are running"}
 
 
 # ---- /health and /v1/models ------------------------------------------------------------------

@@ -4,7 +4,7 @@ import grpc
 import pytest
 
 from meshlm.common.errors import MeshError
-from meshlm.gateway.inbox import PendingRequest, RequestTable
+from meshlm.gateway.inbox import PendingRequest, RequestTable, next_updates
 from meshlm.v1 import gateway_pb2
 
 
@@ -50,3 +50,38 @@ def test_table_counts_per_scheduler_and_refuses_duplicates():
     table.remove("a")
     table.remove("a")
     assert table.count_on("s1") == 1
+
+
+async def test_children_share_one_wait():
+    ready = asyncio.Event()
+    kids = [PendingRequest(rid=f"r-{i}", tokenizer="t", scheduler="s", detokenizer="d",
+                           started_at=0.0, ready=ready) for i in range(3)]
+    waiter = asyncio.ensure_future(next_updates(kids))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    kids[2].deliver(gateway_pb2.TextOutput(rid="r-2", token_ids=[5]))
+    kids[0].deliver(gateway_pb2.TextOutput(rid="r-0", token_ids=[6], finished=True,
+                                           finish_reason="length", embedding=[1.0]))
+    news = await asyncio.wait_for(waiter, 1)
+    assert [(i, u.token_ids) for i, u in news] == [(0, [6]), (2, [5])]
+    assert news[0][1].embedding == [1.0] and kids[0].done and not kids[2].done
+    assert kids[0].take() is None and kids[1].take() is None
+    kids[1].fail(MeshError(grpc.StatusCode.UNAVAILABLE, "gone"))
+    [(i, update)] = await asyncio.wait_for(next_updates(kids), 1)
+    assert i == 1 and update.error is not None
+
+
+def test_groups_are_added_and_removed_whole():
+    table = RequestTable()
+    table.add_group("p", [_req("p-0"), _req("p-1")])
+    assert [r.rid for r in table.members("p")] == ["p-0", "p-1"]
+    assert [r.rid for r in table.members("p-1")] == ["p-1"] and table.members("x") == []
+    for rid, kids in [("p", [_req("q")]), ("q", [_req("p-1")]), ("p-0", [_req("p-0")])]:
+        with pytest.raises(MeshError) as err:
+            table.add_group(rid, kids)
+        assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert len(table.requests) == 2 and table.count_on("s1") == 2  # nothing half-added
+    table.remove_group("p")
+    assert table.requests == {} and table.groups == {} and table.count_on("s1") == 0
+    table.add(_req("p"))
+    assert [r.rid for r in table.members("p")] == ["p"]

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.api import _merge
+from meshlm.gateway.choices import merge_updates as _merge
 from meshlm.gateway.http_app import build_http_app
 from meshlm.gateway.inbox import PendingRequest, Update
 from meshlm.gateway.logprob_meta import LOGPROB_KEYS, logprob_meta

@@ -10,11 +10,14 @@ import pytest
 
 from meshlm.common.errors import MeshError
 from meshlm.gateway.validation import (
+    MAX_N,
     Limits,
     check_prompt_length,
     normalize_sampling,
     validate_detokenize,
+    validate_embed,
     validate_generate,
+    validate_text_embed,
     validate_text_generate,
     validate_tokenize,
 )
@@ -94,7 +97,7 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str, grpc.StatusCode]] = [
     ({"stop": ["a", "x" * 257]}, "stop[1]", INVALID),
     ({"stop": ["s"] * 17}, "stop", INVALID),
     ({"stop_token_ids": [3, -1]}, "stop_token_ids[1]", INVALID),
-    ({"n": 2}, "n", UNIMPLEMENTED),
+    ({"n": MAX_N + 1}, "n", INVALID),
     ({"n": 0}, "n", INVALID),
     ({"n": -1}, "n", INVALID),
     ({"json_schema": "{}"}, "json_schema", UNIMPLEMENTED),
@@ -218,9 +221,9 @@ BAD_REQUESTS: list[tuple[Any, str, grpc.StatusCode]] = [
         INVALID,
     ),
     (
-        pb.GenerateRequest(input_ids=[1], sampling_params=pb.SamplingParams(n=3)),
+        pb.GenerateRequest(input_ids=[1], sampling_params=pb.SamplingParams(n=17)),
         "sampling_params.n",
-        UNIMPLEMENTED,
+        INVALID,
     ),
 ]
 
@@ -312,3 +315,33 @@ def test_logprob_errors_say_what_is_allowed() -> None:
         input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=3), LIMITS)
     assert err.message == (
         "logprob_start_len: must be less than the prompt's length (3 tokens), got 3")
+
+
+def test_n_samples_stay_out_of_the_internal_params() -> None:
+    assert validate_generate(pb.GenerateRequest(input_ids=[1]), LIMITS).n == 1
+    for n in (1, 3, MAX_N):
+        v = validate_text_generate(pb.TextGenerateRequest(
+            text="a", sampling_params=pb.SamplingParams(n=n, seed=7)), LIMITS)
+        assert v.n == n and v.sampling.seed == 7
+    err = _error(normalize_sampling, pb.SamplingParams(n=MAX_N + 1))
+    assert err.message == f"sampling_params.n: must be in [1, {MAX_N}] (samples of the prompt), " \
+                          f"got {MAX_N + 1}"
+
+
+def test_embed_requests() -> None:
+    v = validate_embed(pb.EmbedRequest(input_ids=[1, 2, 99], rid="e1"), LIMITS)
+    assert v.embed and v.input_ids == [1, 2, 99] and v.rid == "e1" and not v.stream
+    assert v.sampling.max_new_tokens == 0 and not v.return_text
+    v = validate_text_embed(pb.TextEmbedRequest(text="hello"))
+    assert v.embed and v.text == "hello" and v.rid is None
+    for fn, req, name in [
+        (validate_text_embed, pb.TextEmbedRequest(), "text"),
+        (validate_text_embed, pb.TextEmbedRequest(text="a", rid="a b"), "rid"),
+        (lambda r: validate_embed(r, LIMITS), pb.EmbedRequest(), "input_ids"),
+        (lambda r: validate_embed(r, LIMITS), pb.EmbedRequest(input_ids=[100]), "input_ids[0]"),
+        # The whole context may hold the prompt, but no more (no room is kept for output).
+        (lambda r: validate_embed(r, LIMITS), pb.EmbedRequest(input_ids=[1] * 256), "input_ids"),
+    ]:
+        err = _error(fn, req)
+        assert err.code == INVALID and err.message.startswith(f"{name}: "), err.message
+    validate_embed(pb.EmbedRequest(input_ids=[1] * 255), LIMITS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 from opentelemetry import trace
@@ -89,8 +90,10 @@ def test_to_pb_header_and_prompt_ids_for_input_logprobs() -> None:
 class _FakeEngine:
     def __init__(self) -> None:
         self.added: list[tuple[str, list[int], SamplingParams]] = []
+        self.model_config = SimpleNamespace(has_lm_head=True)
 
-    def add_request(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, ids: list[int], params: SamplingParams,
+                    after: str | None = None) -> None:
         self.added.append((rid, ids, params))
 
 

@@ -1,0 +1,224 @@
+"""HTTP side of the engine benchmark: streamed requests to meshlm and `transformers serve`.
+
+Both servers get the same text prompts and stream Server-Sent Events; a request's TTFT is the
+time to its first event (each server sends its first event with the first generated token)
+and its token count is what the server reports at the end (meshlm: meta_info
+completion_tokens, transformers: usage.completion_tokens).
+
+`TransformersServe` runs `transformers serve --continuous-batching <checkpoint>` on a loopback
+port, offline (HF_HUB_OFFLINE=1: the checkpoint is a local directory), on the CPU in float32,
+and waits for GET /health. It takes text only (/v1/completions has no token-id prompt) and has
+no ignore_eos; its per-request `generation_config` JSON with eos_token_id -1 does the same (its
+continuous-batching request ignores negative eos ids), so it streams exactly max_tokens tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+import orjson
+
+from meshlm.bench.workload import BenchRequest
+from meshlm.launch.process import exit_status, free_port, spawn, terminate
+
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_UPDATE_CHECK": "1",  # the CLI asks PyPI for a newer version otherwise
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    rid: str
+    ttft: float  # seconds to the first event
+    tokens: int  # completion tokens the server reported
+    prompt_tokens: int
+
+
+StreamFn = Callable[[httpx.AsyncClient, BenchRequest], Awaitable[StreamStats]]
+
+
+class StreamError(RuntimeError):
+    """A server answered a benchmark request with an error."""
+
+
+def http_client(concurrency: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=concurrency + 4,
+                          max_keepalive_connections=concurrency + 4)
+    # TCP_NODELAY as curl and browsers set it: otherwise Nagle + delayed ACK add ~40 ms.
+    transport = httpx.AsyncHTTPTransport(
+        limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
+    return httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), transport=transport)
+
+
+async def drive(client: httpx.AsyncClient, stream: StreamFn, requests: Sequence[BenchRequest],
+                concurrency: int) -> tuple[list[StreamStats], float]:
+    """Run `requests` in order over `concurrency` closed-loop streams (each starts its next
+    request when its last one ends); returns the per-request stats and the wall time."""
+    pending = iter(requests)
+    results: list[StreamStats] = []
+
+    async def worker() -> None:
+        for request in pending:  # shared iterator: each request is taken once
+            results.append(await stream(client, request))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+def _data(line: str) -> dict[str, object] | None:
+    """The JSON payload of an SSE `data:` line; None for other lines and `[DONE]`."""
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if not payload or payload == "[DONE]":
+        return None
+    doc = orjson.loads(payload)
+    if not isinstance(doc, dict):
+        raise StreamError(f"unexpected event {payload[:200]}")
+    if "error" in doc:
+        raise StreamError(f"server error: {doc['error']}")
+    return doc
+
+
+async def meshlm_stream(client: httpx.AsyncClient, base_url: str, request: BenchRequest
+                        ) -> StreamStats:
+    """One request to the meshlm gateway's SGLang-native POST /generate (SSE)."""
+    body = {"text": request.text, "stream": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": request.max_new_tokens, "ignore_eos": True}}
+    start = time.perf_counter()
+    ttft: float | None = None
+    meta: dict[str, object] = {}
+    async with client.stream("POST", f"{base_url}/generate", json=body) as resp:
+        if resp.status_code != 200:
+            raise StreamError(f"meshlm /generate: HTTP {resp.status_code} "
+                              f"{(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            doc = _data(line)
+            if doc is None:
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            meta = doc.get("meta_info") or {}  # type: ignore[assignment]
+    return StreamStats(request.rid, ttft or 0.0, _int(meta.get("completion_tokens")),
+                       _int(meta.get("prompt_tokens")))
+
+
+async def completions_stream(client: httpx.AsyncClient, base_url: str, request: BenchRequest
+                             ) -> StreamStats:
+    """One request to an OpenAI-style POST /v1/completions (SSE), EOS disabled through
+    transformers' per-request `generation_config`."""
+    gen = {"do_sample": False, "eos_token_id": -1, "max_new_tokens": request.max_new_tokens}
+    body = {"prompt": request.text, "stream": True, "max_tokens": request.max_new_tokens,
+            "generation_config": json.dumps(gen)}
+    start = time.perf_counter()
+    ttft: float | None = None
+    usage: dict[str, object] = {}
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise StreamError(f"/v1/completions: HTTP {resp.status_code} "
+                              f"{(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            doc = _data(line)
+            if doc is None:
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            usage = doc.get("usage") or usage  # type: ignore[assignment]
+    return StreamStats(request.rid, ttft or 0.0, _int(usage.get("completion_tokens")),
+                       _int(usage.get("prompt_tokens")))
+
+
+def _int(value: object) -> int:
+    return int(value) if isinstance(value, int | str) and str(value).lstrip("-").isdigit() else 0
+
+
+class TransformersServe:
+    """`transformers serve --continuous-batching` on 127.0.0.1, one checkpoint, CPU, float32.
+
+    A context manager: start() waits until GET /health answers 200 (the model is loaded before
+    the server listens), stop() terminates its process group. Output goes to `log_path`."""
+
+    def __init__(self, model_path: str, log_path: Path, threads: int = 0,
+                 startup_timeout: float = 300.0) -> None:
+        self.model_path = model_path
+        self.log_path = log_path
+        self.threads = threads
+        self.startup_timeout = startup_timeout
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def args(self) -> list[str]:
+        return [sys.executable, "-m", "transformers.cli.transformers", "serve",
+                self.model_path, "--continuous-batching", "--device", "cpu",
+                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port),
+                "--log-level", "warning"]
+
+    def start(self) -> TransformersServe:
+        for attempt in range(3):  # a free port can be taken before the server binds it
+            self.port = free_port()
+            if self._start_once():
+                return self
+            if "address already in use" not in self.tail().lower() or attempt == 2:
+                break
+        raise RuntimeError(f"transformers serve did not start; last lines of {self.log_path}:"
+                           f"\n{self.tail()}")
+
+    def _start_once(self) -> bool:
+        env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}
+        if self.threads:  # torch takes its intra-op thread count from OpenMP's
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        with open(self.log_path, "ab") as log:
+            self._proc = spawn(self.args(), env=env, stdout=log, stderr=log)
+        deadline = time.monotonic() + self.startup_timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if exit_status(self._proc) is not None:
+                    self.stop()
+                    return False
+                try:
+                    if client.get(f"{self.base_url}/health").status_code == 200:
+                        return True
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)  # poll interval while it loads
+        self.stop()
+        raise RuntimeError(f"transformers serve not healthy within {self.startup_timeout}s; "
+                           f"last lines of {self.log_path}:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            terminate(self._proc, timeout=10.0)
+            self._proc = None
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> TransformersServe:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,114 @@
+"""The scheduler service over a real tiny engine, without gRPC: what the wire fields embed and
+after do, and FlushCache answered by the engine loop between steps."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from meshlm.scheduler.server import SchedulerServicer
+from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
+
+
+class Outputs:
+    """Stands in for the stream pool to the detokenizers: collects every output."""
+
+    def __init__(self) -> None:
+        self.items: list[detokenizer_pb2.TokenOutput] = []
+        self.news = asyncio.Event()
+
+    def get(self, address: str) -> Outputs:
+        return self
+
+    async def put(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
+        self.put_nowait(items)
+
+    def put_nowait(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
+        self.items.extend(items)
+        self.news.set()
+
+    async def finished(self, rids: set[str]) -> dict[str, list[detokenizer_pb2.TokenOutput]]:
+        """Wait until every rid has finished; its outputs by rid."""
+        while not rids <= {o.rid for o in self.items if o.finished}:
+            self.news.clear()
+            await asyncio.wait_for(self.news.wait(), 30)
+        by_rid: dict[str, list[detokenizer_pb2.TokenOutput]] = {}
+        for o in self.items:
+            by_rid.setdefault(o.rid, []).append(o)
+        return by_rid
+
+
+@pytest.fixture
+async def service(make_engine: Any) -> AsyncIterator[tuple[SchedulerServicer, Outputs]]:
+    engine = make_engine(max_running=8, block_size=16)
+    outputs = Outputs()
+    servicer = SchedulerServicer(engine, ThreadPoolExecutor(1), outputs,
+                                 common_pb2.ModelInfo(), "s")
+    loop = asyncio.create_task(servicer.run_engine())
+    yield servicer, outputs
+    loop.cancel()
+    servicer.close()
+
+
+def _request(rid: str, prompt: list[int], **kw: Any) -> scheduler_pb2.TokenizedRequest:
+    sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1,
+                                         repetition_penalty=1.0, max_new_tokens=4,
+                                         ignore_eos=True, logprob_start_len=-1)
+    return scheduler_pb2.TokenizedRequest(rid=rid, input_ids=prompt, sampling=sampling,
+                                          route=common_pb2.Route(detokenizer="d"), **kw)
+
+
+async def _submit(servicer: SchedulerServicer, *reqs: scheduler_pb2.TokenizedRequest) -> None:
+    async def batches() -> AsyncIterator[scheduler_pb2.TokenizedBatch]:
+        yield scheduler_pb2.TokenizedBatch(requests=reqs)
+
+    await servicer.Submit(batches(), None)
+
+
+def _prompt(n: int) -> list[int]:
+    return [(7 * i + 3) % 500 for i in range(n)]
+
+
+async def test_followers_share_the_leaders_prompt(service: tuple[SchedulerServicer, Outputs]):
+    servicer, outputs = service
+    prompt = _prompt(40)
+    await _submit(servicer, _request("p-0", prompt),
+                  *(_request(f"p-{i}", prompt, after="p-0") for i in (1, 2)))
+    outs = await outputs.finished({"p-0", "p-1", "p-2"})
+    cached = [outs[f"p-{i}"][-1].cached_tokens for i in range(3)]
+    assert cached[0] == 0 and min(cached[1:]) >= 32, cached
+    tokens = {tuple(t for o in outs[f"p-{i}"] for t in o.token_ids) for i in range(3)}
+    assert len(tokens) == 1  # greedy: the same sample three times
+
+
+async def test_embed_requests_answer_with_their_vector(service: tuple[SchedulerServicer, Outputs]):
+    servicer, outputs = service
+    await _submit(servicer, _request("e", _prompt(10), embed=True))
+    [out] = (await outputs.finished({"e"}))["e"]
+    assert out.finish_reason == "stop" and not out.token_ids and out.prompt_tokens == 10
+    assert len(out.embedding) == servicer.engine.model_config.hidden_size
+    assert abs(sum(x * x for x in out.embedding) - 1.0) < 1e-4
+    assert out.HasField("header") and not out.header.return_text
+
+
+async def test_flush_cache_is_refused_while_busy(service: tuple[SchedulerServicer, Outputs]):
+    servicer, outputs = service
+    flush = scheduler_pb2.FlushCacheRequest()
+    prompt = _prompt(40)
+    await _submit(servicer, _request("a", prompt))
+    await outputs.finished({"a"})
+    assert (await servicer.FlushCache(flush, None)).success
+    busy = _request("b", prompt)
+    busy.sampling.max_new_tokens = 200
+    await _submit(servicer, busy)
+    reply = await servicer.FlushCache(flush, None)
+    assert not reply.success and "running" in reply.message
+    await servicer.Abort(scheduler_pb2.AbortRequest(rids=["b"], reason="abort"), None)
+    outs = await outputs.finished({"b"})
+    assert outs["b"][0].cached_tokens == 0  # the flush emptied what "a" left
+    assert (await servicer.FlushCache(flush, None)).success
+

@@ -1,9 +1,12 @@
 """Paged KV cache and the attention backend that reads and writes it through block tables.
 
 Every layer's keys and values live in one preallocated tensor each,
-[num_layers, num_blocks, block_size, num_kv_heads, head_dim]. Token position p of a sequence
-is stored in block `table[p // block_size]` at offset `p % block_size` (its "slot" is
-`block * block_size + offset`). Only the model runner touches these tensors.
+[num_layers, num_kv_heads, num_blocks, block_size, head_dim]: head-major, so that reading a
+batch's blocks through their tables is one row gather of a 2-D view that lands in the
+[heads, batch, tokens, head_dim] layout batched matmuls take without another copy. Token
+position p of a sequence is stored in block `table[p // block_size]` at offset
+`p % block_size` (its "slot" is `block * block_size + offset`). Only the model runner touches
+these tensors.
 
 A step's tokens are packed into one row (batch 1, T = all new tokens); `PagedAttention`
 splits them back: single-token items (decodes) attend together over their gathered blocks,
@@ -33,7 +36,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         self.block_size = block_size
         self.num_blocks = num_blocks
         nbytes = 2 * torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -97,19 +100,19 @@ class PagedAttention:
         self._decode_bias: dict[int | None, Tensor] = {}
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [NB, bs, Hkv, D]
-        hkv, d = kc.shape[-2:]
+        kc, vc = self.cache.k[layer], self.cache.v[layer]  # [Hkv, NB, bs, D]
+        hkv, _, _, d = kc.shape
         slots = self.meta.slot_mapping
-        kc.view(-1, hkv, d).index_copy_(0, slots, k[0].transpose(0, 1))
-        vc.view(-1, hkv, d).index_copy_(0, slots, v[0].transpose(0, 1))
+        kc.view(hkv, -1, d).index_copy_(1, slots, k[0])
+        vc.view(hkv, -1, d).index_copy_(1, slots, v[0])
         window = self.windows[layer]
         out = torch.empty_like(q)
         group = self.meta.decode
         if group is not None:
             keys, values = _gather(kc, group.tables), _gather(vc, group.tables)
-            qd = q[0].index_select(1, group.rows).transpose(0, 1)[:, :, None]  # [B, Hq, 1, D]
+            qd = q[0].index_select(1, group.rows)  # [Hq, B, D]
             od = _decode_attention(qd, keys, values, self._bias(group, window, keys.shape[2]))
-            out[0].index_copy_(1, group.rows, od[:, :, 0].transpose(0, 1))
+            out[0].index_copy_(1, group.rows, od)
         for span in self.meta.chunks:
             a, b = span.q_start, span.q_end
             n, end = b - a, span.start + b - a
@@ -119,8 +122,8 @@ class PagedAttention:
                     qs, k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
                 )
             else:
-                keys = _gather(kc, span.table[None])[:, :, :end]
-                values = _gather(vc, span.table[None])[:, :, :end]
+                keys = _gather(kc, span.table[None]).transpose(0, 1)[:, :, :end]
+                values = _gather(vc, span.table[None]).transpose(0, 1)[:, :, :end]
                 pos = torch.arange(span.start, end, device=q.device)
                 mask = _visible(pos, end, window)
                 o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask,
@@ -133,16 +136,22 @@ class PagedAttention:
         if bias is None:
             visible = _visible(group.positions, length, window)  # [B, L]
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
-            bias = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+            bias = bias.masked_fill_(~visible, float("-inf"))[:, None, :]
             self._decode_bias[window] = bias
         return bias
 
 
 def _gather(cache: Tensor, tables: Tensor) -> Tensor:
-    """Blocks [NB, bs, Hkv, D] read through tables [B, nb] -> [B, Hkv, nb * bs, D]."""
+    """Blocks [Hkv, NB, bs, D] read through tables [B, nb] -> [Hkv, B, nb * bs, D].
+
+    One row lookup in a 2-D view (head h's block j is row h * NB + j). `F.embedding` is the
+    lookup: on CPU it copies whole rows several times faster than `index_select`.
+    """
+    hkv, nb_total, bs, d = cache.shape
     b, nb = tables.shape
-    blocks = cache.index_select(0, tables.reshape(-1))  # [B * nb, bs, Hkv, D]
-    return blocks.view(b, nb * cache.shape[1], *cache.shape[2:]).transpose(1, 2)
+    rows = (tables.reshape(1, -1) + torch.arange(hkv, device=tables.device)[:, None] * nb_total)
+    blocks = F.embedding(rows.reshape(-1), cache.view(hkv * nb_total, bs * d))
+    return blocks.view(hkv, b, nb * bs, d)
 
 
 def _visible(positions: Tensor, length: int, window: int | None) -> Tensor:
@@ -156,14 +165,16 @@ def _visible(positions: Tensor, length: int, window: int | None) -> Tensor:
 
 
 def _decode_attention(q: Tensor, keys: Tensor, values: Tensor, bias: Tensor) -> Tensor:
-    """q [B, Hq, 1, D] over keys/values [B, Hkv, L, D] with an additive bias [B, 1, 1, L].
+    """q [Hq, B, D] over keys/values [Hkv, B, L, D] with an additive bias [B, 1, L] -> [Hq, B, D].
 
     Query head h uses KV head h // (Hq / Hkv), as in HF's repeat_kv. With one query per row,
     two batched matmuls over the grouped heads beat the fused SDPA kernels on CPU.
     """
-    r, hq, _, d = q.shape
-    hkv = keys.shape[1]
-    grouped = q.reshape(r, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    hq, r, d = q.shape
+    hkv = keys.shape[0]
+    g = hq // hkv
+    grouped = q.view(hkv, g, r, d).transpose(1, 2)  # [Hkv, B, G, D]
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * d**-0.5 + bias
     weights = scores.softmax(dim=-1).to(values.dtype)
-    return torch.matmul(weights, values).reshape(r, hq, 1, d)
+    out = torch.matmul(weights, values)  # [Hkv, B, G, D]
+    return out.transpose(1, 2).reshape(hq, r, d)

@@ -12,11 +12,11 @@ from safetensors.torch import load_file, save_file
 from scheduler_helpers import write_checkpoint
 
 from meshlm.scheduler.engine.kv_cache import (
-    AttentionMeta,
-    ChunkSpan,
-    DecodeGroup,
     KVCache,
     PagedAttention,
+    StepItem,
+    build_attention_meta,
+    decode_groups,
 )
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.llama import LlamaForCausalLM, _inv_freq
@@ -115,41 +115,25 @@ def test_llama3_rope_scaling_is_identity_at_factor_one() -> None:
 
 
 def _packed_step(model: LlamaForCausalLM, cache: KVCache, windows: list[int | None],
-                 items: list[tuple[list[int], list[int], int, int]]) -> torch.Tensor:
+                 items: list[tuple[list[int], list[int], int, int]],
+                 group_cost: int = 16) -> torch.Tensor:
     """One packed forward over (tokens, block table, start, n) items -> logits [T, V]."""
-    bs = cache.block_size
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    decode_rows, decode_tables, decode_pos, chunks = [], [], [], []
-    for tokens, table, start, n in items:
-        a = len(ids)
-        ids += tokens[start : start + n]
-        pos += range(start, start + n)
-        slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        if n == 1:
-            decode_rows.append(a)
-            decode_tables.append(table[: start // bs + 1])
-            decode_pos.append(start)
-        else:
-            chunks.append(ChunkSpan(a, len(ids), start, torch.tensor(table)))
-    decode = None
-    if decode_rows:
-        width = max(len(t) for t in decode_tables)
-        decode = DecodeGroup(torch.tensor(decode_rows),
-                             torch.tensor([t + [0] * (width - len(t)) for t in decode_tables]),
-                             torch.tensor(decode_pos))
-    meta = AttentionMeta(torch.tensor(slots), decode, chunks)
+    ids = [t for tokens, _, start, n in items for t in tokens[start : start + n]]
+    pos = [p for _, _, start, n in items for p in range(start, start + n)]
+    meta = build_attention_meta([StepItem(table, start, n) for _, table, start, n in items],
+                                cache.block_size, "cpu", group_cost)
     hidden = model(torch.tensor([ids]), torch.tensor([pos]), PagedAttention(cache, meta, windows))
     return model.compute_logits(hidden[0])
 
 
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize(("window", "group_cost"), [(None, 16), (6, 16), (None, 0), (6, 0)])
 @torch.inference_mode()
-def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: int | None) -> None:
+def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: int | None,
+                                                     group_cost: int) -> None:
     """Prompts computed in chunks (one from position 0, one after a cached context), mixed
     with single-token decodes in one packed step, through scattered block tables ==
-    full recompute; also with a sliding window shorter than the sequences."""
+    full recompute; also with a sliding window shorter than the sequences, and with the
+    decodes in one padded group or (group cost 0) a group each."""
     model, cfg = load_model(gqa_model)
     cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     windows = [window] * cfg.num_layers
@@ -169,9 +153,23 @@ def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: in
     for _ in range(3):  # decodes of both, packed together
         a.append(len(a) * 7 % 500)
         b.append(len(b) * 11 % 500)
-        step = _packed_step(model, cache, windows, [(a, ta, len(a) - 1, 1), (b, tb, len(b) - 1, 1)])
+        step = _packed_step(model, cache, windows,
+                            [(a, ta, len(a) - 1, 1), (b, tb, len(b) - 1, 1)], group_cost)
         assert torch.allclose(step[0], model.forward_full(torch.tensor([a]))[0, -1], atol=1e-4)
         assert torch.allclose(step[1], model.forward_full(torch.tensor([b]))[0, -1], atol=1e-4)
+
+
+def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:
+    assert decode_groups([]) == []
+    assert decode_groups([3, 3, 4, 4]) == [(0, 4)]  # padding 2 blocks < one group's cost
+    assert decode_groups([2, 2, 2, 30, 31], group_cost=16) == [(0, 3), (3, 5)]
+    assert decode_groups([1, 1, 9, 9, 20, 20], group_cost=0) == [(0, 2), (2, 4), (4, 6)]
+    widths = [1, 1, 9, 9, 20, 20, 40, 40, 80]
+    runs = decode_groups(widths, group_cost=1, max_groups=4)
+    assert len(runs) == 4 and runs[0][0] == 0 and runs[-1][1] == len(widths)
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:], strict=False))
+    padded = sum((hi - lo) * widths[hi - 1] for lo, hi in runs)
+    assert padded < len(widths) * widths[-1] // 2
 
 
 def test_module_names_are_hf_names(gqa_model: Path) -> None:

@@ -9,9 +9,10 @@ position p of a sequence is stored in block `table[p // block_size]` at offset
 these tensors.
 
 A step's tokens are packed into one row (batch 1, T = all new tokens); `PagedAttention`
-splits them back: single-token items (decodes) attend together over their gathered blocks,
+splits them back: single-token items (decodes) attend in groups of similar length over their
+gathered blocks (a group pads its tables to its longest; `decode_groups` picks the split),
 longer items (prompt chunks) each attend over their new tokens, plus the cached context
-before them when there is one.
+before them when there is one. `build_attention_meta` turns a step's items into all of this.
 """
 
 from __future__ import annotations
@@ -82,8 +83,78 @@ class ChunkSpan:
 @dataclass
 class AttentionMeta:
     slot_mapping: Tensor  # [T] long: cache slot of each packed token
-    decode: DecodeGroup | None
+    decodes: list[DecodeGroup]
     chunks: list[ChunkSpan]
+
+
+@dataclass
+class StepItem:
+    """One item of a step, as attention sees it: its new tokens are positions
+    [start, start + num_tokens) of a sequence whose blocks are `blocks`."""
+
+    blocks: list[int]
+    start: int
+    num_tokens: int
+
+
+# The fixed cost of one more decode group (a gather, two matmuls and a softmax per layer),
+# in gathered blocks per row of padding it must save to pay for itself; measured on CPU.
+GROUP_COST_BLOCKS = 16
+MAX_DECODE_GROUPS = 4
+
+
+def build_attention_meta(items: list[StepItem], block_size: int, device: torch.device | str,
+                         group_cost: int = GROUP_COST_BLOCKS) -> AttentionMeta:
+    """The packed step's slots, decode groups and chunk spans, items in packing order."""
+    bs = block_size
+    slots: list[int] = []
+    decodes: list[tuple[int, list[int], int]] = []  # (packed row, table, position)
+    chunks: list[ChunkSpan] = []
+    for item in items:
+        a, end = len(slots), item.start + item.num_tokens
+        blocks = item.blocks
+        slots += [blocks[p // bs] * bs + p % bs for p in range(item.start, end)]
+        if item.num_tokens == 1:
+            decodes.append((a, blocks[: item.start // bs + 1], item.start))
+        else:
+            table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=device)
+            chunks.append(ChunkSpan(a, len(slots), item.start, table))
+    decodes.sort(key=lambda d: len(d[1]))
+    groups = []
+    for lo, hi in decode_groups([len(d[1]) for d in decodes], group_cost):
+        members = decodes[lo:hi]
+        width = len(members[-1][1])
+        groups.append(DecodeGroup(
+            rows=torch.tensor([d[0] for d in members], dtype=torch.long, device=device),
+            tables=torch.tensor([d[1] + [0] * (width - len(d[1])) for d in members],
+                                dtype=torch.long, device=device),
+            positions=torch.tensor([d[2] for d in members], dtype=torch.long, device=device),
+        ))
+    return AttentionMeta(torch.tensor(slots, dtype=torch.long, device=device), groups, chunks)
+
+
+def decode_groups(widths: list[int], group_cost: int = GROUP_COST_BLOCKS,
+                  max_groups: int = MAX_DECODE_GROUPS) -> list[tuple[int, int]]:
+    """Split ascending table widths into at most `max_groups` runs [lo, hi), each padded to
+    its last width: greedily make the one split that saves the most gathered blocks net of
+    `group_cost`, while one saves anything. O(len(widths) * max_groups)."""
+    if not widths:
+        return []
+    runs = [(0, len(widths))]
+    while len(runs) < max_groups:
+        best_gain, best = 0, None
+        for r, (lo, hi) in enumerate(runs):
+            whole = (hi - lo) * widths[hi - 1]
+            for cut in range(lo + 1, hi):
+                gain = whole - (cut - lo) * widths[cut - 1] - (hi - cut) * widths[hi - 1]
+                if gain - group_cost > best_gain:
+                    best_gain, best = gain - group_cost, (r, cut)
+        if best is None:
+            break
+        r, cut = best
+        lo, hi = runs[r]
+        runs[r : r + 1] = [(lo, cut), (cut, hi)]
+    return runs
 
 
 class PagedAttention:
@@ -97,7 +168,7 @@ class PagedAttention:
         self.cache = cache
         self.meta = meta
         self.windows = windows
-        self._decode_bias: dict[int | None, Tensor] = {}
+        self._decode_bias: dict[tuple[int, int | None], Tensor] = {}
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [Hkv, NB, bs, D]
@@ -107,12 +178,11 @@ class PagedAttention:
         vc.view(hkv, -1, d).index_copy_(1, slots, v[0])
         window = self.windows[layer]
         out = torch.empty_like(q)
-        group = self.meta.decode
-        if group is not None:
+        for i, group in enumerate(self.meta.decodes):
             keys, values = _gather(kc, group.tables), _gather(vc, group.tables)
             qd = q[0].index_select(1, group.rows)  # [Hq, B, D]
-            od = _decode_attention(qd, keys, values, self._bias(group, window, keys.shape[2]))
-            out[0].index_copy_(1, group.rows, od)
+            bias = self._bias(i, window, keys.shape[2])
+            out[0].index_copy_(1, group.rows, _decode_attention(qd, keys, values, bias))
         for span in self.meta.chunks:
             a, b = span.q_start, span.q_end
             n, end = b - a, span.start + b - a
@@ -131,13 +201,14 @@ class PagedAttention:
             out[:, :, a:b] = o
         return out
 
-    def _bias(self, group: DecodeGroup, window: int | None, length: int) -> Tensor:
-        bias = self._decode_bias.get(window)
+    def _bias(self, index: int, window: int | None, length: int) -> Tensor:
+        """Decode group `index`'s additive mask [B, 1, L], built once per step and window."""
+        bias = self._decode_bias.get((index, window))
         if bias is None:
-            visible = _visible(group.positions, length, window)  # [B, L]
+            visible = _visible(self.meta.decodes[index].positions, length, window)  # [B, L]
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
             bias = bias.masked_fill_(~visible, float("-inf"))[:, None, :]
-            self._decode_bias[window] = bias
+            self._decode_bias[(index, window)] = bias
         return bias
 
 

@@ -13,10 +13,10 @@ from torch import Tensor
 
 from meshlm.scheduler.engine.kv_cache import (
     AttentionMeta,
-    ChunkSpan,
-    DecodeGroup,
     KVCache,
     PagedAttention,
+    StepItem,
+    build_attention_meta,
 )
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
 from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, TopLogprobs
@@ -91,40 +91,11 @@ class ModelRunner:
                 results[i].embedding = F.normalize(vector, dim=-1).tolist()
 
     def _prepare(self, items: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMeta]:
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_pos: list[int] = []
-        chunks: list[ChunkSpan] = []
-        for item in items:
-            seq, a = item.seq, len(ids)
-            blocks = seq.table.blocks
-            ids += seq.token_ids[item.start : item.end]
-            span = range(item.start, item.end)
-            pos += span
-            slots += [blocks[p // bs] * bs + p % bs for p in span]
-            if item.num_tokens == 1:
-                decode_rows.append(a)
-                decode_tables.append(blocks[: item.start // bs + 1])
-                decode_pos.append(item.start)
-            else:
-                used = blocks[: -(-item.end // bs)]
-                table = torch.tensor(used, dtype=torch.long, device=self.device)
-                chunks.append(ChunkSpan(a, len(ids), item.start, table))
-        decode = None
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            decode = DecodeGroup(
-                rows=torch.tensor(decode_rows, dtype=torch.long, device=self.device),
-                tables=torch.tensor(padded, dtype=torch.long, device=self.device),
-                positions=torch.tensor(decode_pos, dtype=torch.long, device=self.device),
-            )
-        meta = AttentionMeta(
-            torch.tensor(slots, dtype=torch.long, device=self.device), decode, chunks
+        ids = [t for item in items for t in item.seq.token_ids[item.start : item.end]]
+        pos = [p for item in items for p in range(item.start, item.end)]
+        meta = build_attention_meta(
+            [StepItem(item.seq.table.blocks, item.start, item.num_tokens) for item in items],
+            self.block_size, self.device,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)

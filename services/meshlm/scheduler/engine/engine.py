@@ -25,6 +25,7 @@ from meshlm.scheduler.engine.model_runner import ModelRunner
 from meshlm.scheduler.engine.policy import Scheduler
 from meshlm.scheduler.engine.sequence import ExecResult, Plan, SamplingParams, StepOutput
 from meshlm.scheduler.models.config import ModelConfig
+from meshlm.scheduler.models.cpu_linear import pack_linears
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
 
 __all__ = ["Engine", "EngineConfig", "ExecResult", "Plan", "SamplingParams", "StepOutput"]
@@ -49,6 +50,7 @@ class EngineConfig:
     kv_cache_bytes: int = 0  # KV budget; 0 = auto (CUDA: mem_fraction; CPU: see below)
     mem_fraction: float = 0.85  # CUDA: share of device memory for weights + KV cache
     enable_prefix_cache: bool = True
+    packed_cpu_linears: bool = True  # CPU: decoder projections prepacked for oneDNN
 
 
 # CPU, auto budget: room for max_running full-length sequences, but at most this much.
@@ -74,6 +76,7 @@ class Engine:
         dtype = resolve_dtype(config.dtype, self.model_config)
         self.dtype = str(dtype).removeprefix("torch.")
         self.model, _ = load_model(config.model_path, dev, dtype, config.load_format)
+        packed = pack_linears(self.model) if config.packed_cpu_linears else 0
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -106,7 +109,7 @@ class Engine:
             max_running=config.max_running, max_model_len=self.max_model_len,
             max_batched_tokens=config.max_batched_tokens, block_size=config.block_size,
             kv_blocks=num_blocks, kv_cache_gib=round(self.runner.kv.nbytes / 2**30, 3),
-            threads=torch.get_num_threads(),
+            threads=torch.get_num_threads(), packed_linears=packed,
         )
 
     def _num_blocks(self, block_bytes: int, dev: torch.device) -> int:

@@ -1,0 +1,37 @@
+"""Prepacked oneDNN linears: every decoder projection swapped, same logits as nn.Linear."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from meshlm.scheduler.models.cpu_linear import PackedLinear, available, pack_linears
+from meshlm.scheduler.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not available(torch.device("cpu"), torch.float32),
+                                reason="this torch has no oneDNN linear packing")
+
+
+@pytest.mark.parametrize("fixture", ["gqa_model", "mha_tied_model"])
+@torch.inference_mode()
+def test_packed_model_matches_plain(fixture: str, request: pytest.FixtureRequest) -> None:
+    path: Path = request.getfixturevalue(fixture)
+    plain, cfg = load_model(path)
+    packed, _ = load_model(path)
+    assert pack_linears(packed) == 7 * cfg.num_layers
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 7 * cfg.num_layers
+    assert isinstance(packed.lm_head, nn.Linear)  # may be tied to the embedding: left alone
+    assert not any(isinstance(m, nn.Linear) for m in packed.model.layers.modules())
+    ids = torch.tensor([[3, 17, 5, 99, 42, 7, 1, 250]])
+    torch.testing.assert_close(packed.forward_full(ids), plain.forward_full(ids),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_nothing_packed_where_unavailable() -> None:
+    assert not available(torch.device("cpu"), torch.float16)
+    assert not available(torch.device("meta"), torch.float32)
+    model = nn.Sequential(nn.Linear(4, 4)).half()
+    assert pack_linears(model) == 0

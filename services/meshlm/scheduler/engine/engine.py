@@ -77,6 +77,7 @@ class Engine:
         self.dtype = str(dtype).removeprefix("torch.")
         self.model, _ = load_model(config.model_path, dev, dtype, config.load_format)
         packed = pack_linears(self.model) if config.packed_cpu_linears else 0
+        self.packed_linears = packed  # decoder projections served by oneDNN packed weights
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:

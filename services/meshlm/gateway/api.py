@@ -27,6 +27,7 @@ from meshlm.gateway.choices import Child, Choices, child_rids, fan_out
 from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.inbox import PendingRequest, RequestTable, Update, next_updates
 from meshlm.gateway.logprob_meta import logprob_meta
+from meshlm.gateway.openai.rpc import OpenAIRPCs
 from meshlm.gateway.registry import RidRegistry
 from meshlm.gateway.validation import (
     Limits,
@@ -60,7 +61,7 @@ class GatewayIdentity:
     served_model_name: str
 
 
-class GatewayAPI:
+class GatewayAPI(OpenAIRPCs):
     def __init__(self, identity: GatewayIdentity, deps: Dependencies, table: RequestTable,
                  registry: RidRegistry, channels: ChannelPool,
                  submit_streams: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]]) -> None:

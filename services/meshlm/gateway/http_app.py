@@ -31,6 +31,8 @@ from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
 from meshlm.common.rpc import CallContext
 from meshlm.gateway import transcode
+from meshlm.gateway.native_routes import native_routes
+from meshlm.gateway.openai.http import openai_routes
 from meshlm.gateway.sse import (
     SSE_DONE,
     NativeChoices,
@@ -57,6 +59,7 @@ def build_http_app(api: Any) -> Starlette:
         Route("/health", h.health, methods=["GET"]),
         Route("/v1/models", h.models, methods=["GET"]),
     ]
+    routes += openai_routes(api) + native_routes(api)
     routes += [_TranscodedRoute(b, partial(h.transcoded, b)) for b in transcode.routes()]
     return Starlette(
         routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed}

@@ -5,18 +5,16 @@ that path: hidden 512, 8 layers, 8 query heads, 4 KV heads, MLP 1536, written by
 itself (`LlamaForCausalLM(config).save_pretrained`, safetensors, float32, weights from a fixed
 torch seed). The tokenizer files are the embedded default model's (byte-level BPE, ChatML
 template), so meshlm, HF `generate` and `transformers serve` all tokenize alike. Built into a
-private temporary directory and renamed into place, like the default model.
+private temporary directory and renamed into place (`build_once`), like the default model.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import uuid
 from pathlib import Path
 
-from meshlm.common.default_model import default_cache_dir, ensure_default_model
+from meshlm.common.default_model import build_once, default_cache_dir, ensure_default_model
 
 _VERSION = 1
 NAME = f"meshlm-bench-512x8-v{_VERSION}"
@@ -31,24 +29,9 @@ _TOKENIZER_FILES = (
 def ensure_bench_model(cache_dir: str | Path | None = None) -> Path:
     """The benchmark checkpoint's directory, built first if it is missing or incomplete."""
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root / "models" / NAME
-    if _is_complete(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.exists():
-        shutil.rmtree(target)
-    tmp = target.parent / f".{NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        build_bench_model(tmp, ensure_default_model(root))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _is_complete(target):  # not a lost race
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(root / "models" / NAME,
+                      lambda tmp: build_bench_model(tmp, ensure_default_model(root)),
+                      _is_complete)
 
 
 def build_bench_model(out_dir: Path, tokenizer_dir: Path) -> None:

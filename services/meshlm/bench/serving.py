@@ -100,21 +100,8 @@ async def meshlm_stream(client: httpx.AsyncClient, base_url: str, request: Bench
     """One request to the meshlm gateway's SGLang-native POST /generate (SSE)."""
     body = {"text": request.text, "stream": True, "sampling_params": {
         "temperature": 0, "max_new_tokens": request.max_new_tokens, "ignore_eos": True}}
-    start = time.perf_counter()
-    ttft: float | None = None
-    meta: dict[str, object] = {}
-    async with client.stream("POST", f"{base_url}/generate", json=body) as resp:
-        if resp.status_code != 200:
-            raise StreamError(f"meshlm /generate: HTTP {resp.status_code} "
-                              f"{(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            doc = _data(line)
-            if doc is None:
-                continue
-            if ttft is None:
-                ttft = time.perf_counter() - start
-            meta = doc.get("meta_info") or {}  # type: ignore[assignment]
-    return StreamStats(request.rid, ttft or 0.0, _int(meta.get("completion_tokens")),
+    ttft, meta = await _sse(client, f"{base_url}/generate", body, "meta_info")
+    return StreamStats(request.rid, ttft, _int(meta.get("completion_tokens")),
                        _int(meta.get("prompt_tokens")))
 
 
@@ -125,22 +112,29 @@ async def completions_stream(client: httpx.AsyncClient, base_url: str, request: 
     gen = {"do_sample": False, "eos_token_id": -1, "max_new_tokens": request.max_new_tokens}
     body = {"prompt": request.text, "stream": True, "max_tokens": request.max_new_tokens,
             "generation_config": json.dumps(gen)}
+    ttft, usage = await _sse(client, f"{base_url}/v1/completions", body, "usage")
+    return StreamStats(request.rid, ttft, _int(usage.get("completion_tokens")),
+                       _int(usage.get("prompt_tokens")))
+
+
+async def _sse(client: httpx.AsyncClient, url: str, body: dict[str, object], field: str
+               ) -> tuple[float, dict[str, object]]:
+    """POST `body` and read the SSE reply: seconds to the first event, and the last
+    non-empty `field` object of the events (meta_info, usage)."""
     start = time.perf_counter()
     ttft: float | None = None
-    usage: dict[str, object] = {}
-    async with client.stream("POST", f"{base_url}/v1/completions", json=body) as resp:
+    last: dict[str, object] = {}
+    async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
-            raise StreamError(f"/v1/completions: HTTP {resp.status_code} "
-                              f"{(await resp.aread())[:300]!r}")
+            raise StreamError(f"{url}: HTTP {resp.status_code} {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
             doc = _data(line)
             if doc is None:
                 continue
             if ttft is None:
                 ttft = time.perf_counter() - start
-            usage = doc.get("usage") or usage  # type: ignore[assignment]
-    return StreamStats(request.rid, ttft or 0.0, _int(usage.get("completion_tokens")),
-                       _int(usage.get("prompt_tokens")))
+            last = doc.get(field) or last  # type: ignore[assignment]
+    return ttft or 0.0, last
 
 
 def _int(value: object) -> int:

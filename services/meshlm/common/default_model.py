@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,25 +240,34 @@ def default_cache_dir() -> Path:
 def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
     """Return the directory of the default model, building it first if it is not there.
 
-    Safe to call from several processes at once: the model is built into a private temporary
-    directory and renamed into place atomically, so readers only ever see a complete directory.
+    Safe to call from several processes at once (see `build_once`).
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root / "models" / _DIR_NAME
-    if _is_complete(target):
+    return build_once(root / "models" / _DIR_NAME, build_default_model, _is_complete)
+
+
+def build_once(target: Path, build: Callable[[Path], None],
+               is_complete: Callable[[Path], bool]) -> Path:
+    """`target`, built by `build(tmp_dir)` first unless `is_complete(target)`.
+
+    The build goes into a private temporary directory renamed into place, so readers only
+    ever see a complete directory and concurrent builders do not clash (the loser of the
+    rename keeps the winner's). An incomplete target (damaged, or made by hand) is moved
+    aside and rebuilt.
+    """
+    if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists():
-        # Incomplete (not made by us, or damaged by hand): move it aside, then rebuild.
-        _discard(target, target.parent / f".{_DIR_NAME}.broken-{uuid.uuid4().hex}")
-    tmp = target.parent / f".{_DIR_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+        _discard(target, target.parent / f".{target.name}.broken-{uuid.uuid4().hex}")
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
-        build_default_model(tmp)
+        build(tmp)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _is_complete(target):  # not a lost race: a real error
+            if not is_complete(target):  # not a lost race: a real error
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

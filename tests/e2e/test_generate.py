@@ -172,3 +172,41 @@ def test_http_generate_accepts_seed(mesh):
     bad = httpx.post(f"{mesh.addresses.gateway_http}/generate", timeout=60, json={
         "text": "x", "sampling_params": {"seed": -1}})
     assert bad.status_code == 400 and "seed" in bad.text
+
+
+def test_http_generate_batches_match_single_requests(mesh):
+    """SGLang's batched /generate: a list of texts (or of id lists), per-prompt sampling params;
+    each prompt's greedy output is what it gets alone, numbered by "index"."""
+    base = mesh.addresses.gateway_http
+    prompts = ["The cat", "Once upon a time", "A"]
+    params = [{"max_new_tokens": n, "temperature": 0} for n in (4, 6, 3)]
+    alone = [httpx.post(f"{base}/generate", json={"text": t, "sampling_params": p},
+                        timeout=60).json() for t, p in zip(prompts, params, strict=True)]
+    r = httpx.post(f"{base}/generate", json={"text": prompts, "sampling_params": params},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert [x["index"] for x in batch] == [0, 1, 2]
+    assert [x["text"] for x in batch] == [x["text"] for x in alone]
+    assert [x["meta_info"]["completion_tokens"] for x in batch] == [4, 6, 3]
+
+    ids = [[5, 6, 7], [8, 9]]
+    r = httpx.post(f"{base}/generate", timeout=60, json={
+        "input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0, "n": 2}})
+    body = r.json()
+    assert [x["index"] for x in body] == [0, 1, 2, 3]
+    assert all(len(x["output_ids"]) == 2 for x in body)
+    assert body[0]["output_ids"] == body[1]["output_ids"]  # greedy: both samples agree
+
+    events = []
+    with httpx.stream("POST", f"{base}/generate", timeout=60, json={
+            "text": prompts, "sampling_params": params, "stream": True}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    last = {e["index"]: e for e in events}
+    assert sorted(last) == [0, 1, 2]
+    assert [last[i]["text"] for i in range(3)] == [x["text"] for x in alone]
+    assert all(last[i]["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+               for i, n in enumerate((4, 6, 3)))

@@ -109,45 +109,58 @@ class _Handlers:
 
     async def generate(self, request: Request) -> Response:
         """SGLang-native /generate: JSON reply, or SSE with cumulative text when streaming;
-        with n > 1 samples a JSON list of n replies, or events carrying an "index"."""
+        with n > 1 samples or a batch of prompts, a JSON list of replies, or events carrying
+        an "index"."""
         started = time.monotonic()
+        parts: list[tuple[NativeChoices, AsyncIterator[Any]]] = []
         try:
-            req = transcode.native_generate_request(await request.body())
-            is_text = isinstance(req, sglang_pb2.TextGenerateRequest)
-            sampling = req.sampling_params
-            out = NativeChoices(
-                sampling.n if sampling.HasField("n") and sampling.n > 1 else 1,
-                return_text=is_text,
-                max_new_tokens=sampling.max_new_tokens
-                if sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
-                started=started,
-            )
-            rpc = "TextGenerate" if is_text else "Generate"
-            stream = await self._invoke(rpc, req, call_context(request))
-            if req.stream:
-                first = await _first(stream)
-                return _StreamResponse(_sse(out, first, stream), stream, "text/event-stream")
+            reqs, batch = transcode.native_generate_requests(await request.body())
+            ctx = call_context(request)
+            for req in reqs:
+                sampling = req.sampling_params
+                n = sampling.n if sampling.HasField("n") and sampling.n > 1 else 1
+                is_text = isinstance(req, sglang_pb2.TextGenerateRequest)
+                out = NativeChoices(
+                    n, return_text=is_text, started=started, indexed=batch,
+                    offset=sum(len(o.outputs) for o, _ in parts),
+                    max_new_tokens=sampling.max_new_tokens
+                    if sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
+                )
+                stream = await self._invoke("TextGenerate" if is_text else "Generate", req, ctx)
+                parts.append((out, stream))
+            streams = _Streams([stream for _, stream in parts])
+            if reqs[0].stream:
+                firsts = await _first_of_each(streams.streams)
+                parts_firsts = [(o, f, s) for (o, s), f in zip(parts, firsts, strict=True)]
+                return _StreamResponse(_sse(parts_firsts), streams, "text/event-stream")
             try:
-                await _unless_disconnected(_drain(stream, out), request.receive)
+                await _unless_disconnected(_drain(parts), request.receive)
             except _ClientGone:
                 return Response(status_code=499)
             finally:
-                await _aclose(stream)
-            return Response(orjson.dumps(out.to_json()), media_type=JSON)
+                await streams.aclose()
+            body = [d for out, _ in parts for d in out.dicts()] if batch else parts[0][0].to_json()
+            return Response(orjson.dumps(body), media_type=JSON)
         except MeshError as e:
+            await _Streams([s for _, s in parts]).aclose()
             return _native_error_response(e)
         except Exception:
+            await _Streams([s for _, s in parts]).aclose()
             log.exception("http_request_failed", path="/generate")
             return _native_error_response(_internal())
 
     async def encode(self, request: Request) -> Response:
-        """SGLang-native /encode: {"text"} or {"input_ids"} -> {"embedding", "meta_info"}."""
+        """SGLang-native /encode: {"text"} or {"input_ids"} -> {"embedding", "meta_info"};
+        a batch of prompts -> a list of them, in order."""
         started = time.monotonic()
         try:
-            req = transcode.native_embed_request(await request.body())
-            rpc = "TextEmbed" if isinstance(req, sglang_pb2.TextEmbedRequest) else "Embed"
-            reply = await self._invoke(rpc, req, call_context(request))
-            return Response(orjson.dumps(native_embedding(reply, started)), media_type=JSON)
+            reqs, batch = transcode.native_embed_requests(await request.body())
+            ctx = call_context(request)
+            replies = await asyncio.gather(*(self._invoke(
+                "TextEmbed" if isinstance(req, sglang_pb2.TextEmbedRequest) else "Embed",
+                req, ctx) for req in reqs))
+            body = [native_embedding(reply, started) for reply in replies]
+            return Response(orjson.dumps(body if batch else body[0]), media_type=JSON)
         except MeshError as e:
             return _native_error_response(e)
         except Exception:
@@ -230,9 +243,40 @@ async def _aclose(stream: Any) -> None:
         await aclose()
 
 
-async def _drain(stream: AsyncIterator[Any], out: NativeChoices) -> None:
-    async for message in stream:
-        out.add(message)
+class _Streams:
+    """The api streams of one /generate call (one per prompt), closed together."""
+
+    def __init__(self, streams: list[AsyncIterator[Any]]) -> None:
+        self.streams = streams
+
+    async def aclose(self) -> None:
+        for stream in self.streams:
+            await _aclose(stream)
+
+
+async def _first_of_each(streams: list[AsyncIterator[Any]]) -> list[Any]:
+    """Each stream's first message, fetched concurrently; the first failure is raised (the
+    caller closes the streams)."""
+    firsts = await asyncio.gather(*(_first(s) for s in streams), return_exceptions=True)
+    for first in firsts:
+        if isinstance(first, BaseException):
+            raise first
+    return firsts
+
+
+async def _drain(parts: list[tuple[NativeChoices, AsyncIterator[Any]]]) -> None:
+    """Fold every stream into its choices, concurrently; the first failure cancels the rest."""
+    async def one(out: NativeChoices, stream: AsyncIterator[Any]) -> None:
+        async for message in stream:
+            out.add(message)
+
+    tasks = [asyncio.ensure_future(one(out, stream)) for out, stream in parts]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _ndjson(first: Any, stream: AsyncIterator[Any], rpc: str) -> AsyncIterator[bytes]:
@@ -249,19 +293,40 @@ async def _ndjson(first: Any, stream: AsyncIterator[Any], rpc: str) -> AsyncIter
         yield transcode.error_line(_internal())
 
 
-async def _sse(out: NativeChoices, first: Any,
-               stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    if first is not _EMPTY:
-        yield sse_event(out.add(first).to_dict())
+async def _sse(parts: list[tuple[NativeChoices, Any, AsyncIterator[Any]]]
+               ) -> AsyncIterator[bytes]:
+    """SSE events of every prompt's stream, in arrival order, then [DONE]; a failed stream
+    ends with an error event (the others go on). The queue is bounded, so a client that
+    stops reading stops the streams too (backpressure, no buffering without limit)."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=2 * len(parts))
+
+    async def pump(out: NativeChoices, first: Any, stream: AsyncIterator[Any]) -> None:
         try:
-            async for message in stream:
-                yield sse_event(out.add(message).to_dict())
+            if first is not _EMPTY:
+                await queue.put(sse_event(out.add(first).to_dict()))
+                async for message in stream:
+                    await queue.put(sse_event(out.add(message).to_dict()))
         except MeshError as e:
-            yield sse_event(native_error(e))
+            await queue.put(sse_event(native_error(e)))
         except Exception:
             log.exception("http_stream_failed", path="/generate")
-            yield sse_event(native_error(_internal()))
-    yield SSE_DONE
+            await queue.put(sse_event(native_error(_internal())))
+        await queue.put(None)  # not when cancelled: then nobody reads the queue any more
+
+    tasks = [asyncio.ensure_future(pump(*part)) for part in parts]
+    try:
+        running = len(tasks)
+        while running:
+            event = await queue.get()
+            if event is None:
+                running -= 1
+            else:
+                yield event
+        yield SSE_DONE
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _ClientGone(Exception):

@@ -7,7 +7,8 @@ stream ends with `data: [DONE]`. The api streams deltas (TextGenerateResponse.te
 GenerateResponse.output_ids) with meta_info as strings; `NativeOutput` accumulates them, the
 logprob lists included (real JSON arrays here, cumulative like the text). With n > 1 samples
 (`NativeChoices`) each sample is one such object with an "index": a JSON list of n of them, or
-events for each sample in turn as its news arrives. /encode answers {"embedding", "meta_info"}.
+events for each sample in turn as its news arrives. A batch of prompts answers the same way,
+the prompts' samples numbered one after another. /encode answers {"embedding", "meta_info"}.
 """
 
 from __future__ import annotations
@@ -112,13 +113,17 @@ class NativeOutput:
 
 
 class NativeChoices:
-    """The n samples of one /generate request, each a NativeOutput, found by the messages'
-    meta_info["index"]. n == 1: one object without an index, as SGLang answers."""
+    """The n samples of one /generate prompt, each a NativeOutput, found by the messages'
+    meta_info["index"]. n == 1 outside a batch: one object without an index, as SGLang
+    answers; otherwise each sample carries "index" = `offset` + its sample number (a batch's
+    prompts take consecutive ranges of indices)."""
 
     def __init__(self, n: int, *, return_text: bool, max_new_tokens: int,
-                 started: float) -> None:
+                 started: float, offset: int = 0, indexed: bool = False) -> None:
+        self.indexed = indexed or n > 1
         self.outputs = [NativeOutput(return_text=return_text, max_new_tokens=max_new_tokens,
-                                     started=started, index=i if n > 1 else None)
+                                     started=started,
+                                     index=offset + i if self.indexed else None)
                         for i in range(n)]
 
     def add(self, message: GenerateMessage) -> NativeOutput:
@@ -128,10 +133,13 @@ class NativeChoices:
         out.add(message)
         return out
 
-    def to_json(self) -> Any:
-        if len(self.outputs) == 1:
-            return self.outputs[0].to_dict()
+    def dicts(self) -> list[dict[str, Any]]:
         return [out.to_dict() for out in self.outputs]
+
+    def to_json(self) -> Any:
+        if not self.indexed:
+            return self.outputs[0].to_dict()
+        return self.dicts()
 
 
 def native_embedding(message: EmbedMessage, started: float) -> dict[str, Any]:

@@ -339,7 +339,8 @@ async def test_native_sse_mid_stream_error(client: httpx.AsyncClient) -> None:
         (b'{"text": "a", "input_ids": [1]}', 400, "text: give exactly one of text and input_ids"),
         (b'{"sampling_params": {}}', 400, "text: give exactly one of text and input_ids"),
         (b"{oops", 400, "request body is not valid JSON: "),
-        (b'{"text": ["a", "b"]}', 501, "text: batched"),
+        (b'{"text": []}', 400, "text: the batch is empty"),
+        (b'{"text": ["a", "early"]}', 400, "text: not today"),
     ],
 )
 async def test_native_errors(
@@ -372,6 +373,29 @@ async def test_native_n_samples_stream_with_their_index(client: httpx.AsyncClien
         {"type": "length", "length": 128}] * 2
 
 
+async def test_native_batch_is_a_list_of_every_prompts_samples(
+        client: httpx.AsyncClient, api: FakeApi) -> None:
+    r = await client.post("/generate", json={
+        "text": ["x", "hi"], "sampling_params": [{}, {"n": 2}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [(x["index"], x["text"]) for x in body] == [(0, "Hello!"), (1, "aa"), (2, "bb")]
+    r = await client.post("/generate", json={"input_ids": [[1, 2], [9]]})
+    assert [(x["index"], x["output_ids"], x["meta_info"]["finish_reason"]["type"])
+            for x in r.json()] == [(0, [5, 6, 7], "stop"), (1, [5, 6, 7], "length")]
+
+
+async def test_native_batch_streams_every_prompt_with_its_index(client: httpx.AsyncClient,
+                                                                api: FakeApi) -> None:
+    events = _events(await client.post(
+        "/generate", json={"text": ["x", "y"], "stream": True}))
+    by_index: dict[int, list[str]] = {}
+    for e in events:
+        by_index.setdefault(e["index"], []).append(e["text"])
+    assert by_index == {0: ["Hel", "Hello", "Hello!"], 1: ["Hel", "Hello", "Hello!"]}
+    assert sorted(api.ended) == [("x", True), ("y", True)]
+
+
 # ---- native /encode and /flush_cache ---------------------------------------------------------
 
 
@@ -385,6 +409,10 @@ async def test_native_encode(client: httpx.AsyncClient) -> None:
     assert meta["finish_reason"] == {"type": "stop"} and meta["e2e_latency"] >= 0
     body = (await client.post("/encode", json={"input_ids": [4, 5, 6]})).json()
     assert body["embedding"] == [1.0, 0.0] and body["meta_info"]["prompt_tokens"] == 3
+    body = (await client.post("/encode", json={"text": ["a", "b"], "rid": ["p", "q"]})).json()
+    assert [x["meta_info"]["id"] for x in body] == ["p", "q"]
+    body = (await client.post("/encode", json={"input_ids": [[1], [2, 3]]})).json()
+    assert [x["meta_info"]["prompt_tokens"] for x in body] == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -393,7 +421,8 @@ async def test_native_encode(client: httpx.AsyncClient) -> None:
         (b'{"text": ""}', 400, "text: must not be empty"),
         (b'{"text": "a", "input_ids": [1]}', 400, "text: give exactly one of text and input_ids"),
         (b'{"text": "a", "sampling_params": {}}', 400, "sampling_params: unknown field"),
-        (b'{"text": ["a", "b"]}', 501, "text: batched"),
+        (b'{"text": ["a", ""]}', 400, "text: must not be empty"),
+        (b'{"text": ["a", "b"], "rid": ["x"]}', 400, "rid: has 1 entries for 2 prompts"),
     ],
 )
 async def test_native_encode_errors(

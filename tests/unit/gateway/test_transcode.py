@@ -230,7 +230,7 @@ def test_any_json_is_a_request_or_invalid_argument(doc: Any) -> None:
     body = json.dumps(doc).encode()  # big ints and NaN included
     for fn in (
         lambda: bind_request(_by_rpc()["TextGenerate"], {}, [], body),
-        lambda: transcode.native_generate_request(body),
+        lambda: transcode.native_generate_requests(body),
     ):
         try:
             fn()
@@ -277,8 +277,11 @@ def test_native_ids_request() -> None:
             "text: give exactly one of text and input_ids; neither",
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
-        ({"text": ["a", "b"]}, "text: batched", grpc.StatusCode.UNIMPLEMENTED),
-        ({"input_ids": [[1], [2]]}, "input_ids: batched", grpc.StatusCode.UNIMPLEMENTED),
+        ({"text": []}, "text: the batch is empty", grpc.StatusCode.INVALID_ARGUMENT),
+        ({"text": ["a", "b"], "rid": ["x"]}, "rid: has 1 entries for 2 prompts",
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}, {}, {}]},
+         "sampling_params: has 3 entries", grpc.StatusCode.INVALID_ARGUMENT),
         (
             {"text": "a", "sampling_params": {"max_tokens": 3}},
             "sampling_params.max_tokens: unknown",
@@ -289,9 +292,27 @@ def test_native_ids_request() -> None:
 )
 def test_native_bad_requests(doc: dict[str, Any], start: str, code: grpc.StatusCode) -> None:
     with pytest.raises(MeshError) as info:
-        transcode.native_generate_request(orjson.dumps(doc))
+        transcode.native_generate_requests(orjson.dumps(doc))
     assert info.value.code == code
     assert info.value.message.startswith(start), info.value.message
+
+
+def test_native_batches_split_per_prompt_fields() -> None:
+    reqs, batch = transcode.native_generate_requests(orjson.dumps({
+        "text": ["a", "b"], "rid": ["r0", "r1"], "return_logprob": True,
+        "sampling_params": [{"max_new_tokens": 3, "stop": "x"}, {"temperature": 0.5}],
+    }))
+    assert batch and [r.text for r in reqs] == ["a", "b"]
+    assert [r.rid for r in reqs] == ["r0", "r1"] and all(r.return_logprob for r in reqs)
+    assert reqs[0].sampling_params.max_new_tokens == 3 and list(reqs[0].sampling_params.stop) == [
+        "x"]
+    assert reqs[1].sampling_params.temperature == 0.5
+    reqs, batch = transcode.native_generate_requests(orjson.dumps({
+        "input_ids": [[1, 2], [3]], "sampling_params": {"n": 2}}))
+    assert batch and [list(r.input_ids) for r in reqs] == [[1, 2], [3]]
+    assert all(r.sampling_params.n == 2 for r in reqs)
+    single, batch = transcode.native_generate_requests(b'{"input_ids": [5, 6]}')
+    assert not batch and list(single[0].input_ids) == [5, 6]
 
 
 # ---- encoders --------------------------------------------------------------------------------

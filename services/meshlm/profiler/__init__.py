@@ -1,0 +1,1 @@
+"""`python -m meshlm.profiler <event_dir>`: reports from the request-event files of a run."""

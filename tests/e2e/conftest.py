@@ -61,7 +61,7 @@ def mesh(otlp, tmp_path_factory) -> Iterator[Mesh]:
     _, endpoint = otlp
     workdir: Path = tmp_path_factory.mktemp("mesh")
     options = MeshOptions(
-        workdir=workdir, http_port=0, grpc_port=0,
+        workdir=workdir, http_port=0, grpc_port=0, metrics_port=0,  # metrics on free ports
         env={
             "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
             "OTEL_EXPORTER_OTLP_INSECURE": "true",

@@ -2,7 +2,8 @@
 
 A field `grpc_port` becomes the flag `--grpc-port` and the variable `MESHLM_GRPC_PORT`; the
 flag wins over the variable, the variable over the default. Field metadata "help" documents it.
-List fields (tuple[str, ...]) take a comma-separated value or a repeated flag.
+List fields (tuple[str, ...]) take a comma-separated value or a repeated flag. A `secret` field
+(an API key) is never logged: the start-up line shows how many values it has, not them.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ C = TypeVar("C")
 ENV_PREFIX = "MESHLM_"
 
 
-def field(default: Any, help: str) -> Any:
-    """A config field with its help text."""
+def field(default: Any, help: str, secret: bool = False) -> Any:
+    """A config field with its help text; `secret` keeps its value out of logs."""
     if isinstance(default, list | dict | set):
         raise TypeError("use a tuple for list defaults")
-    return dataclasses.field(default=default, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help, "secret": secret})
 
 
 def _base_type(tp: Any) -> Any:
@@ -47,10 +48,10 @@ def _option(f: dataclasses.Field[Any], tp: Any) -> Callable[[Callable[..., Any]]
             show_default=True, help=help_text,
         )
     if typing.get_origin(base) is tuple:
-        joined = ",".join(typing.cast(tuple[str, ...], default))
         return click.option(
-            f"--{name}", default=joined, envvar=env, show_envvar=True,
-            show_default=True, help=help_text + " (comma-separated)",
+            f"--{name}", multiple=True, default=default, envvar=env, show_envvar=True,
+            show_default=",".join(typing.cast(tuple[str, ...], default)) or False,
+            help=help_text + " (comma-separated or repeated)",
         )
     click_type = {int: int, float: float, str: str}.get(base, str)
     return click.option(
@@ -67,8 +68,9 @@ def from_values(cls: type[C], values: dict[str, Any]) -> C:
         if f.name not in values:
             continue
         value = values[f.name]
-        if typing.get_origin(_base_type(hints[f.name])) is tuple and isinstance(value, str):
-            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        if typing.get_origin(_base_type(hints[f.name])) is tuple:
+            items = [value] if isinstance(value, str) else value
+            value = tuple(v.strip() for item in items for v in item.split(",") if v.strip())
         kwargs[f.name] = value
     return cls(**kwargs)
 
@@ -90,5 +92,12 @@ def command(cls: type[C], name: str) -> Callable[[Callable[[C], None]], click.Co
 
 
 def as_dict(config: Any) -> dict[str, Any]:
-    """For the start-up log line; secrets are never config values (only paths to them)."""
-    return dataclasses.asdict(config)
+    """For the start-up log line: secret fields show how many values they hold, not them
+    (other secrets are never config values, only paths to them)."""
+    out = dataclasses.asdict(config)
+    for f in dataclasses.fields(config):
+        if f.metadata.get("secret"):
+            value = out[f.name]
+            count = len(value) if isinstance(value, tuple) else int(bool(value))
+            out[f.name] = f"<{count} redacted>"
+    return out

@@ -48,11 +48,14 @@ class Binding:
 
 
 class GrpcServer:
-    """A grpc.aio server with health (Check/Watch for "" and each service) and reflection."""
+    """A grpc.aio server with health (Check/Watch for "" and each service) and reflection.
+    `interceptors` run before the tracing and error ones (the gateway's API-key check)."""
 
-    def __init__(self, bindings: Sequence[Binding]) -> None:
+    def __init__(self, bindings: Sequence[Binding],
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self.server = grpc.aio.server(
-            interceptors=[TracingInterceptor(), ErrorInterceptor()], options=SERVER_OPTIONS
+            interceptors=[*interceptors, TracingInterceptor(), ErrorInterceptor()],
+            options=SERVER_OPTIONS,
         )
         self.health = HealthServicer()
         self.names = [b.name for b in bindings]

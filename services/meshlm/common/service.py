@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 from meshlm.common import config as cfg
 from meshlm.common.logs import get_logger, setup_logging
+from meshlm.common.metrics import MetricsServer, ServiceMetrics
 from meshlm.common.server import GrpcServer, wait_for_signal
 from meshlm.common.streams import BatchedStream, StreamPool
 from meshlm.common.tracing import setup_tracing, shutdown_tracing
@@ -29,6 +30,8 @@ class ServiceConfig:
     mesh_key: str = cfg.field("", "this service's mesh private key (PEM)")
     log_level: str = cfg.field("info", "debug | info | warning | error")
     shutdown_grace: float = cfg.field(5.0, "seconds in-flight calls get to finish on SIGTERM")
+    metrics_port: int = cfg.field(0, "Prometheus GET /metrics on this port (plain HTTP, bound "
+                                     "on --host); 0 = off")
 
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -110,10 +113,23 @@ class MeshPeers:
         await self.channels.close()
 
 
+async def start_metrics(config: ServiceConfig, metrics: ServiceMetrics) -> MetricsServer | None:
+    """Serve `metrics` on --metrics-port, if set."""
+    if not config.metrics_port:
+        return None
+    exporter = MetricsServer(metrics)
+    await exporter.start(config.host, config.metrics_port)
+    return exporter
+
+
 async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: str,
-                             watch: asyncio.Task[Any] | None = None, **fields: Any) -> None:
-    """Mark SERVING, log `listening`, run until SIGTERM/SIGINT (or until `watch` ends), then
-    NOT_SERVING and a graceful stop."""
+                             watch: asyncio.Task[Any] | None = None,
+                             metrics: ServiceMetrics | None = None, **fields: Any) -> None:
+    """Serve `metrics` on --metrics-port (if set), mark SERVING, log `listening`, run until
+    SIGTERM/SIGINT (or until `watch` ends), then NOT_SERVING and a graceful stop."""
+    exporter = await start_metrics(config, metrics) if metrics is not None else None
+    if exporter is not None:
+        fields["metrics_address"] = advertised(config, exporter.address)
     await server.set_serving(True)
     log.info("listening", address=advertised(config, bound), **fields)
     waiter = asyncio.create_task(wait_for_signal())
@@ -124,3 +140,5 @@ async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: s
     waiter.cancel()
     await server.set_serving(False)
     await server.stop(config.shutdown_grace)
+    if exporter is not None:
+        await exporter.stop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from opentelemetry import trace
@@ -13,6 +14,8 @@ from opentelemetry import trace
 from meshlm.common import config as cfg
 from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
+from meshlm.common.metrics import DetokenizerMetrics
+from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.server import Binding, GrpcServer
 from meshlm.common.service import (
     MeshPeers,
@@ -60,7 +63,7 @@ class DecodeState:
 
 class DetokenizerServicer(pb_grpc.DetokenizerServicer):
     def __init__(self, tok: TextTokenizer, gateways: StreamPool[gateway_pb2.TextOutput],
-                 channels: ChannelPool) -> None:
+                 channels: ChannelPool, model_name: str = "") -> None:
         self._tok = tok
         self._token_texts = TokenTexts(tok.tokenizer)
         self._gateways = gateways
@@ -68,13 +71,23 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         self._states: dict[str, DecodeState] = {}
         self._tracer = tracer("meshlm.detokenizer")
         self._background = BackgroundTasks()
+        self.metrics = DetokenizerMetrics(model_name, lambda: len(self._states))
+        self.profiling = Profiling("detokenizer")
 
     async def Push(self, request_iterator: AsyncIterator[detokenizer_pb2.TokenBatch],
                    context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        events = self.profiling.events
         async for batch in request_iterator:
+            new = [o.rid for o in batch.outputs if o.HasField("header")] if events.active else []
+            events.record("recv", new)
             by_gateway, stops = self.decode_batch(batch)
+            self.metrics.decoded(len(batch.outputs), sum(len(rids) for rids in stops.values()))
             for address, items in by_gateway.items():
                 await self._gateways.get(address).put(items)
+            if events.active:
+                events.record("send", new)
+                events.record("finish", [o.rid for items in by_gateway.values() for o in items
+                                         if o.finished])
             for scheduler, rids in stops.items():
                 self._stop_in_scheduler(scheduler, rids)
         return common_pb2.Empty()
@@ -169,9 +182,10 @@ async def serve(config: DetokenizerConfig) -> None:
     gateways: StreamPool[gateway_pb2.TextOutput] = peers.stream_pool(
         "detokenizer->gateway", lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
         lambda items: gateway_pb2.TextBatch(outputs=items))
-    servicer = DetokenizerServicer(tok, gateways, peers.channels)
+    servicer = DetokenizerServicer(tok, gateways, peers.channels, Path(model_path).name)
     server = GrpcServer([Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
-                                 "meshlm.v1.Detokenizer")])
+                                 "meshlm.v1.Detokenizer"), profiler_binding(servicer.profiling)])
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())
-    await serve_until_signal(server, config, bound, model_path=model_path)
+    await serve_until_signal(server, config, bound, metrics=servicer.metrics,
+                             model_path=model_path)
     await peers.close()

@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,6 +19,8 @@ import grpc
 from meshlm.common.channels import ChannelPool
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
+from meshlm.common.metrics import GatewayMetrics
+from meshlm.common.profiling import Profiling
 from meshlm.common.rpc import CallContext
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import BackgroundTasks
@@ -28,6 +30,8 @@ from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.inbox import PendingRequest, RequestTable, Update, next_updates
 from meshlm.gateway.logprob_meta import logprob_meta
 from meshlm.gateway.openai.rpc import OpenAIRPCs
+from meshlm.gateway.pause import PauseRPCs
+from meshlm.gateway.profile import ProfileRPCs
 from meshlm.gateway.registry import RidRegistry
 from meshlm.gateway.validation import (
     Limits,
@@ -61,11 +65,14 @@ class GatewayIdentity:
     served_model_name: str
 
 
-class GatewayAPI(OpenAIRPCs):
+class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
     def __init__(self, identity: GatewayIdentity, deps: Dependencies, table: RequestTable,
                  registry: RidRegistry, channels: ChannelPool,
-                 submit_streams: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]]) -> None:
+                 submit_streams: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]],
+                 metrics: GatewayMetrics | None = None) -> None:
         self.identity = identity
+        self.metrics = metrics or GatewayMetrics(lambda: identity.served_model_name)
+        self.profiling = Profiling("gateway")
         self.deps = deps
         self.table = table
         self.registry = registry
@@ -132,7 +139,8 @@ class GatewayAPI(OpenAIRPCs):
             yield pb.GenerateResponse(output_ids=update.token_ids, meta_info=meta,
                                       finished=update.final is not None)
 
-    async def _generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
+    async def _generate(self, v: ValidatedRequest
+                        ) -> AsyncGenerator[tuple[Update, dict[str, str]], None]:
         """Dispatch one request into the mesh (n child requests when it asks for n samples,
         `gateway/choices.py`) and yield what the client gets: (update, meta_info) pairs, each
         update one child's news (merged into one per child when the client did not ask to
@@ -147,6 +155,9 @@ class GatewayAPI(OpenAIRPCs):
                     for c in children]
         self.table.add_group(rid, pendings)
         choices = Choices(v.n, v.stream)
+        clocks = [self.metrics.track() for _ in children]  # TTFT, ITL, tokens, e2e per child
+        events = self.profiling.events  # request events of a profiling run, per child
+        events.record("recv", (c.rid for c in children))
         dispatched = ended = False  # ended: the registry has the request's final state
         name = "gateway.embed" if v.embed else "gateway.generate"
         with self._tracer.start_as_current_span(name, attributes={"meshlm.rid": rid,
@@ -169,6 +180,7 @@ class GatewayAPI(OpenAIRPCs):
                     self._internal_request(v, c, pendings[c.index], trace_context)
                     for c in children])
                 dispatched = True
+                events.record("send", (c.rid for c in children))
                 while not choices.done:
                     for index, update in await next_updates(pendings):
                         if update.error is not None:
@@ -178,7 +190,15 @@ class GatewayAPI(OpenAIRPCs):
                         if not any(p.first_output for p in pendings):
                             span.add_event("first_output")
                             self.registry.update(rid, state="running")
+                        if events.active and not pendings[index].first_output:
+                            events.record("first", children[index].rid)
+                        if events.active and update.final is not None:
+                            events.record("finish", children[index].rid)
                         pendings[index].first_output = True
+                        clocks[index].output(
+                            prompt_tokens=update.prompt_tokens, cached_tokens=update.cached_tokens,
+                            completion_tokens=update.completion_tokens,
+                            finish_reason=update.final.finish_reason if update.final else None)
                         due = choices.add(index, update)
                         if choices.done and not ended:
                             ended = True
@@ -197,6 +217,9 @@ class GatewayAPI(OpenAIRPCs):
                     # The client went away (cancelled call, closed connection), or a sibling
                     # failed: end the rest now.
                     self.background.spawn(self._abort_in_scheduler(scheduler, live, False))
+                    for p, clock in zip(pendings, clocks, strict=True):
+                        if not p.done:
+                            clock.finish("abort")
                     if not ended:
                         span.add_event("client_gone")
                         self.registry.finish(rid, "aborted", finish_reason="abort")
@@ -256,9 +279,13 @@ class GatewayAPI(OpenAIRPCs):
 
     async def _embed(self, v: ValidatedRequest) -> tuple[Update, dict[str, str]]:
         """An embedding request takes the generation path; its one output has the vector."""
-        async for update, meta in self._generate(v):
-            if update.final is not None:
-                return update, meta
+        stream = self._generate(v)
+        try:
+            async for update, meta in stream:
+                if update.final is not None:
+                    return update, meta
+        finally:
+            await stream.aclose()  # here, so its span ends in the context that began it
         raise MeshError(grpc.StatusCode.INTERNAL, "the embedding request ended without a result")
 
     def on_rejections(self, batch: tokenizer_pb2.RejectionBatch) -> None:
@@ -357,11 +384,13 @@ class GatewayAPI(OpenAIRPCs):
         return pb.TokenizeResponse(tokens=reply.tokens, count=len(reply.tokens),
                                    max_model_len=reply.max_model_len, input_text=req.text)
 
-    async def Detokenize(self, req: pb.DetokenizeRequest,
-                         ctx: CallContext) -> pb.DetokenizeResponse:
+    async def Detokenize(self, req: pb.DetokenizeRequest, ctx: CallContext,
+                         skip_special_tokens: bool = False) -> pb.DetokenizeResponse:
+        """The tokens' text; special tokens are kept unless asked (SGLang's /detokenize)."""
         validate_detokenize(req, await self._limits())
         reply = await self._call(self._tokenizer_stub().Detokenize(
-            tokenizer_pb2.DetokenizeRequest(tokens=req.tokens, skip_special_tokens=False),
+            tokenizer_pb2.DetokenizeRequest(tokens=req.tokens,
+                                            skip_special_tokens=skip_special_tokens),
             timeout=CONTROL_TIMEOUT))
         return pb.DetokenizeResponse(text=reply.text)
 
@@ -402,14 +431,14 @@ class GatewayAPI(OpenAIRPCs):
         return pb.ListModelsResponse(models=self.model_cards())
 
     async def GetLoad(self, req: pb.GetLoadRequest, ctx: CallContext) -> pb.GetLoadResponse:
-        schedulers = self.deps.addresses["scheduler"]
+        schedulers = list(enumerate(self.deps.addresses["scheduler"]))
         if req.HasField("dp_rank"):
             if not 0 <= req.dp_rank < len(schedulers):
                 raise MeshError(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"dp_rank: must be in [0, {len(schedulers)}), got {req.dp_rank}")
             schedulers = [schedulers[req.dp_rank]]
         loads = []
-        for rank, address in enumerate(schedulers):
+        for rank, address in schedulers:
             stub = scheduler_pb2_grpc.SchedulerStub(self.channels.get(address))
             try:
                 load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=CONTROL_TIMEOUT)

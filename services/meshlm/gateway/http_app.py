@@ -1,6 +1,7 @@
 """The gateway's HTTP front (Starlette): every SglangService RPC transcoded from its
-google.api.http annotation, SGLang-native POST /generate, /encode and /flush_cache, GET /health
-and OpenAI GET /v1/models.
+google.api.http annotation, SGLang-native POST /generate, /encode and /flush_cache, GET /health,
+OpenAI GET /v1/models and Prometheus GET /metrics; with API keys, one middleware checks them
+for every route (`gateway/auth.py`).
 
 All routes call the same `api` object as the gRPC servicer: `await api.Rpc(req, ctx)` for unary
 RPCs, `api.Rpc(req, ctx)` -> async iterator for server streams. A stream's first message is
@@ -22,6 +23,7 @@ import grpc
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
@@ -29,8 +31,10 @@ from starlette.types import Receive, Scope, Send
 
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
+from meshlm.common.metrics import ServiceMetrics
 from meshlm.common.rpc import CallContext
 from meshlm.gateway import transcode
+from meshlm.gateway.auth import ApiKeyMiddleware, ApiKeys
 from meshlm.gateway.native_routes import native_routes
 from meshlm.gateway.openai.http import openai_routes
 from meshlm.gateway.sse import (
@@ -49,8 +53,10 @@ JSON = "application/json"
 _T = TypeVar("_T")
 
 
-def build_http_app(api: Any) -> Starlette:
-    """The ASGI app serving `api` over HTTP (uvicorn runs it in the gateway process)."""
+def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
+                   keys: ApiKeys | None = None) -> Starlette:
+    """The ASGI app serving `api` over HTTP (uvicorn runs it in the gateway process), with
+    `metrics` at /metrics and, when `keys` holds any, every other route behind them."""
     h = _Handlers(api)
     routes: list[BaseRoute] = [
         Route("/generate", h.generate, methods=["POST"]),
@@ -61,9 +67,18 @@ def build_http_app(api: Any) -> Starlette:
     ]
     routes += openai_routes(api) + native_routes(api)
     routes += [_TranscodedRoute(b, partial(h.transcoded, b)) for b in transcode.routes()]
+    if metrics is not None:
+        routes.append(Route("/metrics", partial(_metrics, metrics), methods=["GET"]))
     return Starlette(
-        routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed}
+        routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed},
+        middleware=[Middleware(ApiKeyMiddleware, keys=keys)] if keys else [],
     )
+
+
+async def _metrics(metrics: ServiceMetrics, request: Request) -> Response:
+    """Prometheus exposition (text, or OpenMetrics when the scraper asks for it)."""
+    body, content_type = await metrics.scrape(request.headers.get("accept"))
+    return Response(body, media_type=content_type)
 
 
 def call_context(request: Request) -> CallContext:

@@ -5,28 +5,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import ssl
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import uvicorn
 
 from meshlm.common import config as cfg
 from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
+from meshlm.common.metrics import GatewayMetrics
 from meshlm.common.server import Binding, GrpcServer, wait_for_signal
-from meshlm.common.service import ServiceConfig, advertised
+from meshlm.common.service import ServiceConfig, advertised, start_metrics
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tls import MeshTLS, server_credentials
 from meshlm.gateway.api import GatewayAPI, GatewayIdentity
+from meshlm.gateway.auth import ApiKeyInterceptor, ApiKeys
 from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.http_app import build_http_app
 from meshlm.gateway.inbox import InboxServicer, RequestTable
 from meshlm.gateway.registry import RidRegistry
 from meshlm.gateway.servicer import SglangServicer
-from meshlm.v1 import gateway_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from meshlm.v1 import (
+    gateway_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 log = get_logger(__name__)
@@ -52,6 +63,9 @@ class GatewayConfig(ServiceConfig):
     registry_finished_ttl: float = cfg.field(300.0, "seconds a finished request's record is kept")
     served_model_name: str = cfg.field("", "model id in ListModels and /v1/models "
                                            "(default: the checkpoint directory's name)")
+    api_key: tuple[str, ...] = cfg.field((), "API keys: every public RPC and route but health, "
+                                             "reflection and /metrics then needs "
+                                             "'authorization: Bearer <key>'", secret=True)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -114,7 +128,9 @@ async def serve(config: GatewayConfig) -> None:
                                    "scheduler": config.schedulers,
                                    "detokenizer": config.detokenizers}, on_change,
                         lambda role, address: api_ref[0].on_dependency_down(role, address))
-    api = GatewayAPI(identity, deps, table, registry, channels, submit)
+    metrics = GatewayMetrics(lambda: identity.served_model_name,
+                             lambda: _engine_loads(channels, config.schedulers))
+    api = GatewayAPI(identity, deps, table, registry, channels, submit, metrics)
     api_ref.append(api)
     for address in config.tokenizers:
         stub = tokenizer_pb2_grpc.TokenizerStub(channels.get(address))
@@ -125,8 +141,10 @@ async def serve(config: GatewayConfig) -> None:
         stream.start()
         submit[address] = stream
 
+    keys = ApiKeys(config.api_key)
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
-                                 SglangServicer(api), "sglang.runtime.v1.SglangService")])
+                                 SglangServicer(api), "sglang.runtime.v1.SglangService")],
+                        interceptors=[ApiKeyInterceptor(keys)] if keys else [])
     public_creds = None
     if config.tls_cert:
         public_creds = server_credentials(config.tls_cert, config.tls_key,
@@ -136,13 +154,16 @@ async def serve(config: GatewayConfig) -> None:
     http_port = http_sock.getsockname()[1]
     grpc_port = config.grpc_port or (http_port + 10000 if config.http_port else 0)
     grpc_address = await public.start(config.public_host, grpc_port, public_creds)
-    http = _http_server(config, build_http_app(api))
+    http = _http_server(config, build_http_app(api, metrics=metrics, keys=keys))
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]), name="http")
+    exporter = await start_metrics(config, metrics)
     deps.start()
     scheme = "https" if config.tls_cert else "http"
     host = config.public_host if ":" not in config.public_host else f"[{config.public_host}]"
+    extra = {"metrics_address": advertised(config, exporter.address)} if exporter else {}
     log.info("listening", address=inbox_address, grpc_address=grpc_address,
-             http_address=f"{scheme}://{host}:{http_port}", tls=bool(config.tls_cert))
+             http_address=f"{scheme}://{host}:{http_port}", tls=bool(config.tls_cert),
+             api_keys=bool(keys), **extra)
 
     await wait_for_signal()
     # Stop taking new work, let in-flight calls finish within the grace period, then exit.
@@ -153,9 +174,26 @@ async def serve(config: GatewayConfig) -> None:
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(http_task, config.shutdown_grace + 1)
     await inbox.stop(1.0)
+    if exporter is not None:
+        await exporter.stop()
     await api.background.close()
     await deps.close()
     for stream in submit.values():
         await stream.close()
     await registry.close()
     await channels.close()
+
+
+async def _engine_loads(channels: ChannelPool,
+                        schedulers: Sequence[str]) -> list[tuple[int, dict[str, Any]]]:
+    """(dp_rank, Engine.stats()) of every scheduler that answers, for /metrics."""
+    async def one(rank: int, address: str) -> tuple[int, dict[str, Any]] | None:
+        stub = scheduler_pb2_grpc.SchedulerStub(channels.get(address))
+        try:
+            load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return None
+        return rank, json.loads(load.json_info)
+
+    loads = await asyncio.gather(*(one(r, a) for r, a in enumerate(schedulers)))
+    return [load for load in loads if load is not None]

@@ -16,7 +16,7 @@ from types import FrameType
 
 from meshlm.common import config as cfg
 from meshlm.common.logs import get_logger, setup_logging
-from meshlm.launch.mesh import Mesh, MeshOptions, MeshStartError
+from meshlm.launch.mesh import API_KEY_ENV, Mesh, MeshOptions, MeshStartError
 
 log = get_logger(__name__)
 
@@ -39,6 +39,12 @@ class LaunchConfig:
     log_level: str = cfg.field("info", "debug | info | warning | error (every service)")
     echo_logs: bool = cfg.field(False, "also print every service's log lines here")
     startup_timeout: float = cfg.field(120.0, "seconds each start-up phase may take")
+    api_key: tuple[str, ...] = cfg.field((), "the gateway's API keys (clients send "
+                                             "'authorization: Bearer <key>'); none = open",
+                                         secret=True)
+    metrics_port: int = cfg.field(0, "Prometheus port of the gateway; the tokenizer, scheduler "
+                                     "and detokenizer take the next three; 0 = none (the "
+                                     "gateway's HTTP port serves /metrics anyway)")
 
 
 class _Stop(BaseException):
@@ -62,7 +68,8 @@ def run(config: LaunchConfig) -> int:
         http_port=config.http_port, grpc_port=grpc_port, redis_url=config.redis_url,
         gateway_tls=config.dev_tls, tls_cert=config.tls_cert, tls_key=config.tls_key,
         log_level=config.log_level, echo_logs=config.echo_logs,
-        startup_timeout=config.startup_timeout,
+        startup_timeout=config.startup_timeout, api_keys=config.api_key,
+        metrics_port=config.metrics_port or None,
     ))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
@@ -97,6 +104,10 @@ def banner(mesh: Mesh) -> str:
     grpcurl = f"-cacert {at.certs.ca_cert}" if dev_ca else "-insecure" if tls else "-plaintext"
     curl = f"--cacert {at.certs.ca_cert} " if dev_ca else "-k " if tls else ""
     body = '{"text": "Hello, my name is", "sampling_params": {"max_new_tokens": 16}}'
+    gateway = mesh.service("gateway")
+    auth = "-H 'authorization: Bearer <key>' " if API_KEY_ENV in gateway.env else ""
+    metrics = [f"  {'':13}{name:<12}http://{p.metrics_address}/metrics"
+               for name, p in mesh.services.items() if p.flags.get("metrics-port", "0") != "0"]
     return "\n".join([
         "",
         "meshlm is ready",
@@ -108,10 +119,13 @@ def banner(mesh: Mesh) -> str:
         f"  redis        {at.redis_url}",
         f"  certs        {at.certs.directory}",
         f"  logs         {mesh.workdir / 'logs'}/<service>.log",
+        f"  metrics      {at.gateway_http}/metrics",
+        *metrics,
+        *(["  API keys     required (health, reflection and /metrics are open)"] if auth else []),
         "",
         "Try:",
         f"  grpcurl {grpcurl} {at.gateway_grpc} list",
-        f"  curl -s {curl}{at.gateway_http}/generate -H 'content-type: application/json' \\",
+        f"  curl -s {curl}{auth}{at.gateway_http}/generate -H 'content-type: application/json' \\",
         f"       -d '{body}'",
         "",
         "Ctrl-C stops everything.",

@@ -31,6 +31,7 @@ from meshlm.launch.redis_server import RedisServer
 log = get_logger(__name__)
 
 BACKENDS = ("tokenizer", "scheduler", "detokenizer")
+API_KEY_ENV = "MESHLM_API_KEY"
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
@@ -54,6 +55,9 @@ class MeshOptions:
     log_level: str = "info"
     echo_logs: bool = False       # also copy every child's log lines to this process's stderr
     env: dict[str, str] = field(default_factory=dict)  # extra env for every service
+    api_keys: tuple[str, ...] = ()  # the gateways' API keys (in their environment, not argv)
+    metrics_port: int | None = None  # None: no metrics ports; 0: free ones; N: gateway N,
+                                     # tokenizer N+1, scheduler N+2, detokenizer N+3
     startup_timeout: float = 120.0
     stop_timeout: float = 10.0    # per stage (gateways, then backends) before SIGKILL
 
@@ -210,6 +214,12 @@ class Mesh:
 
     def _add(self, name: str, flags: dict[str, str], role: str = "") -> ServiceProcess:
         env = {**os.environ, **self.options.env, "PYTHONUNBUFFERED": "1"}
+        # API keys (options, else an inherited MESHLM_API_KEY) go to gateways only, and by
+        # environment: argv is readable by every user (ps).
+        keys = ",".join(self.options.api_keys) or env.pop(API_KEY_ENV, "")
+        env.pop(API_KEY_ENV, None)
+        if (role or name) == "gateway" and keys:
+            env[API_KEY_ENV] = keys
         proc = ServiceProcess(
             name, role or name, flags, env, self.log_path(name),
             echo=self.options.echo_logs,
@@ -217,7 +227,7 @@ class Mesh:
         self.services[name] = proc
         return proc
 
-    def _common_flags(self) -> dict[str, str]:
+    def _common_flags(self, role: str) -> dict[str, str]:
         return {
             "host": self.options.host,
             "port": "0",
@@ -225,10 +235,19 @@ class Mesh:
             "mesh-cert": str(self.certs.mesh_cert),
             "mesh-key": str(self.certs.mesh_key),
             "log-level": self.options.log_level,
+            "metrics-port": str(self._metrics_port(role)),
         }
 
+    def _metrics_port(self, role: str) -> int:
+        base = self.options.metrics_port
+        if base is None:
+            return 0  # off (explicitly: an inherited MESHLM_METRICS_PORT would collide)
+        if base == 0 or (role == "gateway" and "gateway" in self.services):
+            return free_port(self.options.host)  # extra gateways take free ports
+        return base + ("gateway", *BACKENDS).index(role)
+
     def _backend_flags(self, name: str) -> dict[str, str]:
-        flags = {**self._common_flags(), "model-path": self.options.model_path}
+        flags = {**self._common_flags(name), "model-path": self.options.model_path}
         if name == "scheduler" and "MESHLM_NUM_THREADS" not in {**os.environ, **self.options.env}:
             # Every service shares this machine: leave the rest of the mesh a core, or the
             # engine's spinning OpenMP workers starve it (measured: ~40% vs ~65% of in-process
@@ -241,7 +260,7 @@ class Mesh:
         cert, key = (o.tls_cert, o.tls_key) if o.tls_cert else (
             str(self.certs.server_cert), str(self.certs.server_key))
         return {
-            **self._common_flags(),
+            **self._common_flags("gateway"),
             "public-host": o.host,
             "http-port": str(http_port),
             "grpc-port": str(grpc_port),

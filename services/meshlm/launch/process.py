@@ -216,6 +216,11 @@ class ServiceProcess:
         return self._address("grpc_address")
 
     @property
+    def metrics_address(self) -> str:
+        """host:port of its Prometheus GET /metrics port (started with --metrics-port)."""
+        return self._address("metrics_address")
+
+    @property
     def http_address(self) -> str:
         """A gateway's HTTP base URL, e.g. "http://127.0.0.1:30000"."""
         raw = str((self.listening or {}).get("http_address", ""))

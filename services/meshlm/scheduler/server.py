@@ -2,23 +2,28 @@
 
 Tokenizers stream requests in (Submit); an engine loop runs schedule -> execute -> postprocess
 (the forward pass in a worker thread, all scheduling state on the event loop), and each step's
-outputs leave as one TokenBatch per detokenizer. Abort ends requests between steps; FlushCache
-empties the prefix cache between steps too (the engine loop runs it before planning the next).
+outputs leave as one TokenBatch per detokenizer. Abort ends requests between steps; FlushCache,
+Pause and Continue run between steps too (the engine loop runs them before planning the next).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry import trace
 
 from meshlm.common import config as cfg
+from meshlm.common.errors import MeshError, invalid
 from meshlm.common.logs import get_logger
+from meshlm.common.metrics import SchedulerMetrics
+from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.server import Binding, GrpcServer
 from meshlm.common.service import (
     MeshPeers,
@@ -31,6 +36,8 @@ from meshlm.common.service import (
 from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams, StepOutput
+from meshlm.scheduler.engine.policy import PAUSE_MODES
+from meshlm.scheduler.torch_trace import EngineTorchTrace
 from meshlm.scheduler.wire import engine_params, fill_logprobs, has_logprobs
 from meshlm.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
@@ -38,7 +45,9 @@ from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
 log = get_logger(__name__)
 
 PRE_ABORT_TTL = 60.0  # seconds an abort for a not-yet-seen rid is remembered
-FLUSH_TIMEOUT = 30.0  # seconds FlushCache waits for the engine loop to reach a step boundary
+CONTROL_TIMEOUT = 30.0  # seconds a control call waits for the engine loop to reach a step boundary
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -104,14 +113,18 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self.wake = asyncio.Event()
         self._tracer = tracer("meshlm.scheduler")
         self._executor = executor
+        self.profiling = Profiling("scheduler", EngineTorchTrace(executor))
         self._pending: list[StepOutput] = []  # outputs made outside a step (refusals)
-        self._flushes: list[asyncio.Future[bool]] = []  # FlushCache calls awaiting the loop
+        # Control calls (FlushCache, Pause, Continue) awaiting a step boundary, in arrival order.
+        self._controls: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
 
     # -- requests in -------------------------------------------------------------------------
 
     async def Submit(self, request_iterator: AsyncIterator[scheduler_pb2.TokenizedBatch],
                      context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        events = self.profiling.events
         async for batch in request_iterator:
+            events.record("recv", (r.rid for r in batch.requests))
             for req in batch.requests:
                 self._admit(req)
             self.wake.set()
@@ -201,14 +214,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def FlushCache(self, request: scheduler_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> scheduler_pb2.FlushCacheResponse:
         """Queue a flush for the engine loop, which runs it between two steps."""
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._flushes.append(done)
-        self.wake.set()
         try:
-            flushed = await asyncio.wait_for(done, FLUSH_TIMEOUT)
+            flushed = await self._between_steps(self.engine.flush_cache)
         except TimeoutError:
             return scheduler_pb2.FlushCacheResponse(
-                success=False, message=f"the engine loop did not answer within {FLUSH_TIMEOUT} s")
+                success=False, message=f"the engine loop did not answer within {CONTROL_TIMEOUT} s")
         if flushed:
             log.info("prefix_cache_flushed")
             return scheduler_pb2.FlushCacheResponse(success=True)
@@ -217,24 +227,63 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             success=False, message=f"requests are running ({s['running']} running, "
                                    f"{s['waiting']} waiting); retry when idle")
 
-    def _run_flushes(self) -> None:
-        """Answer queued FlushCache calls (loop thread, no plan in flight)."""
-        for done in self._flushes:
-            if not done.done():
-                done.set_result(self.engine.flush_cache())
-        self._flushes = []
+    async def Pause(self, request: scheduler_pb2.PauseRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.PauseResponse:
+        """Pause the engine at the next step boundary (see the proto for the modes)."""
+        if request.mode not in PAUSE_MODES:
+            raise invalid("mode", f"must be one of {', '.join(PAUSE_MODES)}; got {request.mode!r}")
+        def pause() -> tuple[bool, int]:
+            already = self.engine.paused is not None
+            return already, self.engine.pause(request.mode)
+
+        already, touched = await self._control(pause)
+        log.info("paused", mode=request.mode, requests=touched, already_paused=already)
+        return scheduler_pb2.PauseResponse(already_paused=already, requests=touched)
+
+    async def Continue(self, request: scheduler_pb2.ContinueRequest,
+                       context: grpc.aio.ServicerContext) -> scheduler_pb2.ContinueResponse:
+        was_paused = await self._control(self.engine.resume)
+        log.info("continued", was_paused=was_paused)
+        return scheduler_pb2.ContinueResponse(was_paused=was_paused)
+
+    async def _control(self, action: Callable[[], T]) -> T:
+        """`_between_steps`, a timeout becoming UNAVAILABLE."""
+        try:
+            return await self._between_steps(action)
+        except TimeoutError:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, "the engine loop did not reach a "
+                            f"step boundary within {CONTROL_TIMEOUT} s") from None
+
+    async def _between_steps(self, action: Callable[[], T]) -> T:
+        """Run `action` on the engine loop between two steps (no plan in flight), after the
+        control calls queued before it; TimeoutError if the loop does not get there in time."""
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._controls.append((action, done))
+        self.wake.set()
+        return await asyncio.wait_for(done, CONTROL_TIMEOUT)
+
+    def _run_controls(self) -> None:
+        """Run the queued control calls (loop thread, no plan in flight)."""
+        controls, self._controls = self._controls, []
+        for action, done in controls:
+            if done.done():  # its caller gave up
+                continue
+            try:
+                done.set_result(action())
+            except Exception as exc:  # noqa: BLE001 - the caller's error, not the loop's
+                done.set_exception(exc)
 
     # -- the engine loop ---------------------------------------------------------------------
 
     async def run_engine(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            # 1. sleep until there is work; between steps, answer cache flushes
-            if not self.engine.has_work() and not self._pending and not self._flushes:
+            # 1. sleep until there is work; between steps, run control calls (flush, pause)
+            if not self.engine.has_work() and not self._pending and not self._controls:
                 self.wake.clear()
                 await self.wake.wait()
-            if self._flushes:
-                self._run_flushes()
+            if self._controls:
+                self._run_controls()
             # 2. plan on the loop thread, run the forward pass in the engine thread
             plan = self.engine.schedule()
             result = None
@@ -251,6 +300,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def _emit(self, outputs: list[StepOutput]) -> None:
         by_detokenizer: dict[str, list[detokenizer_pb2.TokenOutput]] = {}
         now = time.time()
+        events = self.profiling.events
         for out in outputs:
             tracked = self.state.tracked.get(out.rid)
             if tracked is None:
@@ -258,7 +308,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             if out.new_token_ids and tracked.first_token_at is None:
                 tracked.first_token_at = now
                 tracked.span.add_event("first_token")
+                events.record("first", out.rid)
             if out.finished:
+                events.record("finish", out.rid)
                 del self.state.tracked[out.rid]
                 tracked.span.set_attribute("meshlm.finish_reason", out.finish_reason or "")
                 tracked.span.set_attribute("meshlm.completion_tokens", out.completion_tokens)
@@ -349,12 +401,14 @@ async def serve(config: SchedulerConfig) -> None:
     )
     servicer = SchedulerServicer(engine, executor, outputs, info, "")
     server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
-                                 "meshlm.v1.Scheduler")])
+                                 "meshlm.v1.Scheduler"), profiler_binding(servicer.profiling)])
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())
     servicer.address = advertised(config, bound)
     engine_task = asyncio.create_task(servicer.run_engine(), name="engine")
-    await serve_until_signal(server, config, bound, watch=engine_task, model_path=model_path,
-                             device=str(engine.device), max_running=config.max_running)
+    metrics = SchedulerMetrics(Path(model_path).name, engine.stats)
+    await serve_until_signal(server, config, bound, watch=engine_task, metrics=metrics,
+                             model_path=model_path, device=str(engine.device),
+                             max_running=config.max_running)
     engine_task.cancel()
     servicer.close()
     await peers.close()

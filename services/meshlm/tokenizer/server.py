@@ -4,14 +4,19 @@ the context length, and forwards them to the scheduler named in each request's r
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from opentelemetry import trace
 
 from meshlm.common import config as cfg
+from meshlm.common.errors import invalid
 from meshlm.common.logs import get_logger
+from meshlm.common.metrics import TokenizerMetrics
+from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.server import Binding, GrpcServer
 from meshlm.common.service import (
     MeshPeers,
@@ -41,11 +46,13 @@ class TokenizerConfig(ServiceConfig):
 
 class TokenizerServicer(pb_grpc.TokenizerServicer):
     def __init__(self, tok: TextTokenizer, schedulers: StreamPool[scheduler_pb2.TokenizedRequest],
-                 info: common_pb2.ModelInfo) -> None:
+                 info: common_pb2.ModelInfo, metrics: TokenizerMetrics | None = None) -> None:
         self._tok = tok
         self._schedulers = schedulers
         self._info = info
         self._tracer = tracer("meshlm.tokenizer")
+        self.metrics = metrics or TokenizerMetrics(Path(info.model_path).name)
+        self.profiling = Profiling("tokenizer")
 
     async def Submit(
         self, request_iterator: AsyncIterator[tokenizer_pb2.GenerateBatch],
@@ -58,6 +65,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
 
     async def _forward(self, batch: tokenizer_pb2.GenerateBatch) -> list[tokenizer_pb2.Rejection]:
         requests = list(batch.requests)
+        events = self.profiling.events
+        events.record("recv", (r.rid for r in requests))
         text_idx = [i for i, r in enumerate(requests) if r.WhichOneof("prompt") == "text"]
         ids: list[list[int]] = [list(r.input_ids.ids) for r in requests]
         if text_idx:
@@ -98,6 +107,9 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                 )
         for address, items in by_scheduler.items():
             await self._schedulers.get(address).put(items)
+            events.record("send", (r.rid for r in items))
+        self.metrics.forwarded(len(requests) - len(rejections), sum(
+            len(r.input_ids) for items in by_scheduler.values() for r in items), len(rejections))
         return rejections
 
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
@@ -110,6 +122,26 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         text = self._tok.decode(list(request.tokens),
                                 skip_special_tokens=request.skip_special_tokens)
         return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    async def ApplyChatTemplate(
+        self, request: tokenizer_pb2.ChatTemplateRequest, context: grpc.aio.ServicerContext,
+    ) -> tokenizer_pb2.ChatTemplateResponse:
+        try:
+            messages = json.loads(request.messages_json)
+        except ValueError as e:
+            raise invalid("messages", f"not valid JSON: {e}") from None
+        if not isinstance(messages, list):
+            raise invalid("messages", "must be a list of messages")
+        try:
+            text = self._tok.apply_chat_template(messages, request.add_generation_prompt)
+        except ValueError as e:
+            raise invalid("messages", str(e)) from None
+        # Templates write their own special tokens (bos).
+        if len(text) < INLINE_CHARS:
+            tokens = self._tok.encode(text, add_special_tokens=False)
+        else:
+            tokens = await asyncio.to_thread(self._tok.encode, text, False)
+        return tokenizer_pb2.ChatTemplateResponse(tokens=tokens)
 
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
@@ -130,7 +162,8 @@ async def serve(config: TokenizerConfig) -> None:
     )
     servicer = TokenizerServicer(tok, schedulers, info)
     server = GrpcServer([Binding(pb_grpc.add_TokenizerServicer_to_server, servicer,
-                                 "meshlm.v1.Tokenizer")])
+                                 "meshlm.v1.Tokenizer"), profiler_binding(servicer.profiling)])
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())
-    await serve_until_signal(server, config, bound, model_path=model_path)
+    await serve_until_signal(server, config, bound, metrics=servicer.metrics,
+                             model_path=model_path)
     await peers.close()

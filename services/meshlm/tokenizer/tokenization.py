@@ -153,8 +153,8 @@ class TextTokenizer:
                 eos_token=self._eos_token or "",
                 pad_token=self._pad_token or "",
             )
-        except TemplateError as e:
-            raise ValueError(f"messages: the chat template failed: {e}") from e
+        except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
+            raise ValueError(f"the chat template failed: {e}") from e
 
     # -- checks -----------------------------------------------------------------------------
 

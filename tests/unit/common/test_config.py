@@ -44,3 +44,18 @@ def test_bad_value_is_a_usage_error():
 
     result = CliRunner().invoke(main, ["--port", "many"])
     assert result.exit_code == 2 and "--port" in result.output
+
+
+def test_list_flags_repeat_and_split_on_commas():
+    c = _run(["--peers", "d:4,e:5", "--peers", "f:6"], {})
+    assert c.peers == ("d:4", "e:5", "f:6")
+
+
+@dataclass
+class SecretConfig:
+    keys: tuple[str, ...] = cfg.field((), "keys", secret=True)
+    name: str = cfg.field("x", "name")
+
+
+def test_secret_fields_are_not_logged():
+    assert cfg.as_dict(SecretConfig(keys=("k1", "k2"))) == {"keys": "<2 redacted>", "name": "x"}

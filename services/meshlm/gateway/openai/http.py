@@ -1,12 +1,207 @@
-"""OpenAI-compatible HTTP routes."""
+"""OpenAI-compatible HTTP routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings.
+
+Thin adapters over the implementation the RPCs use (`openai/rpc.py`): the body is parsed once
+and the chunks come back as OpenAIStreamChunk. Not streaming, the one chunk is the JSON reply;
+streaming, each chunk is a Server-Sent Event and `data: [DONE]` ends the stream. Failures before
+the first chunk (bad field, unknown model, context too long) are HTTP errors with OpenAI's error
+JSON; a later one is an `{"error": ...}` event before [DONE].
+
+A request's chunk stream runs from start to end in one task (its tracing span opens and closes
+in one context), handing chunks over through a short queue; when the client goes away that
+task is cancelled, which aborts the request in the mesh.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from functools import partial
+from typing import Any, TypeVar
 
-from starlette.routing import BaseRoute
+import grpc
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
+
+from meshlm.common.errors import MeshError
+from meshlm.common.logs import get_logger
+from meshlm.gateway.openai.errors import error_body
+from meshlm.gateway.openai.logprobs import dumps
+from meshlm.gateway.openai.protocol import (
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
+from meshlm.gateway.openai.rpc import Chunks, chat_chunks, completion_chunks, embedding_response
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+log = get_logger(__name__)
+
+JSON = "application/json"
+SSE_DONE = b"data: [DONE]\n\n"
+_T = TypeVar("_T")
 
 
 def openai_routes(api: Any) -> list[BaseRoute]:
-    """/v1/chat/completions, /v1/completions, /v1/embeddings."""
-    return []
+    """/v1/chat/completions, /v1/completions, /v1/embeddings (/v1/models is http_app's)."""
+    return [
+        Route("/v1/chat/completions", partial(_generation, api, parse_chat, chat_chunks),
+              methods=["POST"]),
+        Route("/v1/completions", partial(_generation, api, parse_completion, completion_chunks),
+              methods=["POST"]),
+        Route("/v1/embeddings", partial(_embeddings, api), methods=["POST"]),
+    ]
+
+
+async def _generation(api: Any, parse: Callable[[bytes], GenerationRequest],
+                      run: Callable[[Any, Any], Chunks], request: Request) -> Response:
+    try:
+        req = parse(await request.body())
+        chunks = run(api, req)
+        if not req.stream:
+            last = await _unless_gone(_last(chunks), request.receive)
+            return Response(last.json_chunk, media_type=JSON)
+        producer = _Producer(chunks)
+        try:
+            first = await _unless_gone(producer.next(), request.receive)
+        except BaseException:
+            await producer.close()
+            raise
+        if first is None:  # cannot happen: a stream ends with its finish chunk
+            raise MeshError(grpc.StatusCode.INTERNAL, "the stream ended without a chunk")
+        return _EventStream(producer, first)
+    except _ClientGone:
+        return Response(status_code=499)
+    except MeshError as e:
+        return _error(e)
+    except Exception:
+        log.exception("http_request_failed", path=request.url.path)
+        return _error(_internal())
+
+
+async def _embeddings(api: Any, request: Request) -> Response:
+    try:
+        req = parse_embedding(await request.body())
+        body = await _unless_gone(embedding_response(api, req), request.receive)
+        return Response(body, media_type=JSON)
+    except _ClientGone:
+        return Response(status_code=499)
+    except MeshError as e:
+        return _error(e)
+    except Exception:
+        log.exception("http_request_failed", path=request.url.path)
+        return _error(_internal())
+
+
+def _error(err: MeshError) -> Response:
+    return Response(dumps(error_body(err)), status_code=err.http_status, media_type=JSON)
+
+
+def _internal() -> MeshError:
+    return MeshError(grpc.StatusCode.INTERNAL, "internal error")
+
+
+async def _last(chunks: Chunks) -> pb.OpenAIStreamChunk:
+    """The stream's last chunk (not streaming, its only one), read to the end."""
+    last = None
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            last = chunk
+    if last is None:
+        raise MeshError(grpc.StatusCode.INTERNAL, "the request ended without a response")
+    return last
+
+
+# ---- streaming -------------------------------------------------------------------------------
+
+
+class _Producer:
+    """Runs a chunk stream in its own task; `next()` gives its chunks, then None at the end,
+    or raises its failure."""
+
+    def __init__(self, chunks: Chunks) -> None:
+        self._queue: asyncio.Queue[pb.OpenAIStreamChunk | Exception | None] = asyncio.Queue(4)
+        self._task = asyncio.ensure_future(self._run(chunks))
+
+    async def _run(self, chunks: Chunks) -> None:
+        try:
+            async with aclosing(chunks):
+                async for chunk in chunks:
+                    await self._queue.put(chunk)
+        except Exception as e:
+            await self._queue.put(e)
+        else:
+            await self._queue.put(None)
+
+    async def next(self) -> pb.OpenAIStreamChunk | None:
+        item = await self._queue.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def close(self) -> None:
+        """Cancel the stream (a no-op when it has ended) and wait until it has."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """The SSE response of a streaming request; however it ends, the producer is closed."""
+
+    def __init__(self, producer: _Producer, first: pb.OpenAIStreamChunk) -> None:
+        super().__init__(self._events(producer, first), media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.producer = producer
+
+    @staticmethod
+    async def _events(producer: _Producer, first: pb.OpenAIStreamChunk) -> AsyncIterator[bytes]:
+        yield _event(first.json_chunk)
+        try:
+            while (chunk := await producer.next()) is not None:
+                yield _event(chunk.json_chunk)
+        except MeshError as e:
+            yield _event(dumps(error_body(e)))
+        except Exception:
+            log.exception("http_stream_failed")
+            yield _event(dumps(error_body(_internal())))
+        yield SSE_DONE
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.producer.close()
+
+
+# ---- client disconnects ----------------------------------------------------------------------
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(work: Awaitable[_T], receive: Receive) -> _T:
+    """Run `work` in a task; cancel it and raise _ClientGone if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()  # no-op when done
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise _ClientGone()
+    return task.result()

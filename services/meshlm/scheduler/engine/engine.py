@@ -8,7 +8,8 @@ A step is three calls, split so that a server can run the forward pass off its e
 
 `add_request`, `abort`, `schedule`, `postprocess` and `stats` belong to one thread (the loop);
 `execute` may run concurrently with `add_request` and `abort`, never with `schedule` or
-`postprocess`, and at most one plan is in flight. `step()` chains the three for in-process use.
+`postprocess`, and at most one plan is in flight. `pause`, `resume` and `flush_cache` run
+between steps (no plan in flight). `step()` chains the three for in-process use.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ class Engine:
         return self.scheduler.abort_all()
 
     def has_work(self) -> bool:
-        """Anything waiting, running, or outputs not yet returned by postprocess()."""
+        """Outputs not yet returned by postprocess(), or (unless paused) anything waiting or
+        running."""
         return self.scheduler.has_work()
 
     def schedule(self) -> Plan | None:
@@ -203,12 +205,28 @@ class Engine:
         return self.postprocess(plan, result)
 
     def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while any request is live."""
+        """Empty the prefix cache; refused (False) while any request is live (unless paused
+        with every request retracted)."""
         return self.scheduler.reset_prefix_cache()
+
+    def pause(self, mode: str) -> int:
+        """Stop planning steps until resume(), treating the requests in flight as `mode` says
+        ("abort" | "retract" | "in_place", see `Scheduler.pause`); returns how many it
+        touched. Raises ValueError for another mode."""
+        return self.scheduler.pause(mode)
+
+    def resume(self) -> bool:
+        """Plan steps again; False if the engine was not paused."""
+        return self.scheduler.resume()
+
+    @property
+    def paused(self) -> str | None:
+        """The mode of the pause in force, None while steps run."""
+        return self.scheduler.paused
 
     def stats(self) -> dict[str, Any]:
         """Load figures (running, waiting, ...), totals (finished, aborted, preempted,
-        generated, prompt and cached tokens, chunked prefills) and the KV cache's blocks
-        (kv_block_size, kv_blocks_total/used/cached, kv_tokens_used; token_usage is the
-        fraction of blocks in use)."""
+        retracted, generated, prompt and cached tokens, chunked prefills), `paused` (the pause
+        mode or None) and the KV cache's blocks (kv_block_size, kv_blocks_total/used/cached,
+        kv_tokens_used; token_usage is the fraction of blocks in use)."""
         return self.scheduler.stats()

@@ -23,6 +23,9 @@ from meshlm.scheduler.engine.sequence import (
 )
 from meshlm.scheduler.engine.slot_table import SlotTable
 
+# How pause() treats the requests in flight (SGLang's PauseGenerationReqInput.mode).
+PAUSE_MODES = ("abort", "retract", "in_place")
+
 
 class Scheduler:
     """Continuous batching with chunked prefill over a paged KV cache.
@@ -35,6 +38,7 @@ class Scheduler:
     `watermark_blocks` to spare, and fewer than `max_running` run. When a decode needs a new
     block and none is free, the newest running sequence is preempted: its blocks are freed
     and it goes back to the front of the queue, to be recomputed (its prefix likely cached).
+    While paused (`pause()` .. `resume()`) no step is planned; requests still come and go.
     """
 
     def __init__(
@@ -69,9 +73,11 @@ class Scheduler:
         self._live: dict[str, Sequence] = {}  # waiting + running, by rid
         self._aborting: list[Sequence] = []  # running, abort asked, not yet released
         self._pending: list[StepOutput] = []  # outputs for the next postprocess
+        self.paused: str | None = None  # the mode of the pause in force
         self.finished_total = 0
         self.aborted_total = 0
         self.preempted_total = 0
+        self.retracted_total = 0  # sequences a "retract" pause moved back to the queue
         self.generated_tokens_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
@@ -179,19 +185,54 @@ class Scheduler:
         return sum(self.abort(rid) for rid in list(self._live))
 
     def has_work(self) -> bool:
-        return bool(self._live or self._pending)
+        """Outputs due, aborts to release, or (unless paused) requests to run."""
+        return bool(self._pending or self._aborting or (self._live and self.paused is None))
 
     def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while any request is live."""
-        if self._live:
+        """Empty the prefix cache; refused (False) while any request is live, unless paused
+        with none of them holding blocks (after a "retract" pause: they recompute anyway)."""
+        if self._live and (self.paused is None or self.running):
             return False
         return self.blocks.reset_prefix_cache()
+
+    # -- pause ------------------------------------------------------------------------------
+
+    def pause(self, mode: str) -> int:
+        """Plan no step until resume(); returns how many requests `mode` touched.
+
+        "abort": every live request is aborted (one "abort" output each). "retract": every
+        running request goes back to the front of the waiting queue in its order, its blocks
+        and row freed, to be recomputed after resume() (its prefix is likely still cached;
+        seeded sampling draws the same tokens), so no token is lost or repeated. "in_place":
+        requests keep their place and their KV. Requests added while paused wait; aborts still
+        work. Pausing again applies the new mode. Not while a plan executes: "retract" frees
+        blocks the runner may be writing."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        self.paused = mode
+        if mode == "abort":
+            return self.abort_all()
+        if mode == "in_place":
+            return sum(not seq.aborted for seq in self.running)
+        self._release_aborted()
+        retracted = list(self.running)
+        for seq in reversed(retracted):  # each goes first in line: the oldest ends up first
+            self._requeue(seq)
+        self.retracted_total += len(retracted)
+        return len(retracted)
+
+    def resume(self) -> bool:
+        """Plan steps again; False if it was not paused."""
+        was_paused, self.paused = self.paused is not None, None
+        return was_paused
 
     # -- steps ------------------------------------------------------------------------------
 
     def schedule(self) -> Plan | None:
-        """Pick the next step's work, or None when there is nothing to run."""
+        """Pick the next step's work, or None when there is nothing to run (or paused)."""
         self._release_aborted()
+        if self.paused is not None:
+            return None
         budget = self.max_batched_tokens
         items: list[ScheduledSeq] = []
         scheduled: set[int] = set()
@@ -282,14 +323,17 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        self._requeue(seq)
+        seq.num_preemptions += 1
+        self.preempted_total += 1
+
+    def _requeue(self, seq: Sequence) -> None:
         """Free the sequence's blocks and row and put it first in line, to be recomputed."""
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         if not seq.first_output_sent:  # its prompt logprobs are gathered again
             seq.input_logprobs, seq.input_top_logprobs = [], []
-        seq.num_preemptions += 1
-        self.preempted_total += 1
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -424,6 +468,8 @@ class Scheduler:
             "finished_total": self.finished_total,
             "aborted_total": self.aborted_total,
             "preempted_total": self.preempted_total,
+            "retracted_total": self.retracted_total,
+            "paused": self.paused,
             "generated_tokens_total": self.generated_tokens_total,
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,

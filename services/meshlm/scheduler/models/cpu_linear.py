@@ -10,10 +10,13 @@ on the whole engine).
 `pack_linears(model)` swaps each decoder projection (attention q/k/v/o, MLP gate/up/down)
 for a `PackedLinear` holding only the packed weight, so memory does not grow. The LM head
 stays a plain Linear (it may share its weight with the embedding). It does nothing where
-the op is missing (a torch without oneDNN) or the dtype is not one oneDNN packs here.
+the op is missing (a torch without oneDNN) or the dtype is not one oneDNN packs on this
+CPU (bfloat16 needs AVX-512).
 """
 
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 from torch import Tensor, nn
@@ -32,7 +35,18 @@ def available(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and _packs(dtype)
     )
+
+
+@cache
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

@@ -1,0 +1,445 @@
+"""Prometheus metrics of every service role, defined in this one module.
+
+The names are the ones users' dashboards already know, vLLM's `vllm:*` and SGLang's `sglang:*`,
+labelled `model_name`; figures only meshlm has are `meshlm:*`. One class per role:
+
+- GatewayMetrics: request-level figures, measured where the gateway sees each request's outputs
+  (time to first token, inter-token latency, e2e latency, prompt and generation tokens, finished
+  requests by reason), plus each scheduler's load gauges, fetched at every scrape and labelled
+  `engine` (the scheduler's dp_rank, as vLLM labels its engine cores).
+- SchedulerMetrics: the engine's load, KV cache and totals, read from `Engine.stats()` at scrape
+  time (no per-step cost).
+- TokenizerMetrics, DetokenizerMetrics: meshlm's own work counters.
+
+Token counters and latencies exist only at the gateway and engine counters only at the
+scheduler, so scraping every port counts nothing twice; the load gauges are the exception (the
+scheduler's port and, labelled `engine`, each gateway's /metrics).
+
+Every instance owns its CollectorRegistry (no process-global state, so tests can build many).
+The gateway serves its registry at /metrics on its HTTP port; every service can also serve its
+own on `--metrics-port` (MetricsServer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from meshlm.common.logs import get_logger
+
+log = get_logger(__name__)
+
+MODEL = ["model_name"]
+
+# Buckets as vLLM and SGLang define them, so histograms line up with existing dashboards.
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+SGLANG_TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+SGLANG_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035,
+                      0.040, 0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0,
+                      8.0)
+SGLANG_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400,
+                      600, 1200, 1800, 2400)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > limit:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
+TOKEN_BUCKETS = buckets_1_2_5(1_000_000)
+
+
+class ServiceMetrics:
+    """A service's registry (with the process and Python collectors) and how it is scraped."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+
+    async def refresh(self) -> None:
+        """Fetch figures that live elsewhere; runs before every scrape."""
+
+    async def scrape(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition body in the format `accept` asks for (text 0.0.4 or OpenMetrics),
+        and its content type."""
+        await self.refresh()
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type
+
+
+# ---- the gateway -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RequestSeries:
+    """One model's labelled request-level series (resolved once per request, not per token)."""
+
+    model_name: str
+    success: Counter  # unlabelled parent: finished_reason varies per request
+    ttft: tuple[Histogram, ...]
+    itl: tuple[Histogram, ...]
+    e2e: tuple[Histogram, ...]
+    prompt_tokens: tuple[Counter, ...]
+    generation_tokens: tuple[Counter, ...]
+    cached_tokens: Counter
+    prompt_lengths: Histogram
+    generation_lengths: Histogram
+    finished: Counter
+    aborted: Counter
+
+
+class RequestMetrics:
+    """The clock of one request (one child of an n > 1 request) as the gateway sees its outputs.
+
+    `output()` on every update: the first one that carries generated tokens gives the time to
+    first token; each later one gives inter-token latency as SGLang measures it (the gap since
+    the previous update, shared by the tokens that arrived in it: one observation per token);
+    the one with a finish reason ends the request. `finish()` alone ends one that stopped
+    without its final output (the client went away)."""
+
+    def __init__(self, series: _RequestSeries) -> None:
+        self._s = series
+        self._started = self._last = time.monotonic()
+        self._prompt_tokens = 0
+        self._tokens = 0
+        self._seen = False
+        self._done = False
+
+    def output(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+               finish_reason: str | None = None) -> None:
+        if self._done:
+            return
+        s, now = self._s, time.monotonic()
+        if not self._seen:
+            self._seen = True
+            self._prompt_tokens = prompt_tokens
+            for counter in s.prompt_tokens:
+                counter.inc(prompt_tokens)
+            s.cached_tokens.inc(cached_tokens)
+        new = completion_tokens - self._tokens
+        if new > 0:
+            if self._tokens == 0:
+                for h in s.ttft:
+                    h.observe(now - self._started)
+            else:
+                gap = (now - self._last) / new
+                for _ in range(new):
+                    for h in s.itl:
+                        h.observe(gap)
+            for counter in s.generation_tokens:
+                counter.inc(new)
+            self._tokens, self._last = completion_tokens, now
+        if finish_reason is not None:
+            self.finish(finish_reason)
+
+    def finish(self, reason: str) -> None:
+        """End the request (`reason`: stop, length, abort, ...); later calls do nothing."""
+        if self._done:
+            return
+        self._done = True
+        s = self._s
+        for h in s.e2e:
+            h.observe(time.monotonic() - self._started)
+        s.success.labels(s.model_name, reason).inc()
+        s.finished.inc()
+        if reason == "abort":
+            s.aborted.inc()
+        s.prompt_lengths.observe(self._prompt_tokens)
+        s.generation_lengths.observe(self._tokens)
+
+
+EngineLoads = Callable[[], Awaitable[list[tuple[int, dict[str, Any]]]]]
+
+
+class GatewayMetrics(ServiceMetrics):
+    """Request-level metrics (`track()` one RequestMetrics per request) and, at each scrape,
+    the schedulers' load gauges from `engine_loads()`: (dp_rank, Engine.stats()) pairs."""
+
+    def __init__(self, model_name: Callable[[], str], engine_loads: EngineLoads | None = None,
+                 load_timeout: float = 3.0) -> None:
+        super().__init__()
+        self._model_name = model_name
+        self._engine_loads = engine_loads
+        self._load_timeout = load_timeout
+        self._series: dict[str, _RequestSeries] = {}
+        self._engines: list[tuple[list[str], dict[str, Any]]] = []
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
+            return Histogram(name, doc, MODEL, buckets=tuple(buckets), registry=r)
+
+        def counter(name: str, doc: str, labels: list[str] = MODEL) -> Counter:
+            return Counter(name, doc, labels, registry=r)
+
+        self._ttft = (
+            hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in "
+                 "seconds.", VLLM_TTFT_BUCKETS),
+            hist("sglang:time_to_first_token_seconds", "Histogram of time to first token in "
+                 "seconds.", SGLANG_TTFT_BUCKETS))
+        self._itl = (
+            hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                 "seconds.", VLLM_ITL_BUCKETS),
+            hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
+                 "seconds. DEPRECATED: use vllm:inter_token_latency_seconds.", VLLM_ITL_BUCKETS),
+            hist("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in "
+                 "seconds.", SGLANG_ITL_BUCKETS))
+        self._e2e = (
+            hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                 "seconds.", VLLM_E2E_BUCKETS),
+            hist("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency "
+                 "in seconds", SGLANG_E2E_BUCKETS))
+        self._prompt_tokens = (
+            counter("vllm:prompt_tokens", "Number of prefill tokens processed."),
+            counter("sglang:prompt_tokens", "Number of prefill tokens processed."))
+        self._generation_tokens = (
+            counter("vllm:generation_tokens", "Number of generation tokens processed."),
+            counter("sglang:generation_tokens", "Number of generation tokens processed."))
+        self._cached_tokens = counter("sglang:cached_tokens", "Number of cached prompt tokens.")
+        self._prompt_lengths = hist("vllm:request_prompt_tokens", "Number of prefill tokens "
+                                    "processed.", TOKEN_BUCKETS)
+        self._generation_lengths = hist("vllm:request_generation_tokens", "Number of generation "
+                                        "tokens processed.", TOKEN_BUCKETS)
+        self._success = counter("vllm:request_success", "Count of successfully processed "
+                                "requests.", [*MODEL, "finished_reason"])
+        self._finished = counter("sglang:num_requests", "Number of requests processed.")
+        self._aborted = counter("sglang:num_aborted_requests", "Number of requests aborted.")
+        r.register(_EngineCollector(["model_name", "engine"], lambda: self._engines,
+                                    counters=False))
+
+    def track(self) -> RequestMetrics:
+        """Start the clock of one request (call when it is dispatched)."""
+        return RequestMetrics(self._series_for(self._model_name()))
+
+    def _series_for(self, model: str) -> _RequestSeries:
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = _RequestSeries(
+                model_name=model, success=self._success,
+                ttft=tuple(h.labels(model) for h in self._ttft),
+                itl=tuple(h.labels(model) for h in self._itl),
+                e2e=tuple(h.labels(model) for h in self._e2e),
+                prompt_tokens=tuple(c.labels(model) for c in self._prompt_tokens),
+                generation_tokens=tuple(c.labels(model) for c in self._generation_tokens),
+                cached_tokens=self._cached_tokens.labels(model),
+                prompt_lengths=self._prompt_lengths.labels(model),
+                generation_lengths=self._generation_lengths.labels(model),
+                finished=self._finished.labels(model), aborted=self._aborted.labels(model))
+        return series
+
+    async def refresh(self) -> None:
+        """Fetch every scheduler's load; one that does not answer in time is left out."""
+        if self._engine_loads is None:
+            return
+        try:
+            loads = await asyncio.wait_for(self._engine_loads(), self._load_timeout)
+        except Exception as exc:  # noqa: BLE001 - a scrape must not fail for want of gauges
+            log.warning("engine_loads_failed", error=repr(exc))
+            loads = []
+        model = self._model_name()
+        self._engines = [([model, str(rank)], stats) for rank, stats in loads]
+
+
+# ---- the scheduler ---------------------------------------------------------------------------
+
+# (name, help, value from Engine.stats()): gauges of the engine's state...
+ENGINE_GAUGES: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.",
+     lambda s: s["running"]),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+     lambda s: s["waiting"]),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+     lambda s: s["token_usage"]),
+    ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. DEPRECATED: use "
+     "vllm:kv_cache_usage_perc.", lambda s: s["token_usage"]),
+    ("sglang:num_running_reqs", "The number of running requests.", lambda s: s["running"]),
+    ("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
+     lambda s: s["waiting"]),
+    ("sglang:token_usage", "The token usage.", lambda s: s["token_usage"]),
+    ("sglang:num_used_tokens", "The number of used tokens.", lambda s: s["kv_tokens_used"]),
+    ("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.",
+     lambda s: s["kv_blocks_total"] * s["kv_block_size"]),
+)
+# ...and its totals (the scheduler's port only: the gateway counts tokens as clients get them).
+ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
+    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+     lambda s: s["preempted_total"]),
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     lambda s: s["prompt_tokens_total"]),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+     lambda s: s["cached_tokens_total"]),
+    ("meshlm:engine_generation_tokens", "Tokens the engine generated (also those of requests "
+     "later stopped or aborted).", lambda s: s["generated_tokens_total"]),
+    ("meshlm:engine_finished_requests", "Requests the engine ended, aborts and errors "
+     "included.", lambda s: s["finished_total"]),
+    ("meshlm:engine_aborted_requests", "Requests the engine ended by abort.",
+     lambda s: s["aborted_total"]),
+)
+
+
+class _EngineCollector(Collector):
+    """Engine figures from `rows()`: (label values, Engine.stats()) per engine, read at scrape
+    time. A figure missing from a stats dict is left out for that engine."""
+
+    def __init__(self, labels: list[str],
+                 rows: Callable[[], list[tuple[list[str], dict[str, Any]]]],
+                 counters: bool) -> None:
+        self._labels = labels
+        self._rows = rows
+        self._counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self._rows()
+        families: list[tuple[GaugeMetricFamily | CounterMetricFamily,
+                             Callable[[dict[str, Any]], float]]] = [
+            (GaugeMetricFamily(name, doc, labels=self._labels), value)
+            for name, doc, value in ENGINE_GAUGES]
+        if self._counters:
+            families += [(CounterMetricFamily(name, doc, labels=self._labels), value)
+                         for name, doc, value in ENGINE_COUNTERS]
+        for family, value in families:
+            for labels, stats in rows:
+                with contextlib.suppress(KeyError, TypeError):
+                    family.add_metric(labels, float(value(stats)))
+            yield family
+
+
+class SchedulerMetrics(ServiceMetrics):
+    """The engine's gauges and totals, read from `stats()` (Engine.stats) at each scrape."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]) -> None:
+        super().__init__()
+        self.registry.register(_EngineCollector(MODEL, lambda: [([model_name], stats())],
+                                                counters=True))
+
+
+# ---- the tokenizer and the detokenizer -------------------------------------------------------
+
+
+class TokenizerMetrics(ServiceMetrics):
+    def __init__(self, model_name: str) -> None:
+        super().__init__()
+        r = self.registry
+        self._requests = Counter("meshlm:tokenizer_requests", "Requests tokenized and sent to "
+                                 "a scheduler.", MODEL, registry=r).labels(model_name)
+        self._tokens = Counter("meshlm:tokenizer_prompt_tokens", "Prompt tokens of the requests "
+                               "sent to a scheduler.", MODEL, registry=r).labels(model_name)
+        self._rejected = Counter("meshlm:tokenizer_rejected_requests", "Requests refused (the "
+                                 "prompt does not fit the context).", MODEL,
+                                 registry=r).labels(model_name)
+
+    def forwarded(self, requests: int, prompt_tokens: int, rejected: int) -> None:
+        """One batch: requests sent on, their prompt tokens, requests refused."""
+        self._requests.inc(requests)
+        self._tokens.inc(prompt_tokens)
+        self._rejected.inc(rejected)
+
+
+class DetokenizerMetrics(ServiceMetrics):
+    def __init__(self, model_name: str, active: Callable[[], int]) -> None:
+        super().__init__()
+        r = self.registry
+        self._outputs = Counter("meshlm:detokenizer_outputs", "Token outputs decoded (one per "
+                                "request per engine step).", MODEL, registry=r).labels(model_name)
+        self._stops = Counter("meshlm:detokenizer_stop_strings", "Requests finished by a stop "
+                              "string.", MODEL, registry=r).labels(model_name)
+        Gauge("meshlm:detokenizer_requests", "Requests being decoded.", MODEL,
+              registry=r).labels(model_name).set_function(active)
+
+    def decoded(self, outputs: int, stopped: int) -> None:
+        """One batch: outputs decoded, requests that matched a stop string."""
+        self._outputs.inc(outputs)
+        self._stops.inc(stopped)
+
+
+# ---- serving a registry on its own port ------------------------------------------------------
+
+
+class MetricsServer:
+    """GET /metrics on a port of its own (plain HTTP), served on the service's event loop, so
+    collectors read service state from the thread that owns it."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.metrics = metrics
+        self.address = ""  # host:port once started
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int) -> str:
+        """Bind and serve; returns the bound host:port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(128)
+        sock.setblocking(False)
+        self._server = _Server(uvicorn.Config(
+            self._app, log_config=None, access_log=False, lifespan="off", loop="none",
+            interface="asgi3", proxy_headers=False))
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="metrics")
+        port = sock.getsockname()[1]
+        bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
+        self.address = f"{bracketed}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(self._task, 2.0)
+
+    async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] != "/metrics":
+            response = Response(b"not found: scrape /metrics\n", 404, media_type="text/plain")
+        elif scope["method"] not in ("GET", "HEAD"):
+            response = Response(b"", 405, headers={"allow": "GET, HEAD"})
+        else:
+            accept = dict(scope["headers"]).get(b"accept", b"").decode("latin-1")
+            body, content_type = await self.metrics.scrape(accept)
+            response = Response(body, media_type=content_type)
+        await response(scope, receive, send)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its signal handlers: the service's own shutdown stops it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield

@@ -1,0 +1,87 @@
+"""Logprobs in OpenAI's shapes, from the mesh's `Logprobs` of one update (the gateway always
+asks for the tokens' texts, so every entry has one).
+
+Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+"bytes"}, ...]}, ...], "refusal": null}; `top_logprobs` is [] when none were asked.
+Completions: {"tokens", "token_logprobs", "top_logprobs" ([{token: logprob}, ...] or null when
+none were asked), "text_offset"}; an echoed prompt's tokens come first, the first of them
+without a logprob (null).
+
+Values are float32 (numpy scalars; `dumps` writes their shortest form).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from meshlm.v1 import common_pb2
+
+_EMPTY = common_pb2.Logprobs()
+
+
+def dumps(value: Any) -> bytes:
+    """JSON with numpy scalars and arrays (float32 logprobs and embeddings)."""
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _entry(text: str, logprob: Any) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _top(top: common_pb2.TopLogprobs) -> list[tuple[str, Any]]:
+    values = np.asarray(top.logprobs, dtype=np.float32)
+    return list(zip(top.texts, values, strict=False))
+
+
+def chat_logprobs(lp: common_pb2.Logprobs | None, top: int) -> dict[str, Any]:
+    """The logprobs of one chat choice's (or chunk's) output tokens."""
+    lp = lp or _EMPTY
+    values = np.asarray(lp.output_logprobs, dtype=np.float32)
+    content = []
+    for i, (text, value) in enumerate(zip(lp.output_texts, values, strict=False)):
+        entry = _entry(text, value)
+        entry["top_logprobs"] = ([_entry(t, v) for t, v in _top(lp.output_top[i])]
+                                 if top and i < len(lp.output_top) else [])
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+class CompletionLogprobs:
+    """One completions choice's logprobs, built chunk by chunk: `text_offset` runs on from
+    where the previous chunk ended."""
+
+    def __init__(self, top: int, offset: int = 0) -> None:
+        self.top = top
+        self.offset = offset
+
+    def add(self, lp: common_pb2.Logprobs | None, echo: bool) -> dict[str, Any]:
+        """The entries of one update: the prompt's first when `echo`, then the output's."""
+        lp = lp or _EMPTY
+        tokens: list[str] = []
+        values: list[Any] = []
+        tops: list[dict[str, Any] | None] = []
+        if echo:
+            self._extend(tokens, values, tops, lp.input_texts, lp.input_logprobs, lp.input_top,
+                         first_is_none=lp.input_start == 0)
+        self._extend(tokens, values, tops, lp.output_texts, lp.output_logprobs, lp.output_top)
+        offsets = []
+        for text in tokens:
+            offsets.append(self.offset)
+            self.offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values,
+                "top_logprobs": tops if self.top else None, "text_offset": offsets}
+
+    def _extend(self, tokens: list[str], values: list[Any], tops: list[dict[str, Any] | None],
+                texts: Sequence[str], logprobs: Sequence[float],
+                top: Sequence[common_pb2.TopLogprobs], first_is_none: bool = False) -> None:
+        array = np.asarray(logprobs, dtype=np.float32)
+        for i, (text, value) in enumerate(zip(texts, array, strict=False)):
+            none = (i == 0 and first_is_none) or bool(np.isnan(value))
+            tokens.append(text)
+            values.append(None if none else value)
+            if self.top:
+                tops.append(None if none or i >= len(top) else dict(_top(top[i])))

@@ -181,6 +181,8 @@ class _NativeHandlers:
         template, event_dir = _string(doc, "trace_path_template", ""), _string(doc, "event_dir", "")
         if not template and not event_dir:
             out = Path(_string(doc, "output_dir", "") or default_output_dir(run_id))
+            if not out.is_absolute():
+                raise invalid("output_dir", f"must be an absolute path, got {str(out)!r}")
             template, event_dir = str(out / "trace"), str(out / "events")
         elif "output_dir" in doc:
             raise invalid("output_dir", "give output_dir, or trace_path_template / event_dir, "

@@ -28,11 +28,13 @@ from meshlm.common.tracing import carrier_of, tracer
 from meshlm.gateway.choices import Child, Choices, child_rids, fan_out
 from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.inbox import PendingRequest, RequestTable, Update, next_updates
+from meshlm.gateway.loads import LoadPoller
 from meshlm.gateway.logprob_meta import logprob_meta
 from meshlm.gateway.openai.rpc import OpenAIRPCs
 from meshlm.gateway.pause import PauseRPCs
 from meshlm.gateway.profile import ProfileRPCs
 from meshlm.gateway.registry import RidRegistry
+from meshlm.gateway.routing import Router, affinity_key
 from meshlm.gateway.validation import (
     Limits,
     ValidatedRequest,
@@ -81,6 +83,8 @@ class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
         self.info: common_pb2.ModelInfo | None = None
         self._tracer = tracer("meshlm.gateway")
         self.background = BackgroundTasks()
+        self.router = Router()
+        self.loads = LoadPoller(channels, lambda: deps.serving("scheduler"))
 
     # -- readiness ---------------------------------------------------------------------------
 
@@ -113,14 +117,28 @@ class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
         return ", ".join(f"a serving {role}" for role in missing)
 
     def _pick(self, role: str) -> str:
-        if role == "scheduler":
-            live = self.deps.serving("scheduler")
-            address = min(live, key=self.table.count_on) if live else None
-        else:
-            address = self.deps.pick(role)
+        address = self.deps.pick(role)
         if address is None:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, f"no {role} is available")
         return address
+
+    def _pick_scheduler(self, v: ValidatedRequest) -> str:
+        """The replica asked for (routed_dp_rank), else the router's choice
+        (`gateway/routing.py`: prefix or routing_key affinity, weighed against load)."""
+        live = self.deps.serving("scheduler")
+        if v.dp_rank is not None:
+            ranks = self.deps.addresses["scheduler"]
+            if v.dp_rank >= len(ranks):
+                raise MeshError(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"routed_dp_rank: must be in [0, {len(ranks)}), got {v.dp_rank}")
+            if ranks[v.dp_rank] not in live:
+                raise MeshError(grpc.StatusCode.UNAVAILABLE,
+                                f"the scheduler of dp rank {v.dp_rank} is not serving")
+            return ranks[v.dp_rank]
+        if not live:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
+        key = affinity_key(v.routing_key, v.text, v.input_ids)
+        return self.router.pick(live, self.table.count_on, self.loads.loads, key)
 
     # -- generation --------------------------------------------------------------------------
 
@@ -147,7 +165,7 @@ class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
         stream). Ends it in the mesh if the client goes away."""
         rid = v.rid or uuid.uuid4().hex
         tokenizer = self._pick("tokenizer")
-        scheduler, detokenizer = self._pick("scheduler"), self._pick("detokenizer")
+        scheduler, detokenizer = self._pick_scheduler(v), self._pick("detokenizer")
         children = fan_out(rid, v.n, v.sampling)
         ready, started = asyncio.Event(), time.time()
         pendings = [PendingRequest(rid=c.rid, tokenizer=tokenizer, scheduler=scheduler,

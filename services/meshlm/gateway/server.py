@@ -158,6 +158,7 @@ async def serve(config: GatewayConfig) -> None:
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]), name="http")
     exporter = await start_metrics(config, metrics)
     deps.start()
+    api.loads.start()
     scheme = "https" if config.tls_cert else "http"
     host = config.public_host if ":" not in config.public_host else f"[{config.public_host}]"
     extra = {"metrics_address": advertised(config, exporter.address)} if exporter else {}
@@ -177,6 +178,7 @@ async def serve(config: GatewayConfig) -> None:
     if exporter is not None:
         await exporter.stop()
     await api.background.close()
+    await api.loads.close()
     await deps.close()
     for stream in submit.values():
         await stream.close()

@@ -59,6 +59,7 @@ class ValidatedRequest:
     routing_key: str | None
     trace_headers: dict[str, str] = field(default_factory=dict)
     n: int = 1  # samples of the prompt (child requests)
+    dp_rank: int | None = None  # routed_dp_rank: the scheduler replica asked for
     embed: bool = False  # an embedding request
 
 
@@ -237,11 +238,8 @@ def _check_unsupported(req: _GenerateLike) -> None:
         raise unimplemented(
             "disaggregated_params", "prefill/decode disaggregation is not supported yet"
         )
-    if req.HasField("routed_dp_rank") and req.routed_dp_rank != 0:
-        raise unimplemented(
-            "routed_dp_rank", f"data parallelism is not supported yet (only rank 0), got "
-            f"{req.routed_dp_rank}"
-        )
+    if req.HasField("routed_dp_rank") and req.routed_dp_rank < 0:
+        raise invalid("routed_dp_rank", f"must be >= 0, got {req.routed_dp_rank}")
 
 
 def _validated(
@@ -264,6 +262,7 @@ def _validated(
         routing_key=req.routing_key if req.HasField("routing_key") else None,
         trace_headers=dict(req.trace_headers),
         n=params.n if params.HasField("n") else 1,
+        dp_rank=req.routed_dp_rank if req.HasField("routed_dp_rank") else None,
     )
 
 

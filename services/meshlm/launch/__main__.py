@@ -45,6 +45,11 @@ class LaunchConfig:
     metrics_port: int = cfg.field(0, "Prometheus port of the gateway; the tokenizer, scheduler "
                                      "and detokenizer take the next three; 0 = none (the "
                                      "gateway's HTTP port serves /metrics anyway)")
+    tokenizers: int = cfg.field(1, "tokenizer replicas")
+    schedulers: int = cfg.field(1, "scheduler replicas (data-parallel engines; one per GPU)")
+    detokenizers: int = cfg.field(1, "detokenizer replicas")
+    gateways: int = cfg.field(1, "gateways; the first takes --http-port / --grpc-port, the "
+                                 "others free ports (shown at start)")
 
 
 class _Stop(BaseException):
@@ -70,6 +75,8 @@ def run(config: LaunchConfig) -> int:
         log_level=config.log_level, echo_logs=config.echo_logs,
         startup_timeout=config.startup_timeout, api_keys=config.api_key,
         metrics_port=config.metrics_port or None,
+        replicas={"tokenizer": config.tokenizers, "scheduler": config.schedulers,
+                  "detokenizer": config.detokenizers, "gateway": config.gateways},
     ))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
@@ -113,9 +120,10 @@ def banner(mesh: Mesh) -> str:
         "meshlm is ready",
         f"  HTTP         {at.gateway_http}",
         f"  gRPC         {at.gateway_grpc} ({'TLS' if tls else 'plaintext'})",
-        f"  tokenizer    {at.tokenizer} (mTLS)",
-        f"  scheduler    {at.scheduler} (mTLS)",
-        f"  detokenizer  {at.detokenizer} (mTLS)",
+        *(f"  {role:<12} {', '.join(p.address for p in mesh.replicas(role))} (mTLS)"
+          for role in ("tokenizer", "scheduler", "detokenizer")),
+        *(f"  {p.name:<12} HTTP {p.http_address}, gRPC {p.grpc_address}"
+          for p in mesh.replicas("gateway")[1:]),
         f"  redis        {at.redis_url}",
         f"  certs        {at.certs.directory}",
         f"  logs         {mesh.workdir / 'logs'}/<service>.log",

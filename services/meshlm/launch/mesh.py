@@ -60,6 +60,15 @@ class MeshOptions:
                                      # tokenizer N+1, scheduler N+2, detokenizer N+3
     startup_timeout: float = 120.0
     stop_timeout: float = 10.0    # per stage (gateways, then backends) before SIGKILL
+    replicas: dict[str, int] = field(default_factory=dict)  # per role ("gateway" too); 1 each
+                                  # by default. Names: "scheduler", "scheduler-1", ...
+
+    def count(self, role: str) -> int:
+        return max(1, self.replicas.get(role, 1))
+
+
+def replica_name(role: str, index: int) -> str:
+    return role if index == 0 else f"{role}-{index}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,10 @@ class Mesh:
             certs=self.certs,
         )
 
+    def replicas(self, role: str) -> list[ServiceProcess]:
+        """Every service of a role, in start order."""
+        return [p for p in self.services.values() if p.role == role]
+
     def service(self, name: str) -> ServiceProcess:
         try:
             return self.services[name]
@@ -132,13 +145,17 @@ class Mesh:
             if not self._redis_url:
                 self.redis = RedisServer(log_path=self.log_path("redis")).start()
                 self._redis_url = self.redis.url
-            backends = [self._add(name, self._backend_flags(name)) for name in BACKENDS]
+            backends = [self._add(replica_name(role, i), self._backend_flags(role), role=role)
+                        for role in BACKENDS for i in range(o.count(role))]
             self._launch(backends)
             # The gateway reads --grpc-port 0 as "HTTP port + 10000" (or free with --http-port 0).
             grpc_port = o.grpc_port or (free_port(o.host) if o.http_port else 0)
-            gateway = self._add("gateway", self._gateway_flags(
-                o.http_port, grpc_port, public_tls=self._public_tls()))
-            self._launch([gateway])
+            gateways = [self._add("gateway", self._gateway_flags(
+                o.http_port, grpc_port, public_tls=self._public_tls()))]
+            gateways += [self._add(replica_name("gateway", i), self._gateway_flags(
+                0, 0, public_tls=self._public_tls()), role="gateway")
+                for i in range(1, o.count("gateway"))]
+            self._launch(gateways)
         except BaseException:
             self.stop()
             raise
@@ -242,8 +259,8 @@ class Mesh:
         base = self.options.metrics_port
         if base is None:
             return 0  # off (explicitly: an inherited MESHLM_METRICS_PORT would collide)
-        if base == 0 or (role == "gateway" and "gateway" in self.services):
-            return free_port(self.options.host)  # extra gateways take free ports
+        if base == 0 or self.replicas(role):
+            return free_port(self.options.host)  # extra replicas take free ports
         return base + ("gateway", *BACKENDS).index(role)
 
     def _backend_flags(self, name: str) -> dict[str, str]:
@@ -251,8 +268,9 @@ class Mesh:
         if name == "scheduler" and "MESHLM_NUM_THREADS" not in {**os.environ, **self.options.env}:
             # Every service shares this machine: leave the rest of the mesh a core, or the
             # engine's spinning OpenMP workers starve it (measured: ~40% vs ~65% of in-process
-            # throughput on 2 cores).
-            flags["num-threads"] = str(max(1, (os.cpu_count() or 2) - 1))
+            # throughput on 2 cores); several schedulers share the rest.
+            share = ((os.cpu_count() or 2) - 1) // self.options.count("scheduler")
+            flags["num-threads"] = str(max(1, share))
         return flags
 
     def _gateway_flags(self, http_port: int, grpc_port: int, public_tls: bool) -> dict[str, str]:
@@ -266,9 +284,9 @@ class Mesh:
             "grpc-port": str(grpc_port),
             "tls-cert": cert if public_tls else "",
             "tls-key": key if public_tls else "",
-            "tokenizers": self.service("tokenizer").address,
-            "schedulers": self.service("scheduler").address,
-            "detokenizers": self.service("detokenizer").address,
+            "tokenizers": ",".join(p.address for p in self.replicas("tokenizer")),
+            "schedulers": ",".join(p.address for p in self.replicas("scheduler")),
+            "detokenizers": ",".join(p.address for p in self.replicas("detokenizer")),
             "redis-url": self._redis_url,
         }
 

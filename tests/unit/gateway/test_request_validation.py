@@ -209,7 +209,7 @@ BAD_REQUESTS: list[tuple[Any, str, grpc.StatusCode]] = [
         "disaggregated_params",
         UNIMPLEMENTED,
     ),
-    (pb.GenerateRequest(input_ids=[1], routed_dp_rank=1), "routed_dp_rank", UNIMPLEMENTED),
+    (pb.GenerateRequest(input_ids=[1], routed_dp_rank=-1), "routed_dp_rank", INVALID),
     (
         pb.TextGenerateRequest(text="a", sampling_params=pb.SamplingParams(top_p=2)),
         "sampling_params.top_p",

@@ -191,7 +191,8 @@ class GatewayMetrics(ServiceMetrics):
     the schedulers' load gauges from `engine_loads()`: (dp_rank, Engine.stats()) pairs."""
 
     def __init__(self, model_name: Callable[[], str], engine_loads: EngineLoads | None = None,
-                 load_timeout: float = 3.0) -> None:
+                 load_timeout: float = 3.0,
+                 registry_degraded: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self._model_name = model_name
         self._engine_loads = engine_loads
@@ -240,6 +241,10 @@ class GatewayMetrics(ServiceMetrics):
         self._aborted = counter("sglang:num_aborted_requests", "Number of requests aborted.")
         r.register(_EngineCollector(["model_name", "engine"], lambda: self._engines,
                                     counters=False))
+        if registry_degraded is not None:
+            Gauge("meshlm:registry_degraded", "1 while the RID registry (Redis) is unreachable "
+                  "and the gateway runs on local knowledge.", registry=r).set_function(
+                      lambda: float(registry_degraded()))
 
     def track(self) -> RequestMetrics:
         """Start the clock of one request (call when it is dispatched)."""

@@ -176,7 +176,8 @@ class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
         clocks = [self.metrics.track() for _ in children]  # TTFT, ITL, tokens, e2e per child
         events = self.profiling.events  # request events of a profiling run, per child
         events.record("recv", (c.rid for c in children))
-        dispatched = ended = False  # ended: the registry has the request's final state
+        # registered: the registry has (or will have) its record; ended: its final state
+        dispatched = registered = ended = False
         name = "gateway.embed" if v.embed else "gateway.generate"
         with self._tracer.start_as_current_span(name, attributes={"meshlm.rid": rid,
                                                                   "meshlm.n": v.n}) as span:
@@ -193,6 +194,7 @@ class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
                 else:
                     # A fresh uuid4 cannot clash: record it off the request's path.
                     self.registry.create_later(rid, record)
+                registered = True
                 trace_context = carrier_of(span)
                 await self.submit[tokenizer].put([  # one batch, the leader first
                     self._internal_request(v, c, pendings[c.index], trace_context)
@@ -238,9 +240,9 @@ class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
                     for p, clock in zip(pendings, clocks, strict=True):
                         if not p.done:
                             clock.finish("abort")
-                    if not ended:
-                        span.add_event("client_gone")
-                        self.registry.finish(rid, "aborted", finish_reason="abort")
+                if registered and not ended:
+                    span.add_event("client_gone")
+                    self.registry.finish(rid, "aborted", finish_reason="abort")
 
     def _internal_request(self, v: ValidatedRequest, child: Child, pending: PendingRequest,
                           trace_context: dict[str, str]) -> tokenizer_pb2.GenerateRequest:

@@ -7,7 +7,10 @@ leaves no record behind for ever); a finished one after `finished_ttl`.
 
 The registry fails open: when Redis is unreachable, generation goes on without it (duplicate
 detection across gateways is then skipped), `degraded` is set and logged once, and Redis is
-tried again after a short pause.
+probed again every `RETRY_AFTER` seconds. Nothing is lost meanwhile: the gateway keeps the
+records of its live requests, and the final state of those that ended while Redis was away,
+and writes them all back once Redis answers again, also after a restart that emptied it (a
+new Redis `run_id`), so the registry is consistent again after reconnect.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ log = get_logger(__name__)
 
 KEY_PREFIX = "meshlm:rid:"
 RETRY_AFTER = 2.0  # seconds without Redis after a failure
+PROBE_EVERY = 1.0  # seconds between checks that Redis is there and is the same server
+MAX_UNSENT = 100_000  # final states kept for Redis while it is away (oldest dropped)
 
 # Create only if absent; set fields and TTL atomically. ARGV = ttl, field, value, ...
 _CREATE = """
@@ -53,10 +58,17 @@ class RidRegistry:
         self._queue: list[tuple[str, str, Any, int | None]] = []
         self._wake = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
         self._busy = False
+        # What Redis should hold of this gateway's requests: live records (until their final
+        # state is written) and final states not written yet.
+        self._live: dict[str, dict[str, str]] = {}
+        self._unsent: dict[str, tuple[dict[str, str], int]] = {}
+        self._run_id: str | None = None
 
     def start(self) -> None:
         self._writer = asyncio.create_task(self._write_loop(), name="registry-writer")
+        self._prober = asyncio.create_task(self._probe_loop(), name="registry-prober")
 
     def _available(self) -> bool:
         return not self.degraded or time.monotonic() >= self._retry_at
@@ -69,41 +81,84 @@ class RidRegistry:
 
     def _ok(self) -> None:
         if self.degraded:
-            log.info("registry_recovered")
+            log.info("registry_recovered", live=len(self._live), unsent=len(self._unsent))
+            self._resync()
         self.degraded = False
 
-    def _record(self, fields: dict[str, Any]) -> list[Any]:
+    def _record(self, rid: str, fields: dict[str, Any]) -> list[Any]:
         now = time.time()
-        argv: list[Any] = [self.ttl]
-        for k, v in {**fields, "state": "queued", "created_at": now, "updated_at": now}.items():
-            argv += [k, str(v)]
-        return argv
+        record = {k: str(v) for k, v in {**fields, "state": "queued", "created_at": now,
+                                         "updated_at": now}.items()}
+        self._live[rid] = record
+        return [self.ttl, *(x for kv in record.items() for x in kv)]
+
+    def _resync(self) -> None:
+        """Queue the whole of what Redis should hold of this gateway's requests."""
+        for rid, record in self._live.items():
+            self._queue.append(("update", rid, record, None))
+        for rid, (record, ttl) in self._unsent.items():
+            self._queue.append(("update", rid, record, ttl))
+        self._wake.set()
+
+    def _unwritten(self, ops: list[tuple[str, str, Any, int | None]]) -> None:
+        """Keep the final states among ops that did not reach Redis (live records are in
+        `_live` anyway)."""
+        for _, rid, data, ttl in ops:
+            if ttl is not None:
+                self._unsent[rid] = (data, ttl)
+        while len(self._unsent) > MAX_UNSENT:
+            del self._unsent[next(iter(self._unsent))]
+
+    async def _probe_loop(self) -> None:
+        """Notice Redis coming back, or coming back empty (restarted between two writes)."""
+        while True:
+            await asyncio.sleep(PROBE_EVERY)  # the probing period, not synchronisation
+            if not self._available():
+                continue
+            try:
+                run_id = (await self._redis.info("server")).get("run_id")
+            except (RedisError, OSError) as exc:
+                self._failed("probe", exc)
+                continue
+            if self._run_id is not None and run_id != self._run_id and not self.degraded:
+                log.warning("registry_restarted", live=len(self._live))
+                self._resync()
+            self._run_id = run_id
+            self._ok()
 
     async def create(self, rid: str, fields: dict[str, Any]) -> bool:
         """Record a new request now; False when the rid is already taken (fail-open: True)."""
+        args = self._record(rid, fields)
         if not self._available():
             return True
         try:
-            created = await self._create(keys=[key(rid)], args=self._record(fields))
+            created = await self._create(keys=[key(rid)], args=args)
         except (RedisError, OSError) as exc:
             self._failed("create", exc)
             return True
         self._ok()
+        if not created:
+            del self._live[rid]  # another request's rid: not ours to keep
         return bool(created)
 
     def create_later(self, rid: str, fields: dict[str, Any]) -> None:
         """Record a request whose rid cannot clash (a fresh uuid4), off the request's path."""
-        self._queue.append(("create", rid, self._record(fields), None))
+        self._queue.append(("create", rid, self._record(rid, fields), None))
         self._wake.set()
 
     def update(self, rid: str, **fields: Any) -> None:
         """Set fields in the background (off the request's path)."""
+        record = self._live.get(rid)
+        if record is not None:
+            record.update((k, str(v)) for k, v in fields.items())
         self._queue.append(("update", rid, fields, None))
         self._wake.set()
 
     def finish(self, rid: str, state: str, **fields: Any) -> None:
         """Mark the request ended; its record then expires after finished_ttl."""
-        self._queue.append(("update", rid, {"state": state, **fields}, self.finished_ttl))
+        record = {**self._live.pop(rid, {}), "state": state,
+                  **{k: str(v) for k, v in fields.items()}}
+        self._queue.append(("update", rid, record, self.finished_ttl))
         self._wake.set()
 
     async def _write_loop(self) -> None:
@@ -112,7 +167,10 @@ class RidRegistry:
             await self._wake.wait()
             self._wake.clear()
             ops, self._queue = self._queue, []
-            if not ops or not self._available():
+            if not ops:
+                continue
+            if not self._available():
+                self._unwritten(ops)
                 continue
             self._busy = True
             try:
@@ -128,9 +186,13 @@ class RidRegistry:
                     await pipe.execute()
             except (RedisError, OSError) as exc:
                 self._failed("write", exc)
+                self._unwritten(ops)
                 continue
             finally:
                 self._busy = False
+            for _, rid, _, ttl in ops:
+                if ttl is not None:
+                    self._unsent.pop(rid, None)
             self._ok()
 
     async def get(self, rid: str) -> dict[str, str] | None:
@@ -152,6 +214,7 @@ class RidRegistry:
     async def close(self) -> None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.flush(), 2.0)
-        if self._writer is not None:
-            self._writer.cancel()
+        for task in (self._writer, self._prober):
+            if task is not None:
+                task.cancel()
         await self._redis.aclose()

@@ -129,7 +129,8 @@ async def serve(config: GatewayConfig) -> None:
                                    "detokenizer": config.detokenizers}, on_change,
                         lambda role, address: api_ref[0].on_dependency_down(role, address))
     metrics = GatewayMetrics(lambda: identity.served_model_name,
-                             lambda: _engine_loads(channels, config.schedulers))
+                             lambda: _engine_loads(channels, config.schedulers),
+                             registry_degraded=lambda: registry.degraded)
     api = GatewayAPI(identity, deps, table, registry, channels, submit, metrics)
     api_ref.append(api)
     for address in config.tokenizers:

@@ -1,0 +1,243 @@
+"""Faults with every in-flight request accounted for: kill -9 of a scheduler, a tokenizer and a
+detokenizer mid-stream (the requests they held end with UNAVAILABLE within 2 s, the others
+finish, new requests go to the remaining replicas, a restarted replica rejoins); Redis
+restarted mid-load; SIGTERM of a gateway under load (it drains, then exits)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+import redis
+from helpers import collect_text, text_request, wait_until
+
+from meshlm.gateway.registry import key
+from meshlm.launch.mesh import Mesh, MeshOptions
+from sglang.runtime.v1 import sglang_pb2 as pb
+from sglang.runtime.v1 import sglang_pb2_grpc
+
+FAULT_BOUND = 2.0  # seconds from a kill to the end of the requests it held
+LONG = {"max_new_tokens": 1900, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    m = Mesh(MeshOptions(workdir=tmp_path_factory.mktemp("faults"), http_port=0, grpc_port=0,
+                         replicas={"tokenizer": 2, "scheduler": 2, "detokenizer": 2},
+                         env={"MESHLM_NUM_THREADS": "1"}))
+    try:
+        m.start()
+        yield m
+    finally:
+        m.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(mesh2: Mesh) -> Iterator[sglang_pb2_grpc.SglangServiceStub]:
+    with grpc.insecure_channel(mesh2.addresses.gateway_grpc) as ch:
+        yield sglang_pb2_grpc.SglangServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def registry(mesh2: Mesh) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(mesh2.addresses.redis_url, decode_responses=True)
+    yield client
+    client.close()
+
+
+class Stream:
+    """A streaming request drained in a thread; records how and when it ended."""
+
+    def __init__(self, stub, text: str, *, dp_rank: int | None = None,
+                 max_new_tokens: int = LONG["max_new_tokens"]) -> None:
+        self.rid = f"f-{uuid.uuid4().hex[:10]}"
+        req = text_request(text, rid=self.rid, max_new_tokens=max_new_tokens, ignore_eos=True)
+        if dp_rank is not None:
+            req.routed_dp_rank = dp_rank
+        self.call = stub.TextGenerate(req, timeout=120)
+        self.messages = [next(self.call)]
+        self.error: grpc.RpcError | None = None
+        self.ended_at = 0.0
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        try:
+            self.messages.extend(self.call)
+        except grpc.RpcError as e:
+            self.error = e
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout: float = 60) -> Stream:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.rid}: the stream is hanging"
+        return self
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and self.messages[-1].finished
+
+    def code(self) -> grpc.StatusCode | None:
+        return self.error.code() if self.error is not None else None
+
+
+def replica(mesh2: Mesh, role: str, index: int) -> str:
+    return mesh2.replicas(role)[index].name
+
+
+def routes(registry: redis.Redis, rid: str) -> dict[str, str]:
+    wait_until(lambda: registry.hget(key(rid), "detokenizer") is not None,
+               what=f"{rid}'s record")
+    return registry.hgetall(key(rid))
+
+
+def serves_again(stub, **fields: object) -> None:
+    """Wait until a fresh request completes (the mesh noticed a replica coming back)."""
+    def ok() -> bool:
+        req = text_request("are you back", max_new_tokens=2)
+        for name, value in fields.items():
+            setattr(req, name, value)
+        try:
+            _, msgs = collect_text(stub, req)
+        except grpc.RpcError:
+            return False
+        return msgs[-1].finished
+    wait_until(ok, timeout=60, what=f"a request with {fields} to succeed")
+
+
+def assert_ended_unavailable(streams: list[Stream], killed_at: float) -> None:
+    for s in streams:
+        s.join()
+        assert s.code() == grpc.StatusCode.UNAVAILABLE, (s.rid, s.code(), s.messages[-1])
+        assert s.ended_at - killed_at <= FAULT_BOUND, (s.rid, s.ended_at - killed_at)
+
+
+def test_scheduler_killed_mid_stream(mesh2, stub, registry):
+    doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0) for i in range(3)]
+    spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300) for i in range(2)]
+    killed_at = time.monotonic()
+    mesh2.kill(replica(mesh2, "scheduler", 0))
+    assert_ended_unavailable(doomed, killed_at)
+    for s in spared:
+        assert s.join().finished, (s.rid, s.error)
+        assert s.messages[-1].meta_info["completion_tokens"] == "300"
+    for s in doomed:
+        wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "error",
+                   what=f"{s.rid} recorded as failed")
+    # New requests go to the scheduler that is left, unless they insist on the dead one.
+    for i in range(4):
+        _, msgs = collect_text(stub, text_request(f"after the kill {i}", max_new_tokens=3))
+        assert msgs[-1].finished
+    pinned = text_request("to the dead one", max_new_tokens=2)
+    pinned.routed_dp_rank = 0
+    with pytest.raises(grpc.RpcError) as err:
+        collect_text(stub, pinned)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Restarted on the same address, it rejoins without a gateway restart.
+    mesh2.restart(replica(mesh2, "scheduler", 0))
+    serves_again(stub, routed_dp_rank=0)
+
+
+def test_detokenizer_killed_mid_stream(mesh2, stub, registry):
+    streams = [Stream(stub, f"detok {i} {uuid.uuid4().hex}") for i in range(6)]
+    victim = mesh2.replicas("detokenizer")[0]
+    by_route = {s.rid: routes(registry, s.rid)["detokenizer"] for s in streams}
+    doomed = [s for s in streams if by_route[s.rid] == victim.address]
+    spared = [s for s in streams if by_route[s.rid] != victim.address]
+    assert doomed and spared, by_route
+    killed_at = time.monotonic()
+    mesh2.kill(victim.name)
+    assert_ended_unavailable(doomed, killed_at)
+    # The others keep streaming: abort them to end the test quickly, they end cleanly.
+    for s in spared:
+        assert s.thread.is_alive(), (s.rid, s.error)
+        stub.Abort(pb.AbortRequest(rid=s.rid), timeout=10)
+        assert s.join().finished and s.messages[-1].meta_info["finish_reason"] == "abort"
+    # The schedulers freed the doomed requests' slots (nobody is left to read them).
+    for s in doomed:
+        wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "error",
+                   what=f"{s.rid} recorded as failed")
+    wait_until(lambda: all(json_load.get("running") == 0 for json_load in loads(stub)),
+               what="every scheduler to be idle")
+    for i in range(4):
+        _, msgs = collect_text(stub, text_request(f"after detok kill {i}", max_new_tokens=3))
+        assert msgs[-1].finished
+    mesh2.restart(victim.name)
+    wait_until(lambda: all(dependencies(stub)["detokenizer"].values()), timeout=60,
+               what="the detokenizer to rejoin")
+
+
+def test_tokenizer_killed(mesh2, stub):
+    running = [Stream(stub, f"tok {i}", max_new_tokens=200) for i in range(4)]
+    victim = mesh2.replicas("tokenizer")[0]
+    mesh2.kill(victim.name)
+    # Requests past their tokenizer do not need it any more.
+    for s in running:
+        assert s.join().finished, (s.rid, s.error)
+    for i in range(6):
+        _, msgs = collect_text(stub, text_request(f"after tok kill {i}", max_new_tokens=2))
+        assert msgs[-1].finished
+    mesh2.restart(victim.name)
+    wait_until(lambda: all(dependencies(stub)["tokenizer"].values()), timeout=60,
+               what="the tokenizer to rejoin")
+
+
+def test_redis_restarted_mid_load(mesh2, stub, registry):
+    streams = [Stream(stub, f"redis {i}", max_new_tokens=400) for i in range(4)]
+    mesh2.kill("redis")
+    during = [Stream(stub, f"without redis {i}", max_new_tokens=20) for i in range(3)]
+    info = server_info(stub)
+    assert info["registry_degraded"] is True
+    assert "meshlm:registry_degraded 1.0" in metrics(mesh2)
+    mesh2.restart("redis")
+    for s in streams + during:
+        assert s.join().finished, (s.rid, s.error)
+    # Consistent again: every request's record says how it ended, including those that ran
+    # or ended while Redis was away.
+    for s in streams + during:
+        wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "finished", timeout=10,
+                   what=f"{s.rid}'s record after the restart")
+    wait_until(lambda: server_info(stub)["registry_degraded"] is False, what="recovery")
+    assert "meshlm:registry_degraded 0.0" in metrics(mesh2)
+
+
+def test_gateway_sigterm_drains_in_flight_requests(mesh2, registry):
+    extra = mesh2.start_gateway("gateway-drain")
+    with grpc.insecure_channel(extra.grpc_address) as ch:
+        stub = sglang_pb2_grpc.SglangServiceStub(ch)
+        streams = [Stream(stub, f"drain {i}", max_new_tokens=150) for i in range(4)]
+        extra.send_signal(signal.SIGTERM)
+        for s in streams:
+            assert s.join().finished, (s.rid, s.error)
+            assert s.messages[-1].meta_info["completion_tokens"] == "150"
+        wait_until(lambda: extra.returncode is not None, timeout=30, what="the gateway to exit")
+        assert extra.returncode == 0
+        with pytest.raises(grpc.RpcError) as err:
+            collect_text(stub, text_request("too late", max_new_tokens=2))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def loads(stub) -> list[dict]:
+    import json
+
+    return json.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)
+
+
+def server_info(stub) -> dict:
+    import json
+
+    return json.loads(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).json_info)
+
+
+def dependencies(stub) -> dict[str, dict[str, bool]]:
+    return server_info(stub)["dependencies"]
+
+
+def metrics(mesh2: Mesh) -> str:
+    return httpx.get(f"{mesh2.addresses.gateway_http}/metrics", timeout=10).text

@@ -27,8 +27,12 @@ OpenCall = Callable[[], Any]
 class BatchedStream(Generic[T]):
     """Client stream to `address`: `open_call()` starts the RPC (e.g. `stub.Push`);
     `make_batch(items)` wraps queued items into one message; `on_reply(message)` receives the
-    reply stream of a bidi RPC. Items already handed to a call that then fails may be lost:
-    the owners of requests learn of a dead peer from its health (see gateway/dependencies.py)."""
+    reply stream of a bidi RPC.
+
+    When the call fails, what is still queued is dropped, not kept for the next connection:
+    the owners of those requests learn of the dead peer from its health
+    (gateway/dependencies.py) and have ended them already, so a restarted peer must not start
+    work nobody waits for. Items already handed to the failed call are lost the same way."""
 
     def __init__(
         self, name: str, address: str, open_call: OpenCall,
@@ -74,8 +78,7 @@ class BatchedStream(Generic[T]):
             await call
 
     async def _send(self, call: Any, watcher: asyncio.Task[None]) -> None:
-        """Write batches with `call.write` until the call ends. Items whose write failed go
-        back to the front of the queue for the next connection."""
+        """Write batches with `call.write` until the call ends (its error propagates)."""
         while not self._closed:
             if watcher.done():
                 watcher.result()  # raises the call's error, if any
@@ -88,11 +91,7 @@ class BatchedStream(Generic[T]):
             items = [self._queue.popleft() for _ in range(n)]
             if len(self._queue) < self._capacity:
                 self._has_room.set()
-            try:
-                await call.write(self._make_batch(items))
-            except BaseException:
-                self._queue.extendleft(reversed(items))
-                raise
+            await call.write(self._make_batch(items))
             self.messages_sent += 1
 
     async def _run(self) -> None:
@@ -124,7 +123,11 @@ class BatchedStream(Generic[T]):
                     error = f"{failure.code().name}: {failure.details()}"
             call.cancel()
             watcher.cancel()
-            log.warning("stream_lost", stream=self.name, peer=self.address, error=error)
+            dropped = len(self._queue)
+            self._queue.clear()
+            self._has_room.set()
+            log.warning("stream_lost", stream=self.name, peer=self.address, error=error,
+                        dropped=dropped)
             if self.messages_sent > sent_before:
                 backoff = 0.05  # this connection worked: the next try starts quickly again
             await asyncio.sleep(backoff)  # reconnect pause, not synchronisation

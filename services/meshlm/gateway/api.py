@@ -31,6 +31,7 @@ from meshlm.gateway.inbox import PendingRequest, RequestTable, Update, next_upda
 from meshlm.gateway.loads import LoadPoller
 from meshlm.gateway.logprob_meta import logprob_meta
 from meshlm.gateway.openai.rpc import OpenAIRPCs
+from meshlm.gateway.openai.scoring import ScoringRPCs
 from meshlm.gateway.pause import PauseRPCs
 from meshlm.gateway.profile import ProfileRPCs
 from meshlm.gateway.registry import RidRegistry
@@ -45,6 +46,7 @@ from meshlm.gateway.validation import (
     validate_text_generate,
     validate_tokenize,
 )
+from meshlm.gateway.weights import WeightsRPCs
 from meshlm.v1 import (
     common_pb2,
     scheduler_pb2,
@@ -67,12 +69,13 @@ class GatewayIdentity:
     served_model_name: str
 
 
-class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
+class GatewayAPI(OpenAIRPCs, ScoringRPCs, PauseRPCs, ProfileRPCs, WeightsRPCs):
     def __init__(self, identity: GatewayIdentity, deps: Dependencies, table: RequestTable,
                  registry: RidRegistry, channels: ChannelPool,
                  submit_streams: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]],
-                 metrics: GatewayMetrics | None = None) -> None:
+                 metrics: GatewayMetrics | None = None, max_inflight: int = 1024) -> None:
         self.identity = identity
+        self.max_inflight = max_inflight  # requests (each sample of n counts) in flight here
         self.metrics = metrics or GatewayMetrics(lambda: identity.served_model_name)
         self.profiling = Profiling("gateway")
         self.deps = deps
@@ -163,6 +166,11 @@ class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
         `gateway/choices.py`) and yield what the client gets: (update, meta_info) pairs, each
         update one child's news (merged into one per child when the client did not ask to
         stream). Ends it in the mesh if the client goes away."""
+        inflight = len(self.table.requests)
+        if inflight + v.n > self.max_inflight:
+            raise MeshError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"this gateway has {inflight} requests in flight (limit "
+                            f"{self.max_inflight}); retry later or use another gateway")
         rid = v.rid or uuid.uuid4().hex
         tokenizer = self._pick("tokenizer")
         scheduler, detokenizer = self._pick_scheduler(v), self._pick("detokenizer")
@@ -255,6 +263,8 @@ class GatewayAPI(OpenAIRPCs, PauseRPCs, ProfileRPCs):
         )
         if v.text is not None:
             msg.text = v.text
+            if v.text_pair is not None:
+                msg.text_pair = v.text_pair
         else:
             msg.input_ids.ids.extend(v.input_ids or [])
         return msg

@@ -63,6 +63,8 @@ class GatewayConfig(ServiceConfig):
     registry_finished_ttl: float = cfg.field(300.0, "seconds a finished request's record is kept")
     served_model_name: str = cfg.field("", "model id in ListModels and /v1/models "
                                            "(default: the checkpoint directory's name)")
+    max_inflight: int = cfg.field(1024, "requests in flight on this gateway (each of n samples "
+                                        "counts); beyond it RESOURCE_EXHAUSTED / 429 at once")
     api_key: tuple[str, ...] = cfg.field((), "API keys: every public RPC and route but health, "
                                              "reflection and /metrics then needs "
                                              "'authorization: Bearer <key>'", secret=True)
@@ -131,7 +133,8 @@ async def serve(config: GatewayConfig) -> None:
     metrics = GatewayMetrics(lambda: identity.served_model_name,
                              lambda: _engine_loads(channels, config.schedulers),
                              registry_degraded=lambda: registry.degraded)
-    api = GatewayAPI(identity, deps, table, registry, channels, submit, metrics)
+    api = GatewayAPI(identity, deps, table, registry, channels, submit, metrics,
+                     max_inflight=config.max_inflight)
     api_ref.append(api)
     for address in config.tokenizers:
         stub = tokenizer_pb2_grpc.TokenizerStub(channels.get(address))

@@ -83,3 +83,16 @@ async def test_reconnects_and_keeps_sending_after_failure():
     await _until(lambda: [2] in peer.batches)
     assert peer.batches[0] == [1]
     await stream.close()
+
+
+async def test_items_queued_when_the_call_fails_are_dropped_not_replayed():
+    """A restarted peer must not receive work whose owners gave up when it died."""
+    peer = FakePeer(fail_after=1)
+    stream = BatchedStream("t", "peer", peer.open, list, max_batch=1)
+    await stream.put([1, 2, 3])  # 1 is written, then the call fails with 2 and 3 queued
+    stream.start()
+    await _until(lambda: peer.calls >= 2)
+    await stream.put([4])
+    await _until(lambda: [4] in peer.batches)
+    assert peer.batches == [[1], [4]]
+    await stream.close()

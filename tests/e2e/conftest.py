@@ -87,12 +87,3 @@ def channel(mesh) -> Iterator[grpc.Channel]:
 @pytest.fixture(scope="session")
 def stub(channel) -> sglang_pb2_grpc.SglangServiceStub:
     return sglang_pb2_grpc.SglangServiceStub(channel)
-
-
-def mesh_credentials(mesh: Mesh, client_cert: bool = True) -> grpc.ChannelCredentials:
-    certs = mesh.addresses.certs
-    ca = Path(certs.ca_cert).read_bytes()
-    if not client_cert:
-        return grpc.ssl_channel_credentials(ca)
-    return grpc.ssl_channel_credentials(ca, Path(certs.mesh_key).read_bytes(),
-                                        Path(certs.mesh_cert).read_bytes())

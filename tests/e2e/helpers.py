@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 
+from meshlm.launch.mesh import Mesh
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
 
@@ -44,3 +46,12 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what or predicate}")
         time.sleep(0.02)
+
+
+def mesh_credentials(mesh: Mesh, client_cert: bool = True) -> grpc.ChannelCredentials:
+    certs = mesh.addresses.certs
+    ca = Path(certs.ca_cert).read_bytes()
+    if not client_cert:
+        return grpc.ssl_channel_credentials(ca)
+    return grpc.ssl_channel_credentials(ca, Path(certs.mesh_key).read_bytes(),
+                                        Path(certs.mesh_cert).read_bytes())

@@ -195,6 +195,19 @@ def test_redis_restarted_mid_load(mesh2, stub, registry):
     info = server_info(stub)
     assert info["registry_degraded"] is True
     assert "meshlm:registry_degraded 1.0" in metrics(mesh2)
+    # An abort on another gateway still reaches the request (sent to every scheduler).
+    victim = Stream(stub, "abort me without redis")
+    other = mesh2.start_gateway(f"gateway-{uuid.uuid4().hex[:6]}")
+    try:
+        with grpc.insecure_channel(other.grpc_address) as ch:
+            reply = sglang_pb2_grpc.SglangServiceStub(ch).Abort(pb.AbortRequest(rid=victim.rid),
+                                                               timeout=10)
+        assert reply.success
+        assert victim.join().finished
+        assert victim.messages[-1].meta_info["finish_reason"] == "abort"
+    finally:
+        other.stop(10)
+        del mesh2.services[other.name]
     mesh2.restart("redis")
     for s in streams + during:
         assert s.join().finished, (s.rid, s.error)

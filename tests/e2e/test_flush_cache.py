@@ -7,8 +7,7 @@ import random
 import uuid
 
 import httpx
-from conftest import mesh_credentials
-from helpers import scheduler_load, text_request, wait_until
+from helpers import mesh_credentials, scheduler_load, text_request, wait_until
 
 from sglang.runtime.v1 import sglang_pb2 as pb
 

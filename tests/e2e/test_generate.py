@@ -89,10 +89,10 @@ def test_model_info_and_list_models(stub):
     assert stub.HealthCheck(pb.HealthCheckRequest()).healthy
 
 
-def test_unimplemented_rpcs_say_so(stub):
+def test_classify_needs_a_classifier(stub):
     with pytest.raises(grpc.RpcError) as err:
         stub.Classify(pb.ClassifyRequest(text="x"))
-    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_http_generate_json_and_sse(mesh):

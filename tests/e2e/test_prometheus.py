@@ -12,8 +12,7 @@ from collections import Counter
 import grpc
 import httpx
 import pytest
-from conftest import mesh_credentials
-from helpers import scheduler_load, text_request, wait_until
+from helpers import mesh_credentials, scheduler_load, text_request, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from sglang.runtime.v1 import sglang_pb2 as pb

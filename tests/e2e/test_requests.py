@@ -9,8 +9,7 @@ import grpc
 import httpx
 import pytest
 import redis
-from conftest import mesh_credentials
-from helpers import scheduler_load, text_request, wait_until
+from helpers import mesh_credentials, scheduler_load, text_request, wait_until
 
 from sglang.runtime.v1 import sglang_pb2 as pb
 

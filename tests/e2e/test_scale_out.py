@@ -12,8 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import redis
-from conftest import mesh_credentials
-from helpers import collect_text, text_request, wait_until
+from helpers import collect_text, mesh_credentials, text_request, wait_until
 
 from meshlm.gateway.registry import key
 from meshlm.launch.mesh import Mesh, MeshOptions

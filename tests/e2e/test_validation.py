@@ -6,8 +6,7 @@ from __future__ import annotations
 import grpc
 import httpx
 import pytest
-from conftest import mesh_credentials
-from helpers import scheduler_load
+from helpers import mesh_credentials, scheduler_load
 
 from sglang.runtime.v1 import sglang_pb2 as pb
 

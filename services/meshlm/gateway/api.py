@@ -7,11 +7,9 @@ raise MeshError for every failure. The gRPC servicer and the HTTP routes are thi
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -25,9 +23,11 @@ from meshlm.common.rpc import CallContext
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import carrier_of, tracer
-from meshlm.gateway.choices import Child, Choices, child_rids, fan_out
+from meshlm.gateway.admin import AdminRPCs
+from meshlm.gateway.choices import Child, Choices, fan_out
 from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.inbox import PendingRequest, RequestTable, Update, next_updates
+from meshlm.gateway.info import GatewayIdentity, InfoRPCs
 from meshlm.gateway.loads import LoadPoller
 from meshlm.gateway.logprob_meta import logprob_meta
 from meshlm.gateway.openai.rpc import OpenAIRPCs
@@ -49,8 +49,6 @@ from meshlm.gateway.validation import (
 from meshlm.gateway.weights import WeightsRPCs
 from meshlm.v1 import (
     common_pb2,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
@@ -63,13 +61,8 @@ R = TypeVar("R")
 CONTROL_TIMEOUT = 10.0  # seconds for internal unary calls
 
 
-@dataclass
-class GatewayIdentity:
-    inbox: str               # this gateway's inbox address (requests' reply address)
-    served_model_name: str
-
-
-class GatewayAPI(OpenAIRPCs, ScoringRPCs, PauseRPCs, ProfileRPCs, WeightsRPCs):
+class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, ProfileRPCs,
+                 WeightsRPCs):
     def __init__(self, identity: GatewayIdentity, deps: Dependencies, table: RequestTable,
                  registry: RidRegistry, channels: ChannelPool,
                  submit_streams: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]],
@@ -90,9 +83,6 @@ class GatewayAPI(OpenAIRPCs, ScoringRPCs, PauseRPCs, ProfileRPCs, WeightsRPCs):
         self.loads = LoadPoller(channels, lambda: deps.serving("scheduler"))
 
     # -- readiness ---------------------------------------------------------------------------
-
-    def is_healthy(self) -> bool:
-        return self.deps.ready and self.info is not None
 
     async def refresh_info(self) -> None:
         """Fetch model facts from a tokenizer (limits for validation, model cards)."""
@@ -244,7 +234,7 @@ class GatewayAPI(OpenAIRPCs, ScoringRPCs, PauseRPCs, ProfileRPCs, WeightsRPCs):
                 if dispatched and live:
                     # The client went away (cancelled call, closed connection), or a sibling
                     # failed: end the rest now.
-                    self.background.spawn(self._abort_in_scheduler(scheduler, live, False))
+                    self.background.spawn(self.abort_in_scheduler(scheduler, live))
                     for p, clock in zip(pendings, clocks, strict=True):
                         if not p.done:
                             clock.finish("abort")
@@ -334,71 +324,7 @@ class GatewayAPI(OpenAIRPCs, ScoringRPCs, PauseRPCs, ProfileRPCs, WeightsRPCs):
                 req.fail(MeshError(grpc.StatusCode.UNAVAILABLE,
                                    f"the {role} at {address} became unavailable"))
                 if role != "scheduler":
-                    self.background.spawn(self._abort_in_scheduler(req.scheduler, [req.rid], False))
-
-    # -- abort -------------------------------------------------------------------------------
-
-    async def Abort(self, req: pb.AbortRequest, ctx: CallContext) -> pb.AbortResponse:
-        if req.abort_all:
-            results = await asyncio.gather(*(
-                self._abort_in_scheduler(s, [], True) for s in self.deps.serving("scheduler")))
-            return pb.AbortResponse(success=all(r is not None for r in results))
-        if not req.rid:
-            raise MeshError(grpc.StatusCode.INVALID_ARGUMENT, "rid: give a rid or abort_all")
-        # A request with n > 1 samples is its children: aborting it aborts them all.
-        members = self.table.members(req.rid)
-        if members:  # this gateway's: the children share one scheduler
-            scheduler, rids = members[0].scheduler, [m.rid for m in members]
-        else:
-            record = await self.registry.get(req.rid)
-            if record is None:
-                return pb.AbortResponse(success=False)
-            if record.get("state") not in ("queued", "running"):
-                return pb.AbortResponse(success=True)  # already over: nothing to do
-            scheduler = record.get("scheduler", "")
-            rids = child_rids(req.rid, int(record.get("n") or 1))
-        if not scheduler:
-            return pb.AbortResponse(success=False)
-        aborted = await self._abort_in_scheduler(scheduler, rids, False)
-        return pb.AbortResponse(success=aborted is not None)
-
-    async def _abort_in_scheduler(self, scheduler: str, rids: list[str], all_: bool) -> int | None:
-        stub = scheduler_pb2_grpc.SchedulerStub(self.channels.get(scheduler))
-        try:
-            reply = await stub.Abort(scheduler_pb2.AbortRequest(rids=rids, all=all_,
-                                                                reason="abort"),
-                                     timeout=CONTROL_TIMEOUT)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("abort_failed", scheduler=scheduler, error=exc.details())
-            return None
-        return reply.aborted
-
-    # -- cache -------------------------------------------------------------------------------
-
-    async def FlushCache(self, req: pb.FlushCacheRequest,
-                         ctx: CallContext) -> pb.FlushCacheResponse:
-        """Empty the prefix cache of every scheduler replica; success only if all did. A
-        scheduler refuses while it has requests running or waiting."""
-        schedulers = list(self.deps.addresses["scheduler"])
-        replies = await asyncio.gather(*(self._flush_scheduler(s) for s in schedulers))
-        refused = [f"{address}: {reply.message}" for address, reply in
-                   zip(schedulers, replies, strict=True) if not reply.success]
-        if refused:
-            return pb.FlushCacheResponse(success=False, message=(
-                f"not flushed on {len(refused)} of {len(schedulers)} scheduler(s): "
-                + "; ".join(refused)))
-        return pb.FlushCacheResponse(
-            success=True, message=f"flushed the prefix cache of {len(schedulers)} scheduler(s)")
-
-    async def _flush_scheduler(self, address: str) -> scheduler_pb2.FlushCacheResponse:
-        stub = scheduler_pb2_grpc.SchedulerStub(self.channels.get(address))
-        try:
-            return await stub.FlushCache(scheduler_pb2.FlushCacheRequest(),
-                                         timeout=CONTROL_TIMEOUT * 4)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("flush_cache_failed", scheduler=address, error=exc.details())
-            return scheduler_pb2.FlushCacheResponse(success=False,
-                                                    message=f"unreachable ({exc.code().name})")
+                    self.background.spawn(self.abort_in_scheduler(req.scheduler, [req.rid]))
 
     # -- tokenizer passthrough ---------------------------------------------------------------
 
@@ -435,56 +361,3 @@ class GatewayAPI(OpenAIRPCs, ScoringRPCs, PauseRPCs, ProfileRPCs, WeightsRPCs):
                 raise MeshError(grpc.StatusCode.UNAVAILABLE,
                                 f"internal service: {exc.details()}") from exc
             raise MeshError(code, exc.details() or code.name) from exc
-
-    # -- info --------------------------------------------------------------------------------
-
-    async def HealthCheck(self, req: pb.HealthCheckRequest,
-                          ctx: CallContext) -> pb.HealthCheckResponse:
-        return pb.HealthCheckResponse(healthy=self.is_healthy())
-
-    async def GetModelInfo(self, req: pb.GetModelInfoRequest,
-                           ctx: CallContext) -> pb.GetModelInfoResponse:
-        await self._limits()
-        assert self.info is not None
-        return pb.GetModelInfoResponse(model_path=self.info.model_path,
-                                       json_info=self.info.json_info)
-
-    def model_cards(self) -> list[pb.ModelCard]:
-        if self.info is None:
-            return []
-        return [pb.ModelCard(id=self.identity.served_model_name, root=self.info.model_path,
-                             max_model_len=self.info.max_model_len)]
-
-    async def ListModels(self, req: pb.ListModelsRequest,
-                         ctx: CallContext) -> pb.ListModelsResponse:
-        await self._limits()
-        return pb.ListModelsResponse(models=self.model_cards())
-
-    async def GetLoad(self, req: pb.GetLoadRequest, ctx: CallContext) -> pb.GetLoadResponse:
-        schedulers = list(enumerate(self.deps.addresses["scheduler"]))
-        if req.HasField("dp_rank"):
-            if not 0 <= req.dp_rank < len(schedulers):
-                raise MeshError(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"dp_rank: must be in [0, {len(schedulers)}), got {req.dp_rank}")
-            schedulers = [schedulers[req.dp_rank]]
-        loads = []
-        for rank, address in schedulers:
-            stub = scheduler_pb2_grpc.SchedulerStub(self.channels.get(address))
-            try:
-                load = await stub.GetLoad(scheduler_pb2.GetLoadRequest(), timeout=CONTROL_TIMEOUT)
-                loads.append({"dp_rank": rank, **json.loads(load.json_info),
-                              "address": address})
-            except grpc.aio.AioRpcError as exc:
-                loads.append({"dp_rank": rank, "address": address, "error": exc.details()})
-        return pb.GetLoadResponse(json_info=json.dumps(loads))
-
-    async def GetServerInfo(self, req: pb.GetServerInfoRequest,
-                            ctx: CallContext) -> pb.GetServerInfoResponse:
-        info = {"gateway": self.identity.inbox, "served_model_name":
-                self.identity.served_model_name, "dependencies": self.deps.status(),
-                "registry_degraded": self.registry.degraded,
-                "requests_in_flight": len(self.table.requests),
-                "request_groups": len(self.table.groups),
-                "max_model_len": self.info.max_model_len if self.info else None}
-        return pb.GetServerInfoResponse(json_info=json.dumps(info))
-

@@ -1,8 +1,8 @@
 """SGLang-native HTTP routes beside /generate: /health_generate, /get_model_info,
 /get_server_info, /get_load, /abort_request, /pause_generation, /continue_generation, /tokenize,
-/detokenize and the profiling routes (/start_profile, /stop_profile, /start_request_profile,
-/stop_request_profile), with SGLang's bodies and reply shapes (its http_server.py and OpenAI-serving
-tokenize; ../shared/seeds/003_*.txt for the route surface).
+/detokenize, the profiling routes (/start_profile, /stop_profile, /start_request_profile,
+/stop_request_profile) and /update_weights_from_disk, with SGLang's bodies and reply shapes (its
+http_server.py and OpenAI-serving tokenize; ../shared/seeds/003_*.txt for the route surface).
 
 The handlers are thin: parse the body, call the GatewayAPI method that the gRPC RPC calls, shape
 the reply. Unknown body fields are refused (a mistyped "mode" must not pause in the default
@@ -64,6 +64,7 @@ def native_routes(api: Any) -> list[BaseRoute]:
         Route("/stop_profile", _guarded(h.stop_profile), methods=post),
         Route("/start_request_profile", _guarded(h.start_request_profile), methods=post),
         Route("/stop_request_profile", _guarded(h.stop_request_profile), methods=post),
+        Route("/update_weights_from_disk", _guarded(h.update_weights_from_disk), methods=post),
     ]
 
 
@@ -215,6 +216,25 @@ class _NativeHandlers:
                 "files": run.files, "message": stop_message(run), "unreached": run.failed}
 
     stop_request_profile = stop_profile  # a run is one session: both stop all of it
+
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        """{"model_path", "load_format" (auto | safetensors | dummy), "abort_all_requests"
+        (false: running requests are retracted and recomputed on the new weights)} ->
+        SGLang's {"success", "message", "num_paused_requests"}; a failure has success false and
+        the error's HTTP status (400: bad argument or incompatible checkpoint, 404: no
+        checkpoint there, 503: a scheduler did not answer)."""
+        try:
+            doc = await _body(request, ("model_path", "load_format", "abort_all_requests"))
+            update = await self.api.update_weights(
+                _string(doc, "model_path", ""), _string(doc, "load_format", ""),
+                abort_all=_boolean(doc, "abort_all_requests", False))
+        except MeshError as e:
+            return Response(orjson.dumps({"success": False, "message": e.message,
+                                          "num_paused_requests": 0}),
+                            status_code=e.http_status, media_type=JSON)
+        return Response(orjson.dumps({"success": True, "message": update.message,
+                                      "num_paused_requests": update.retracted}),
+                        media_type=JSON)
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """{"prompt": str | [str, ...], "add_special_tokens": true} ->

@@ -24,11 +24,12 @@ from meshlm.common.server import Binding, GrpcServer, wait_for_signal
 from meshlm.common.service import ServiceConfig, advertised, start_metrics
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tls import MeshTLS, server_credentials
-from meshlm.gateway.api import GatewayAPI, GatewayIdentity
+from meshlm.gateway.api import GatewayAPI
 from meshlm.gateway.auth import ApiKeyInterceptor, ApiKeys
 from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.http_app import build_http_app
 from meshlm.gateway.inbox import InboxServicer, RequestTable
+from meshlm.gateway.info import GatewayIdentity
 from meshlm.gateway.registry import RidRegistry
 from meshlm.gateway.servicer import SglangServicer
 from meshlm.v1 import (

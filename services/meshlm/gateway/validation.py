@@ -61,6 +61,7 @@ class ValidatedRequest:
     n: int = 1  # samples of the prompt (child requests)
     dp_rank: int | None = None  # routed_dp_rank: the scheduler replica asked for
     embed: bool = False  # an embedding request
+    text_pair: str | None = None  # with text: a cross-encoder's second text (rerank)
 
 
 def unimplemented(field_path: str, problem: str) -> MeshError:
@@ -290,7 +291,7 @@ def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> Valida
     return _validated(req, sampling, text=None, input_ids=ids)
 
 
-_EmbedLike = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest
+_EmbedLike = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest | sglang_pb2.ClassifyRequest
 
 
 def _validated_embed(
@@ -323,6 +324,21 @@ def validate_embed(req: sglang_pb2.EmbedRequest, limits: Limits) -> ValidatedReq
     ids = list(req.input_ids)
     if not ids:
         raise invalid("input_ids", "must not be empty")
+    check_token_ids(ids, limits, "input_ids")
+    check_prompt_length(len(ids), 0, limits)
+    return _validated_embed(req, text=None, input_ids=ids)
+
+
+def validate_classify(req: sglang_pb2.ClassifyRequest, limits: Limits) -> ValidatedRequest:
+    """Classify: text or input_ids (exactly one), run as an embedding request (a
+    classifier's pooled output is its class logits)."""
+    ids = list(req.input_ids)
+    if req.text and ids:
+        raise invalid("input_ids", "give text or input_ids, not both")
+    if req.text:
+        return _validated_embed(req, text=req.text, input_ids=None)
+    if not ids:
+        raise invalid("text", "give text or input_ids")
     check_token_ids(ids, limits, "input_ids")
     check_prompt_length(len(ids), 0, limits)
     return _validated_embed(req, text=None, input_ids=ids)

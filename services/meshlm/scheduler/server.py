@@ -3,24 +3,25 @@
 Tokenizers stream requests in (Submit); an engine loop runs schedule -> execute -> postprocess
 (the forward pass in a worker thread, all scheduling state on the event loop), and each step's
 outputs leave as one TokenBatch per detokenizer. Abort ends requests between steps; FlushCache,
-Pause and Continue run between steps too (the engine loop runs them before planning the next).
+Pause, Continue and UpdateWeights run between steps too (the engine loop runs them before
+planning the next).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from opentelemetry import trace
 
 from meshlm.common import config as cfg
-from meshlm.common.errors import MeshError, invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import SchedulerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
@@ -35,8 +36,8 @@ from meshlm.common.service import (
 )
 from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
+from meshlm.scheduler.control import ControlRPCs
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams, StepOutput
-from meshlm.scheduler.engine.policy import PAUSE_MODES
 from meshlm.scheduler.torch_trace import EngineTorchTrace
 from meshlm.scheduler.wire import engine_params, fill_logprobs, has_logprobs
 from meshlm.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
@@ -45,10 +46,6 @@ from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
 log = get_logger(__name__)
 
 PRE_ABORT_TTL = 60.0  # seconds an abort for a not-yet-seen rid is remembered
-CONTROL_TIMEOUT = 30.0  # seconds a control call waits for the engine loop to reach a step boundary
-
-T = TypeVar("T")
-
 
 @dataclass
 class SchedulerConfig(ServiceConfig):
@@ -101,7 +98,7 @@ class SchedulerState:
     pre_aborted: dict[str, float] = field(default_factory=dict)
 
 
-class SchedulerServicer(pb_grpc.SchedulerServicer):
+class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor,
                  outputs: StreamPool[detokenizer_pb2.TokenOutput],
                  info: common_pb2.ModelInfo, address: str) -> None:
@@ -115,8 +112,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._executor = executor
         self.profiling = Profiling("scheduler", EngineTorchTrace(executor))
         self._pending: list[StepOutput] = []  # outputs made outside a step (refusals)
-        # Control calls (FlushCache, Pause, Continue) awaiting a step boundary, in arrival order.
-        self._controls: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        # Control calls (FlushCache, Pause, Continue, UpdateWeights) awaiting a step boundary,
+        # in arrival order.
+        self._controls: list[tuple[Callable[[], Awaitable[Any]], asyncio.Future[Any]]] = []
+        self._updating = asyncio.Lock()  # one weight update at a time, in arrival order
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -197,7 +196,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def GetLoad(self, request: scheduler_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> scheduler_pb2.Load:
-        import json
 
         s = self.engine.stats()
         return scheduler_pb2.Load(
@@ -211,68 +209,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                       context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         return self.info
 
-    async def FlushCache(self, request: scheduler_pb2.FlushCacheRequest,
-                         context: grpc.aio.ServicerContext) -> scheduler_pb2.FlushCacheResponse:
-        """Queue a flush for the engine loop, which runs it between two steps."""
-        try:
-            flushed = await self._between_steps(self.engine.flush_cache)
-        except TimeoutError:
-            return scheduler_pb2.FlushCacheResponse(
-                success=False, message=f"the engine loop did not answer within {CONTROL_TIMEOUT} s")
-        if flushed:
-            log.info("prefix_cache_flushed")
-            return scheduler_pb2.FlushCacheResponse(success=True)
-        s = self.engine.stats()
-        return scheduler_pb2.FlushCacheResponse(
-            success=False, message=f"requests are running ({s['running']} running, "
-                                   f"{s['waiting']} waiting); retry when idle")
-
-    async def Pause(self, request: scheduler_pb2.PauseRequest,
-                    context: grpc.aio.ServicerContext) -> scheduler_pb2.PauseResponse:
-        """Pause the engine at the next step boundary (see the proto for the modes)."""
-        if request.mode not in PAUSE_MODES:
-            raise invalid("mode", f"must be one of {', '.join(PAUSE_MODES)}; got {request.mode!r}")
-        def pause() -> tuple[bool, int]:
-            already = self.engine.paused is not None
-            return already, self.engine.pause(request.mode)
-
-        already, touched = await self._control(pause)
-        log.info("paused", mode=request.mode, requests=touched, already_paused=already)
-        return scheduler_pb2.PauseResponse(already_paused=already, requests=touched)
-
-    async def Continue(self, request: scheduler_pb2.ContinueRequest,
-                       context: grpc.aio.ServicerContext) -> scheduler_pb2.ContinueResponse:
-        was_paused = await self._control(self.engine.resume)
-        log.info("continued", was_paused=was_paused)
-        return scheduler_pb2.ContinueResponse(was_paused=was_paused)
-
-    async def _control(self, action: Callable[[], T]) -> T:
-        """`_between_steps`, a timeout becoming UNAVAILABLE."""
-        try:
-            return await self._between_steps(action)
-        except TimeoutError:
-            raise MeshError(grpc.StatusCode.UNAVAILABLE, "the engine loop did not reach a "
-                            f"step boundary within {CONTROL_TIMEOUT} s") from None
-
-    async def _between_steps(self, action: Callable[[], T]) -> T:
-        """Run `action` on the engine loop between two steps (no plan in flight), after the
-        control calls queued before it; TimeoutError if the loop does not get there in time."""
-        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._controls.append((action, done))
-        self.wake.set()
-        return await asyncio.wait_for(done, CONTROL_TIMEOUT)
-
-    def _run_controls(self) -> None:
-        """Run the queued control calls (loop thread, no plan in flight)."""
-        controls, self._controls = self._controls, []
-        for action, done in controls:
-            if done.done():  # its caller gave up
-                continue
-            try:
-                done.set_result(action())
-            except Exception as exc:  # noqa: BLE001 - the caller's error, not the loop's
-                done.set_exception(exc)
-
     # -- the engine loop ---------------------------------------------------------------------
 
     async def run_engine(self) -> None:
@@ -283,7 +219,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 self.wake.clear()
                 await self.wake.wait()
             if self._controls:
-                self._run_controls()
+                await self._run_controls()
             # 2. plan on the loop thread, run the forward pass in the engine thread
             plan = self.engine.schedule()
             result = None

@@ -19,13 +19,14 @@ def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
         return_logprob=p.return_logprob,
         top_logprobs_num=p.top_logprobs_num if p.return_logprob else 0,
         logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
+        token_ids_logprob=tuple(p.token_ids_logprob) if p.return_logprob else (),
     )
 
 
 def has_logprobs(out: StepOutput) -> bool:
     """Whether the engine put logprobs in this output (return_logprob requests only)."""
     return bool(out.output_logprobs or out.output_top_logprobs or out.input_logprobs
-                or out.input_top_logprobs)
+                or out.input_top_logprobs or out.output_token_ids_logprobs)
 
 
 def fill_logprobs(msg: common_pb2.Logprobs, out: StepOutput, prompt_ids: Sequence[int]) -> None:
@@ -33,6 +34,7 @@ def fill_logprobs(msg: common_pb2.Logprobs, out: StepOutput, prompt_ids: Sequenc
     needed only when the output carries prompt logprobs (their positions' ids go with them)."""
     msg.output_logprobs.extend(out.output_logprobs)
     msg.output_top.extend(_top_pb(t) for t in out.output_top_logprobs)
+    msg.output_token_ids.extend(_top_pb(t) for t in out.output_token_ids_logprobs)
     if out.input_logprobs or out.input_top_logprobs:
         start = out.input_logprob_start
         msg.input_start = start

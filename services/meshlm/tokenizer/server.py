@@ -75,8 +75,9 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                 group = [i for i in text_idx if requests[i].add_special_tokens == special]
                 if not group:
                     continue
-                texts = [requests[i].text for i in group]
-                if sum(len(t) for t in texts) < INLINE_CHARS:
+                texts = [_text_of(requests[i]) for i in group]
+                if sum(len(t) + len(requests[i].text_pair)
+                       for i, t in zip(group, texts, strict=True)) < INLINE_CHARS:
                     encoded = self._tok.encode_batch(texts, add_special_tokens=special)
                 else:
                     encoded = await asyncio.to_thread(self._tok.encode_batch, texts, special)
@@ -146,6 +147,11 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         return self._info
+
+
+def _text_of(req: tokenizer_pb2.GenerateRequest) -> str | tuple[str, str]:
+    """A request's text, or its (text, text_pair) pair (cross-encoder input)."""
+    return (req.text, req.text_pair) if req.text_pair else req.text
 
 
 async def serve(config: TokenizerConfig) -> None:

@@ -116,9 +116,13 @@ class TextTokenizer:
 
     # -- encode / decode -------------------------------------------------------------------
 
-    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-        """Token ids of each text. Runs in Rust, in parallel, without the GIL."""
-        encodings = self._tok.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+    def encode_batch(self, texts: Sequence[str | tuple[str, str]],
+                     add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, or of each (text, text_pair) pair joined by the tokenizer's
+        pair template (transformers' tokenizer(text, text_pair)). Runs in Rust, in parallel,
+        without the GIL."""
+        encodings = self._tok.encode_batch_fast(list(texts),
+                                                add_special_tokens=add_special_tokens)
         batch = [e.ids for e in encodings]
         if add_special_tokens and self._fix_bos is not None:
             batch = [self._fix_bos(ids) for ids in batch]

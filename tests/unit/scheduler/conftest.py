@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from scheduler_helpers import write_checkpoint
+from scheduler_helpers import EngineFactory, write_checkpoint
 
 from meshlm.scheduler.engine.engine import Engine, EngineConfig
 
@@ -30,7 +29,6 @@ def gqa_engine(gqa_model: Path) -> Engine:
     return Engine(EngineConfig(str(gqa_model), device="cpu", max_running=64))
 
 
-EngineFactory = Callable[..., Engine]
 
 
 @pytest.fixture

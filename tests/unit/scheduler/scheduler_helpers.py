@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ from safetensors.torch import save_file
 from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
 
 EOS = 2
+
+EngineFactory = Callable[..., Engine]  # the make_engine fixture
 
 
 def write_checkpoint(

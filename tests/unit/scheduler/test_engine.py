@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import EngineFactory
 from scheduler_helpers import (
+    EngineFactory,
     greedy,
     reference_greedy,
     run_all,

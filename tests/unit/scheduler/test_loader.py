@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import EngineFactory
-from scheduler_helpers import greedy, reference_greedy, run_all, tokens_of, write_checkpoint
+from scheduler_helpers import (
+    EngineFactory,
+    greedy,
+    reference_greedy,
+    run_all,
+    tokens_of,
+    write_checkpoint,
+)
 
 from meshlm.scheduler.models.loader import load_model
 

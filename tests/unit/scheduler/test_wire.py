@@ -54,6 +54,20 @@ def test_output_logprobs_to_wire() -> None:
     assert not msg.input_logprobs and not msg.input_token_ids and msg.input_start == 0
 
 
+def test_token_ids_logprob_in_and_out() -> None:
+    asked = common_pb2.SamplingParams(top_p=1.0, max_new_tokens=1, return_logprob=True,
+                                      token_ids_logprob=[9, 4])
+    assert engine_params(asked).token_ids_logprob == (9, 4)
+    asked.return_logprob = False  # ignored without return_logprob
+    assert engine_params(asked).token_ids_logprob == ()
+    out = _step(output_logprobs=[-0.5], output_token_ids_logprobs=[[(9, -3.0), (4, -0.25)]])
+    msg = common_pb2.Logprobs()
+    fill_logprobs(msg, out, [])
+    [entry] = msg.output_token_ids
+    assert list(entry.token_ids) == [9, 4] and list(entry.logprobs) == [-3.0, -0.25]
+    assert has_logprobs(_step(output_token_ids_logprobs=[[(9, -3.0)]]))
+
+
 def test_input_logprobs_carry_their_prompt_ids_and_nan_for_position_0() -> None:
     out = _step(output_logprobs=[-0.25], input_logprob_start=0,
                 input_logprobs=[None, -1.0, -2.0, -3.0],

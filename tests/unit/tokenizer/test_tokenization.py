@@ -88,6 +88,17 @@ def test_encode_batch_matches_encode(tok: TextTokenizer) -> None:
     assert tok.encode_batch([]) == []
 
 
+def test_encode_batch_pairs_use_the_pair_template(tok: TextTokenizer) -> None:
+    """A (text, text_pair) pair is encoded as transformers' tokenizer(text, text_pair): here
+    the default model's template puts a bos before each part."""
+    raw = tok.tokenizer
+    [single, pair] = tok.encode_batch(["query", ("query", "a document")])
+    assert single == tok.encode("query")
+    assert pair == raw.encode("query", "a document").ids
+    bos = tok.bos_token_id
+    assert pair == [bos, *tok.encode("query", False), bos, *tok.encode("a document", False)]
+
+
 def test_special_token_text_becomes_one_token(tok: TextTokenizer) -> None:
     ids = tok.encode("<|im_start|>user", add_special_tokens=False)
     assert ids[0] == tok.tokenizer.token_to_id("<|im_start|>")

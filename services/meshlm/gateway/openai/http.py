@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings.
+"""OpenAI-compatible HTTP routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings,
+and SGLang's /v1/classify, /v1/score and /v1/rerank (one JSON reply each).
 
 Thin adapters over the implementation the RPCs use (`openai/rpc.py`): the body is parsed once
 and the chunks come back as OpenAIStreamChunk. Not streaming, the one chunk is the JSON reply;
@@ -36,6 +37,8 @@ from meshlm.gateway.openai.protocol import (
     parse_embedding,
 )
 from meshlm.gateway.openai.rpc import Chunks, chat_chunks, completion_chunks, embedding_response
+from meshlm.gateway.openai.scoring import classify_response, rerank_response, score_response
+from meshlm.gateway.openai.scoring_protocol import parse_classify, parse_rerank, parse_score
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 log = get_logger(__name__)
@@ -46,13 +49,20 @@ _T = TypeVar("_T")
 
 
 def openai_routes(api: Any) -> list[BaseRoute]:
-    """/v1/chat/completions, /v1/completions, /v1/embeddings (/v1/models is http_app's)."""
+    """/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/classify, /v1/score,
+    /v1/rerank (/v1/models is http_app's)."""
     return [
         Route("/v1/chat/completions", partial(_generation, api, parse_chat, chat_chunks),
               methods=["POST"]),
         Route("/v1/completions", partial(_generation, api, parse_completion, completion_chunks),
               methods=["POST"]),
-        Route("/v1/embeddings", partial(_embeddings, api), methods=["POST"]),
+        Route("/v1/embeddings", partial(_reply, api, parse_embedding, embedding_response),
+              methods=["POST"]),
+        Route("/v1/classify", partial(_reply, api, parse_classify, classify_response),
+              methods=["POST"]),
+        Route("/v1/score", partial(_reply, api, parse_score, score_response), methods=["POST"]),
+        Route("/v1/rerank", partial(_reply, api, parse_rerank, rerank_response),
+              methods=["POST"]),
     ]
 
 
@@ -82,10 +92,12 @@ async def _generation(api: Any, parse: Callable[[bytes], GenerationRequest],
         return _error(_internal())
 
 
-async def _embeddings(api: Any, request: Request) -> Response:
+async def _reply(api: Any, parse: Callable[[bytes], Any],
+                 run: Callable[[Any, Any], Awaitable[bytes]], request: Request) -> Response:
+    """A route answered with one JSON body: parse it, run it (cancelled if the client goes)."""
     try:
-        req = parse_embedding(await request.body())
-        body = await _unless_gone(embedding_response(api, req), request.receive)
+        req = parse(await request.body())
+        body = await _unless_gone(run(api, req), request.receive)
         return Response(body, media_type=JSON)
     except _ClientGone:
         return Response(status_code=499)

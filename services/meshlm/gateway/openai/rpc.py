@@ -51,7 +51,7 @@ from meshlm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 if TYPE_CHECKING:
-    from meshlm.gateway.api import GatewayIdentity
+    from meshlm.gateway.info import GatewayIdentity
 
 R = TypeVar("R")
 T = TypeVar("T")

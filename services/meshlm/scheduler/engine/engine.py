@@ -8,8 +8,9 @@ A step is three calls, split so that a server can run the forward pass off its e
 
 `add_request`, `abort`, `schedule`, `postprocess` and `stats` belong to one thread (the loop);
 `execute` may run concurrently with `add_request` and `abort`, never with `schedule` or
-`postprocess`, and at most one plan is in flight. `pause`, `resume` and `flush_cache` run
-between steps (no plan in flight). `step()` chains the three for in-process use.
+`postprocess`, and at most one plan is in flight. `pause`, `resume`, `flush_cache`, `drop_kv`
+and `load_weights` run between steps (no plan in flight). `step()` chains the three for
+in-process use.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from meshlm.scheduler.engine.kv_cache import KVCache
 from meshlm.scheduler.engine.model_runner import ModelRunner
 from meshlm.scheduler.engine.policy import Scheduler
 from meshlm.scheduler.engine.sequence import ExecResult, Plan, SamplingParams, StepOutput
+from meshlm.scheduler.engine.weights import EngineWeights
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.cpu_linear import pack_linears
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
@@ -64,8 +66,10 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class Engine:
-    """Continuous-batching generation over one model; see the module docstring for threads."""
+class Engine(EngineWeights):
+    """Continuous-batching generation over one model; see the module docstring for threads.
+    New weights without a restart: `engine/weights.py` (check_weights, drop_kv, load_weights,
+    update_weights)."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
@@ -77,7 +81,8 @@ class Engine:
         dtype = resolve_dtype(config.dtype, self.model_config)
         self.dtype = str(dtype).removeprefix("torch.")
         self.model, _ = load_model(config.model_path, dev, dtype, config.load_format)
-        packed = pack_linears(self.model) if config.packed_cpu_linears else 0
+        packed = (pack_linears(self.model, warm_rows=config.max_batched_tokens)
+                  if config.packed_cpu_linears else 0)
         self.packed_linears = packed  # decoder projections served by oneDNN packed weights
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
@@ -150,8 +155,10 @@ class Engine:
     def add_embed_request(self, rid: str, prompt_ids: list[int]) -> None:
         """Queue an embedding request (loop thread): its one output has `embedding`, the
         prompt's hidden states pooled as the checkpoint says (last token or mean) and
-        L2-normalised. Errors as for add_request."""
-        self.scheduler.add_embed(rid, prompt_ids, self.model_config.pooling)
+        L2-normalised; for a sequence classifier, its class logits (unnormalised) at the last
+        non-pad token. Errors as for add_request."""
+        mc = self.model_config
+        self.scheduler.add_embed(rid, prompt_ids, mc.pooling, mc.pool_position(prompt_ids))
 
     def abort(self, rid: str) -> bool:
         """End a request at any time (loop thread); True if it was live. Its one "abort"

@@ -1,8 +1,9 @@
-"""ModelRunner: carries out a Plan on the device: one packed forward pass, sampling, logprobs.
+"""ModelRunner: carries out a Plan on the device: one packed forward pass, sampling, logprobs,
+pooling.
 
 It owns the paged KV cache and the per-row sampling state (tokens seen, for the repetition
-penalty; output token counts, for the frequency and presence penalties). Runs on the
-executor thread.
+penalty; output token counts, for the frequency and presence penalties; pooled hidden states of
+embedding requests). Runs on the executor thread.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from meshlm.scheduler.engine.kv_cache import (
     StepItem,
     build_attention_meta,
 )
+from meshlm.scheduler.engine.logprobs import chosen_and_top, log_softmax, of_token_ids
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
-from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, TopLogprobs
+from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq
 from meshlm.scheduler.models.llama import LlamaForCausalLM
 
 
@@ -76,19 +78,29 @@ class ModelRunner:
 
     def _pool(self, items: list[ScheduledSeq], offsets: list[int], hidden: Tensor,
               results: list[ItemResult]) -> None:
-        """Embedding requests: sum each chunk's hidden states (mean pooling) and, on the
-        last chunk, pool and normalise."""
+        """Embedding requests: sum each chunk's hidden states (mean pooling) or keep the one
+        at `pool_at` (last-token pooling) and, on the last chunk, pool and normalise. A
+        sequence-classification model instead returns its score head's logits of the pooled
+        state, unnormalised (its "embedding", as in SGLang)."""
         for i, item in enumerate(items):
             seq = item.seq
             if seq.embed is None:
                 continue
-            rows = hidden[offsets[i] : offsets[i] + item.num_tokens].float()
+            rows = hidden[offsets[i] : offsets[i] + item.num_tokens]
             row = _row_of(item)
             if seq.embed == "mean":
-                self.pooled[row] += rows.sum(dim=0)
+                self.pooled[row] += rows.float().sum(dim=0)
+            else:
+                at = seq.pool_at if seq.pool_at is not None else seq.num_tokens - 1
+                if item.start <= at < item.end:
+                    self.pooled[row] = rows[at - item.start].float()
             if item.sample:
-                vector = (self.pooled[row] / item.end if seq.embed == "mean" else rows[-1])
-                results[i].embedding = F.normalize(vector, dim=-1).tolist()
+                vector = self.pooled[row] / item.end if seq.embed == "mean" else self.pooled[row]
+                if self.model.score is not None:
+                    logits = self.model.classify(vector.to(hidden.dtype))
+                    results[i].embedding = logits.tolist()
+                else:
+                    results[i].embedding = F.normalize(vector, dim=-1).tolist()
 
     def _prepare(self, items: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMeta]:
         ids = [t for item in items for t in item.seq.token_ids[item.start : item.end]]
@@ -131,7 +143,7 @@ class ModelRunner:
                 if item.seq.params.top_logprobs_num:
                     results[i].input_top_logprobs.append([])
         tokens = [t for _, t in targets]
-        chosen, tops = _logprobs(logits, tokens, max(
+        chosen, tops = chosen_and_top(log_softmax(logits), tokens, max(
             (items[i].seq.params.top_logprobs_num for i, _ in targets), default=0
         ))
         for row, (i, _) in enumerate(targets):
@@ -164,13 +176,20 @@ class ModelRunner:
         for i, token in zip(sampling, token_list, strict=True):
             results[i].token = token
         if raw is not None:
+            logp = log_softmax(raw)
             k = max(s.params.top_logprobs_num for s in seqs)
-            lp, tops = _logprobs(raw, token_list, k)
+            lp, tops = chosen_and_top(logp, token_list, k)
             for j, (i, seq) in enumerate(zip(sampling, seqs, strict=True)):
                 if seq.params.return_logprob:
                     results[i].logprob = lp[j]
                     if seq.params.top_logprobs_num:
                         results[i].top_logprobs = tops[j][: seq.params.top_logprobs_num]
+            # token_ids_logprob: the asked ids' logprobs at each such row, in one gather.
+            asked = [j for j, s in enumerate(seqs)
+                     if s.params.return_logprob and s.params.token_ids_logprob]
+            values = of_token_ids(logp, asked, [seqs[j].params.token_ids_logprob for j in asked])
+            for j, pairs in zip(asked, values, strict=True):
+                results[sampling[j]].token_ids_logprobs = pairs
 
     def _reset_rows(self, items: list[ScheduledSeq]) -> None:
         """A newly admitted sequence's row starts over from its tokens."""
@@ -193,19 +212,6 @@ class ModelRunner:
                 (rows[out_index], out_ids), torch.ones_like(out_ids, dtype=torch.int32),
                 accumulate=True,
             )
-
-
-def _logprobs(logits: Tensor, tokens: list[int], k: int) -> tuple[list[float], list[TopLogprobs]]:
-    """log_softmax of each row: the logprob of its token, and its top k (token, logprob)."""
-    logp = logits.float().log_softmax(dim=-1)
-    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
-    chosen = logp.gather(1, index)[:, 0].tolist()
-    if not k:
-        return chosen, [[] for _ in tokens]
-    values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    tops = [list(zip(r_ids, r_vals, strict=True))
-            for r_ids, r_vals in zip(ids.tolist(), values.tolist(), strict=True)]
-    return chosen, tops
 
 
 def _offsets(items: list[ScheduledSeq]) -> list[int]:

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from meshlm.scheduler.engine.block_manager import BlockManager
+from meshlm.scheduler.engine.outputs import step_output
 from meshlm.scheduler.engine.sequence import (
     ItemResult,
     Plan,
@@ -113,13 +114,18 @@ class Scheduler:
             else:
                 self.waiting.append(seq)
 
-    def add_embed(self, rid: str, prompt_ids: list[int], pooling: str) -> None:
+    def add_embed(self, rid: str, prompt_ids: list[int], pooling: str,
+                  pool_at: int | None = None) -> None:
         """Queue an embedding request: its prompt is computed (chunked, prefix-cached when
-        the pooling allows) and pooled; its one output carries the embedding."""
+        the pooling allows) and pooled; its one output carries the embedding. "last" pooling
+        takes position `pool_at` (default: the last; a classifier's last non-pad token)."""
         if rid in self._live:
             raise ValueError(f"duplicate request id {rid!r}")
         seq = Sequence.new(rid, prompt_ids, SamplingParams(max_new_tokens=1))
         seq.embed = pooling
+        if pooling == "last":
+            last = max(len(prompt_ids) - 1, 0)
+            seq.pool_at = last if pool_at is None else min(max(pool_at, 0), last)
         problem = self._problem(seq)
         if problem is not None:
             self._finish(seq, "error")
@@ -151,6 +157,10 @@ class Scheduler:
             0 <= min(seq.token_ids) and max(seq.token_ids) < self.vocab_size
         ):
             return f"prompt token id out of range [0, {self.vocab_size})"
+        if self.vocab_size is not None and any(
+            t >= self.vocab_size for t in seq.params.token_ids_logprob
+        ):
+            return f"token_ids_logprob: token id out of range [0, {self.vocab_size})"
         if seq.embed is None and not self.can_generate:
             return "this model serves embeddings only (it has no language-model head)"
         return seq.params.problem()
@@ -214,6 +224,17 @@ class Scheduler:
             return self.abort_all()
         if mode == "in_place":
             return sum(not seq.aborted for seq in self.running)
+        return self.retract()
+
+    def resume(self) -> bool:
+        """Plan steps again; False if it was not paused."""
+        was_paused, self.paused = self.paused is not None, None
+        return was_paused
+
+    def retract(self) -> int:
+        """Move every running request back to the front of the waiting queue in its order,
+        its blocks and row freed, to be recomputed (a "retract" pause without the pause);
+        returns how many. Not while a plan executes."""
         self._release_aborted()
         retracted = list(self.running)
         for seq in reversed(retracted):  # each goes first in line: the oldest ends up first
@@ -221,10 +242,15 @@ class Scheduler:
         self.retracted_total += len(retracted)
         return len(retracted)
 
-    def resume(self) -> bool:
-        """Plan steps again; False if it was not paused."""
-        was_paused, self.paused = self.paused is not None, None
-        return was_paused
+    def drop_kv(self) -> int:
+        """The model's weights are about to change: retract every running request and empty
+        the prefix cache, so that no KV computed with the old weights is read again (each
+        request recomputes its prompt and the tokens it already has). Returns how many were
+        retracted; a pause in force stays. Not while a plan executes."""
+        retracted = self.retract()
+        if not self.blocks.reset_prefix_cache():  # cannot happen: nothing holds a block
+            raise RuntimeError("KV blocks still referenced after retracting every request")
+        return retracted
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -303,6 +329,8 @@ class Scheduler:
             limit = min(limit, max(start - 1, 0))
         if seq.embed == "mean":
             limit = 0  # every position's hidden state is pooled
+        elif seq.pool_at is not None:
+            limit = min(limit, seq.pool_at)  # the pooled position is computed
         reused, hashes = bm.match_prefix(seq.token_ids, limit if self.prefix_cache else 0)
         need = bm.blocks_for(seq.num_tokens) - len(reused)
         if not bm.can_allocate(need + self.watermark_blocks, reused):
@@ -423,36 +451,7 @@ class Scheduler:
         if reason == "abort":
             self.aborted_total += 1
 
-    @staticmethod
-    def _output(
-        seq: Sequence, new: list[int] | None = None, result: ItemResult | None = None,
-        error: str | None = None,
-    ) -> StepOutput:
-        finished = seq.status is SequenceStatus.FINISHED
-        out = StepOutput(
-            rid=seq.rid,
-            new_token_ids=new or [],
-            finished=finished,
-            finish_reason=seq.finish_reason if finished else None,
-            matched_token=seq.matched_token,
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_completion_tokens,
-            cached_tokens=seq.num_cached_tokens,
-            error=error,
-        )
-        if seq.params.return_logprob:
-            if result is not None and result.logprob is not None:
-                out.output_logprobs = [result.logprob]
-                if seq.params.top_logprobs_num:
-                    out.output_top_logprobs = [result.top_logprobs or []]
-            start = seq.input_logprob_start
-            if not seq.first_output_sent and start is not None:
-                out.input_logprob_start = start
-                out.input_logprobs, out.input_top_logprobs = (
-                    seq.input_logprobs, seq.input_top_logprobs
-                )
-        seq.first_output_sent = True
-        return out
+    _output = staticmethod(step_output)
 
     def stats(self) -> dict[str, Any]:
         """Load and cache figures; `finished_total` counts every end (aborts and errors)."""

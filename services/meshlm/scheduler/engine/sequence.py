@@ -36,6 +36,9 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0  # top alternatives per position, when return_logprob
     logprob_start_len: int = -1  # prompt positions from here get logprobs too; -1 = none
+    # With return_logprob: the logprobs of these ids at each output position too (SGLang's
+    # token_ids_logprob; scoring asks for its label tokens with max_new_tokens=1).
+    token_ids_logprob: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -59,6 +62,8 @@ class SamplingParams:
             return "top_logprobs_num must be >= 0"
         if self.logprob_start_len < -1:
             return "logprob_start_len must be >= -1"
+        if any(t < 0 for t in self.token_ids_logprob):
+            return "token_ids_logprob must be token ids >= 0"
         return None
 
 
@@ -96,6 +101,7 @@ class Sequence:
     matched_token: int | None = None
     admitted_once: bool = False
     embed: str | None = None  # an embedding request: its pooling ("last" | "mean")
+    pool_at: int | None = None  # "last" pooling: the position whose hidden state is pooled
     held: bool = False  # waiting for a leader's prompt (n > 1), not in the waiting queue
     followers: list[Sequence] = field(default_factory=list)  # held for this one's prompt
     num_preemptions: int = 0
@@ -185,7 +191,9 @@ class ItemResult:
     top_logprobs: TopLogprobs | None = None
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    embedding: list[float] | None = None  # an embedding request's pooled, normalised vector
+    # An embedding request's result: the pooled, normalised vector, or a classifier's logits.
+    embedding: list[float] | None = None
+    token_ids_logprobs: TopLogprobs | None = None  # (id, logprob) per params.token_ids_logprob
 
 
 @dataclass
@@ -218,4 +226,6 @@ class StepOutput:
     input_logprob_start: int = 0
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With token_ids_logprob: per new token, (id, logprob) of each asked id, in asked order.
+    output_token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     embedding: list[float] | None = None  # an embedding request's result (then finished)

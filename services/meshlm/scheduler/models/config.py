@@ -2,7 +2,9 @@
 
 Torch-free, so the scheduler's policy and the service can read a model's limits without
 loading weights. Llama, Qwen2 and Mistral share one module layout; what differs between them
-is read here, per architecture, into plain fields (biases, sliding window).
+is read here, per architecture, into plain fields (biases, sliding window). Each comes as a
+causal LM, a bare `*Model` (embeddings) and a `*ForSequenceClassification` (a `score` head of
+num_labels rows on the last non-pad token).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def _window(window: int | None, layers: Iterable[int]) -> dict[str, Any]:
 
 # Per architecture: config.json -> the ModelConfig fields in which it differs from the defaults.
 # The bare `*Model` classes are embedding checkpoints: no LM head, weights without "model.".
+# `*ForSequenceClassification`: "model.*" plus `score.weight`, no LM head.
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LlamaForCausalLM": _llama_fields,
     "Qwen2ForCausalLM": _qwen2_fields,
@@ -57,7 +60,11 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "LlamaModel": _llama_fields,
     "Qwen2Model": _qwen2_fields,
     "MistralModel": _mistral_fields,
+    "LlamaForSequenceClassification": _llama_fields,
+    "Qwen2ForSequenceClassification": _qwen2_fields,
+    "MistralForSequenceClassification": _mistral_fields,
 }
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
 POOLING_MODES = ("last", "mean")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -68,6 +75,14 @@ def _id_set(value: Any) -> set[int]:
     if isinstance(value, int):
         return {value}
     return {int(v) for v in value}
+
+
+def _num_labels(cfg: dict[str, Any]) -> int:
+    """Classes of a sequence classifier: `num_labels`, else as many as id2label names, else
+    transformers' default of 2."""
+    if cfg.get("num_labels"):
+        return int(cfg["num_labels"])
+    return len(cfg.get("id2label") or {}) or 2
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -114,12 +129,33 @@ class ModelConfig:
     # Embeddings: how hidden states pool into one vector (sentence-transformers'
     # 1_Pooling/config.json when the checkpoint has one, else the last token's).
     pooling: str = "last"
+    # Sequence classifiers: the score head's rows (0 = no head), and the pad id whose
+    # trailing occurrences last-token pooling skips (as transformers does).
+    num_labels: int = 0
+    pad_token_id: int | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def has_lm_head(self) -> bool:
-        """False for embedding-only checkpoints (the bare `*Model` architectures)."""
-        return not self.architecture.endswith("Model")
+        """False for embedding-only checkpoints (the bare `*Model` architectures) and sequence
+        classifiers."""
+        return not (self.architecture.endswith("Model") or self.is_classifier)
+
+    @property
+    def is_classifier(self) -> bool:
+        """A `*ForSequenceClassification` checkpoint: its pooled output is class logits."""
+        return self.architecture.endswith(CLASSIFIER_SUFFIX)
+
+    def pool_position(self, prompt_ids: list[int]) -> int:
+        """The position last-token pooling takes: the last token, or for a classifier with a
+        pad id the last one that is not the pad (position 0 when all are), as transformers'
+        *ForSequenceClassification does."""
+        if self.is_classifier and self.pad_token_id is not None:
+            for i in range(len(prompt_ids) - 1, -1, -1):
+                if prompt_ids[i] != self.pad_token_id:
+                    return i
+            return 0
+        return max(len(prompt_ids) - 1, 0)
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None if it attends to every earlier position."""
@@ -140,6 +176,8 @@ class ModelConfig:
         hidden = int(cfg["hidden_size"])
         eos = _id_set(cfg.get("eos_token_id")) | _id_set((generation or {}).get("eos_token_id"))
         rope_theta, rope_scaling = _rope(cfg)
+        classifier = arch.endswith(CLASSIFIER_SUFFIX)
+        pad = cfg.get("pad_token_id")
         return cls(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -152,14 +190,18 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            # A bare *Model has no head: tie one to the embedding (never used) so it loads.
+            # A bare *Model or a classifier has no LM head: tie one to the embedding (never
+            # used) so it loads.
             tie_word_embeddings=(
                 bool(cfg.get("tie_word_embeddings", False)) or arch.endswith("Model")
+                or classifier
             ),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             eos_token_ids=tuple(sorted(eos)),
             bos_token_id=cfg.get("bos_token_id"),
             architecture=arch,
+            num_labels=_num_labels(cfg) if classifier else 0,
+            pad_token_id=int(pad) if isinstance(pad, int) else None,
             raw=dict(cfg),
             **ARCHITECTURES[arch](cfg),
         )

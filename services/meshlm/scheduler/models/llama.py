@@ -200,13 +200,16 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """HF `LlamaForCausalLM` layout (also Qwen2's and Mistral's): `model.*` and `lm_head`
-    (shared with the embedding if tied)."""
+    (shared with the embedding if tied). A `*ForSequenceClassification` config adds HF's
+    `score` head (num_labels rows, no bias) and ties the unused lm_head."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.score = (nn.Linear(config.hidden_size, config.num_labels, bias=False)
+                      if config.num_labels else None)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -221,6 +224,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Hidden states [..., H] -> float32 logits [..., V]."""
         return self.lm_head(hidden).float()
+
+    def classify(self, hidden: Tensor) -> Tensor:
+        """Pooled hidden states [..., H] -> float32 class logits [..., num_labels]."""
+        if self.score is None:
+            raise RuntimeError(f"{self.config.architecture} has no classification head")
+        return self.score(hidden).float()
 
     def forward_full(self, input_ids: Tensor) -> Tensor:
         """Cache-free reference: input_ids [B, T] -> float32 logits [B, T, V], causal attention."""

@@ -1,0 +1,40 @@
+"""StepOutput construction: what one request reports after a step (no torch, policy-side)."""
+
+from __future__ import annotations
+
+from meshlm.scheduler.engine.sequence import ItemResult, Sequence, SequenceStatus, StepOutput
+
+
+def step_output(
+    seq: Sequence, new: list[int] | None = None, result: ItemResult | None = None,
+    error: str | None = None,
+) -> StepOutput:
+    """`seq`'s news: the `new` tokens (with their logprobs from `result` when it asked for
+    them), its counts, its end when finished, and on its first output its prompt logprobs."""
+    finished = seq.status is SequenceStatus.FINISHED
+    out = StepOutput(
+        rid=seq.rid,
+        new_token_ids=new or [],
+        finished=finished,
+        finish_reason=seq.finish_reason if finished else None,
+        matched_token=seq.matched_token,
+        prompt_tokens=seq.num_prompt_tokens,
+        completion_tokens=seq.num_completion_tokens,
+        cached_tokens=seq.num_cached_tokens,
+        error=error,
+    )
+    if seq.params.return_logprob:
+        if result is not None and result.logprob is not None:
+            out.output_logprobs = [result.logprob]
+            if seq.params.top_logprobs_num:
+                out.output_top_logprobs = [result.top_logprobs or []]
+            if result.token_ids_logprobs is not None:
+                out.output_token_ids_logprobs = [result.token_ids_logprobs]
+        start = seq.input_logprob_start
+        if not seq.first_output_sent and start is not None:
+            out.input_logprob_start = start
+            out.input_logprobs, out.input_top_logprobs = (
+                seq.input_logprobs, seq.input_top_logprobs
+            )
+    seq.first_output_sent = True
+    return out

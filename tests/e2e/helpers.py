@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import grpc
+import httpx
+import orjson
 
-from meshlm.launch.mesh import Mesh
+from meshlm.launch.mesh import Mesh, MeshOptions
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
 
@@ -55,3 +59,31 @@ def mesh_credentials(mesh: Mesh, client_cert: bool = True) -> grpc.ChannelCreden
         return grpc.ssl_channel_credentials(ca)
     return grpc.ssl_channel_credentials(ca, Path(certs.mesh_key).read_bytes(),
                                         Path(certs.mesh_cert).read_bytes())
+
+
+TWO_OF_EACH = {"gateway": 2, "tokenizer": 2, "scheduler": 2, "detokenizer": 2}
+
+
+@contextmanager
+def own_mesh(workdir: Path, **options: Any) -> Iterator[Mesh]:
+    """A mesh of a test module's own (free ports, one engine thread each unless `env` says
+    otherwise), stopped even when a test fails. `options` are MeshOptions fields."""
+    env = {"MESHLM_NUM_THREADS": "1", **options.pop("env", {})}
+    mesh = Mesh(MeshOptions(workdir=workdir, http_port=0, grpc_port=0, env=env, **options))
+    try:
+        mesh.start()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def generate_events(base: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The events of a streamed POST /generate (no error event allowed)."""
+    with httpx.stream("POST", f"{base}/generate", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = orjson.loads(line[len("data: "):])
+            assert "error" not in event, event
+            yield event

@@ -11,8 +11,9 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from helpers import own_mesh
 
-from meshlm.launch.mesh import BACKENDS, Mesh, MeshOptions
+from meshlm.launch.mesh import BACKENDS, Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
@@ -22,13 +23,8 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 @pytest.fixture(scope="module")
 def keyed_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(MeshOptions(workdir=tmp_path_factory.mktemp("keyed-mesh"), http_port=0,
-                         grpc_port=0, api_keys=KEYS, env={"MESHLM_NUM_THREADS": "1"}))
-    try:
-        m.start()
+    with own_mesh(tmp_path_factory.mktemp("keyed-mesh"), api_keys=KEYS) as m:
         yield m
-    finally:
-        m.stop()
 
 
 @pytest.fixture(scope="module")

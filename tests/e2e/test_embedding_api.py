@@ -12,9 +12,10 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from helpers import own_mesh
 
 from meshlm.common.default_model import ensure_default_model
-from meshlm.launch.mesh import Mesh, MeshOptions
+from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
@@ -44,14 +45,8 @@ def _embedding_checkpoint(path: Path) -> None:
 def embed_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     model_path = tmp_path_factory.mktemp("embedder")
     _embedding_checkpoint(model_path)
-    m = Mesh(MeshOptions(workdir=tmp_path_factory.mktemp("embed-mesh"),
-                         model_path=str(model_path), http_port=0, grpc_port=0,
-                         env={"MESHLM_NUM_THREADS": "1"}))
-    try:
-        m.start()
+    with own_mesh(tmp_path_factory.mktemp("embed-mesh"), model_path=str(model_path)) as m:
         yield m
-    finally:
-        m.stop()
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ import grpc
 import httpx
 import pytest
 import redis
-from helpers import collect_text, text_request, wait_until
+from helpers import collect_text, own_mesh, text_request, wait_until
 
 from meshlm.gateway.registry import key
-from meshlm.launch.mesh import Mesh, MeshOptions
+from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
@@ -28,14 +28,9 @@ LONG = {"max_new_tokens": 1900, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(MeshOptions(workdir=tmp_path_factory.mktemp("faults"), http_port=0, grpc_port=0,
-                         replicas={"tokenizer": 2, "scheduler": 2, "detokenizer": 2},
-                         env={"MESHLM_NUM_THREADS": "1"}))
-    try:
-        m.start()
+    replicas = {"tokenizer": 2, "scheduler": 2, "detokenizer": 2}
+    with own_mesh(tmp_path_factory.mktemp("faults"), replicas=replicas) as m:
         yield m
-    finally:
-        m.stop()
 
 
 @pytest.fixture(scope="module")

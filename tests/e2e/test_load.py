@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
-from helpers import text_request, wait_until
+from helpers import TWO_OF_EACH, own_mesh, text_request, wait_until
 
 from meshlm.gateway.registry import KEY_PREFIX
-from meshlm.launch.mesh import Mesh, MeshOptions
+from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 STREAMS = int(os.environ.get("MESHLM_LOAD_STREAMS", "500"))
@@ -29,16 +29,9 @@ ALLOWED = {grpc.StatusCode.RESOURCE_EXHAUSTED}  # documented overload answer
 
 @pytest.fixture(scope="module")
 def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(MeshOptions(workdir=tmp_path_factory.mktemp("load"), http_port=0, grpc_port=0,
-                         replicas={"gateway": 2, "tokenizer": 2, "scheduler": 2,
-                                   "detokenizer": 2},
-                         env={"MESHLM_NUM_THREADS": "1",
-                              "MESHLM_REGISTRY_FINISHED_TTL": str(FINISHED_TTL)}))
-    try:
-        m.start()
+    with own_mesh(tmp_path_factory.mktemp("load"), replicas=TWO_OF_EACH,
+                  env={"MESHLM_REGISTRY_FINISHED_TTL": str(FINISHED_TTL)}) as m:
         yield m
-    finally:
-        m.stop()
 
 
 def rss(pid: int) -> int:

@@ -15,11 +15,11 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from helpers import gateway_load, text_request, wait_until
+from helpers import gateway_load, own_mesh, text_request, wait_until
 from test_embedding_api import HIDDEN, _embedding_checkpoint
 
 from meshlm.common.default_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
-from meshlm.launch.mesh import Mesh, MeshOptions
+from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
@@ -325,14 +325,8 @@ def embed_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """A small embedding-only checkpoint (as test_embedding_api builds it), its own mesh."""
     model_path = tmp_path_factory.mktemp("openai-embedder")
     _embedding_checkpoint(model_path)
-    m = Mesh(MeshOptions(workdir=tmp_path_factory.mktemp("openai-embed-mesh"),
-                         model_path=str(model_path), http_port=0, grpc_port=0,
-                         env={"MESHLM_NUM_THREADS": "1"}))
-    try:
-        m.start()
+    with own_mesh(tmp_path_factory.mktemp("openai-embed-mesh"), model_path=str(model_path)) as m:
         yield m
-    finally:
-        m.stop()
 
 
 def test_embeddings(embed_mesh: Mesh) -> None:

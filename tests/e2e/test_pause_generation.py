@@ -21,9 +21,8 @@ from typing import Any
 
 import grpc
 import httpx
-import orjson
 import pytest
-from helpers import gateway_load, text_request, wait_until
+from helpers import gateway_load, generate_events, text_request, wait_until
 
 from sglang.runtime.v1 import sglang_pb2 as pb
 
@@ -117,18 +116,12 @@ class HttpStream(Stream):
         body = {"text": PROMPTS[self.kind], "stream": True, "rid": self.rid,
                 "sampling_params": {"max_new_tokens": self.max_new_tokens, "ignore_eos": True,
                                     **SAMPLING[self.kind]}}
-        with httpx.stream("POST", f"{self.base}/generate", json=body, timeout=300) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = orjson.loads(line[len("data: "):])
-                assert "error" not in event, event
-                meta = event["meta_info"]
-                if meta["finish_reason"] is not None:
-                    self.finish_reason = meta["finish_reason"]["type"]
-                    self.completion_tokens = meta["completion_tokens"]
-                self._progress(event["output_ids"], event["text"])
+        for event in generate_events(self.base, body):
+            meta = event["meta_info"]
+            if meta["finish_reason"] is not None:
+                self.finish_reason = meta["finish_reason"]["type"]
+                self.completion_tokens = meta["completion_tokens"]
+            self._progress(event["output_ids"], event["text"])
 
 
 _references: dict[tuple[str, int], tuple[list[int], str]] = {}

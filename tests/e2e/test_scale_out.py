@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import redis
-from helpers import collect_text, mesh_credentials, text_request, wait_until
+from helpers import TWO_OF_EACH, collect_text, mesh_credentials, own_mesh, text_request, wait_until
 
 from meshlm.gateway.registry import key
-from meshlm.launch.mesh import Mesh, MeshOptions
+from meshlm.launch.mesh import Mesh
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
@@ -25,15 +25,8 @@ LONG = {"max_new_tokens": 1900, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(MeshOptions(workdir=tmp_path_factory.mktemp("mesh2"), http_port=0, grpc_port=0,
-                         replicas={"gateway": 2, "tokenizer": 2, "scheduler": 2,
-                                   "detokenizer": 2},
-                         env={"MESHLM_NUM_THREADS": "1"}))
-    try:
-        m.start()
+    with own_mesh(tmp_path_factory.mktemp("mesh2"), replicas=TWO_OF_EACH) as m:
         yield m
-    finally:
-        m.stop()
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,10 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from helpers import gateway_load, wait_until
+from helpers import gateway_load, generate_events, own_mesh, wait_until
 
 from meshlm.common.default_model import ensure_default_model
-from meshlm.launch.mesh import Mesh, MeshOptions
+from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
@@ -80,14 +80,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def weights_mesh(checkpoints: dict[str, Path],
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    m = Mesh(MeshOptions(workdir=tmp_path_factory.mktemp("weights-mesh"),
-                         model_path=str(checkpoints["a"]), http_port=0, grpc_port=0,
-                         env={"MESHLM_NUM_THREADS": "1"}))
-    try:
-        m.start()
+    with own_mesh(tmp_path_factory.mktemp("weights-mesh"), model_path=str(checkpoints["a"])) as m:
         yield m
-    finally:
-        m.stop()
 
 
 @pytest.fixture(scope="module")
@@ -213,18 +207,12 @@ class HttpStream(Stream):
         body = {"text": self.prompt, "stream": True, "rid": self.rid,
                 "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True,
                                     "temperature": 0.0}}
-        with httpx.stream("POST", f"{self.base}/generate", json=body, timeout=300) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = orjson.loads(line[len("data: "):])
-                assert "error" not in event, event
-                meta = event["meta_info"]
-                if meta["finish_reason"] is not None:
-                    self.finish_reason = meta["finish_reason"]["type"]
-                    self.completion_tokens = meta["completion_tokens"]
-                self._progress(event["output_ids"], event["text"])
+        for event in generate_events(self.base, body):
+            meta = event["meta_info"]
+            if meta["finish_reason"] is not None:
+                self.finish_reason = meta["finish_reason"]["type"]
+                self.completion_tokens = meta["completion_tokens"]
+            self._progress(event["output_ids"], event["text"])
 
 
 # -- updating over each transport -------------------------------------------------------------

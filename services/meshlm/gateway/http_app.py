@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import orjson
@@ -35,6 +35,7 @@ from meshlm.common.metrics import ServiceMetrics
 from meshlm.common.rpc import CallContext
 from meshlm.gateway import transcode
 from meshlm.gateway.auth import ApiKeyMiddleware, ApiKeys
+from meshlm.gateway.disconnect import ClientGone, unless_disconnected
 from meshlm.gateway.native_routes import native_routes
 from meshlm.gateway.openai.http import openai_routes
 from meshlm.gateway.sse import (
@@ -50,7 +51,6 @@ from sglang.runtime.v1 import sglang_pb2
 log = get_logger(__name__)
 
 JSON = "application/json"
-_T = TypeVar("_T")
 
 
 def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
@@ -149,8 +149,8 @@ class _Handlers:
                 parts_firsts = [(o, f, s) for (o, s), f in zip(parts, firsts, strict=True)]
                 return _StreamResponse(_sse(parts_firsts), streams, "text/event-stream")
             try:
-                await _unless_disconnected(_drain(parts), request.receive)
-            except _ClientGone:
+                await unless_disconnected(_drain(parts), request.receive)
+            except ClientGone:
                 return Response(status_code=499)
             finally:
                 await streams.aclose()
@@ -344,30 +344,6 @@ async def _sse(parts: list[tuple[NativeChoices, Any, AsyncIterator[Any]]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _ClientGone(Exception):
-    pass
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(work: Awaitable[_T], receive: Receive) -> _T:
-    """Run `work`; cancel it and raise _ClientGone if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        task.cancel()  # no-op when done
-        watch.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()
-
-
 class _StreamResponse(Response):
     """Streams `chunks`. Whether the stream ends, fails or the client leaves, closes `chunks`
     and then the api iterator `source` (which aborts the request if it is not finished)."""
@@ -382,8 +358,8 @@ class _StreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await _unless_disconnected(self._pump(send), receive)
-        except (_ClientGone, OSError):
+            await unless_disconnected(self._pump(send), receive)
+        except (ClientGone, OSError):
             pass  # the client went away: nobody to tell
         finally:
             await _aclose(self.chunks)

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from starlette.requests import Request
@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
+from meshlm.gateway.disconnect import ClientGone, unless_disconnected
 from meshlm.gateway.openai.errors import error_body
 from meshlm.gateway.openai.logprobs import dumps
 from meshlm.gateway.openai.protocol import (
@@ -45,7 +46,6 @@ log = get_logger(__name__)
 
 JSON = "application/json"
 SSE_DONE = b"data: [DONE]\n\n"
-_T = TypeVar("_T")
 
 
 def openai_routes(api: Any) -> list[BaseRoute]:
@@ -72,18 +72,18 @@ async def _generation(api: Any, parse: Callable[[bytes], GenerationRequest],
         req = parse(await request.body())
         chunks = run(api, req)
         if not req.stream:
-            last = await _unless_gone(_last(chunks), request.receive)
+            last = await unless_disconnected(_last(chunks), request.receive)
             return Response(last.json_chunk, media_type=JSON)
         producer = _Producer(chunks)
         try:
-            first = await _unless_gone(producer.next(), request.receive)
+            first = await unless_disconnected(producer.next(), request.receive)
         except BaseException:
             await producer.close()
             raise
         if first is None:  # cannot happen: a stream ends with its finish chunk
             raise MeshError(grpc.StatusCode.INTERNAL, "the stream ended without a chunk")
         return _EventStream(producer, first)
-    except _ClientGone:
+    except ClientGone:
         return Response(status_code=499)
     except MeshError as e:
         return _error(e)
@@ -97,9 +97,9 @@ async def _reply(api: Any, parse: Callable[[bytes], Any],
     """A route answered with one JSON body: parse it, run it (cancelled if the client goes)."""
     try:
         req = parse(await request.body())
-        body = await _unless_gone(run(api, req), request.receive)
+        body = await unless_disconnected(run(api, req), request.receive)
         return Response(body, media_type=JSON)
-    except _ClientGone:
+    except ClientGone:
         return Response(status_code=499)
     except MeshError as e:
         return _error(e)
@@ -192,28 +192,3 @@ class _EventStream(StreamingResponse):
             await self.producer.close()
 
 
-# ---- client disconnects ----------------------------------------------------------------------
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(work: Awaitable[_T], receive: Receive) -> _T:
-    """Run `work` in a task; cancel it and raise _ClientGone if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        task.cancel()  # no-op when done
-        watch.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-    if task.cancelled():
-        raise _ClientGone()
-    return task.result()

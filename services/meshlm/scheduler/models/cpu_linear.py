@@ -92,9 +92,12 @@ class PackedLinear(nn.Module):
 
 
 def row_bucket(rows: int) -> int:
-    """`rows` rounded up: to a multiple of 8 up to 64 rows (decode batches), of 32 up to 512,
-    then of 128, so the steps of a 2048-token budget use 34 kernels per weight shape."""
-    step = 8 if rows <= 64 else 32 if rows <= 512 else 128
+    """`rows` rounded up: exact up to 16 rows (small decode batches, where padding costs most),
+    then to a multiple of 8 up to 64, of 32 up to 512 and of 64 beyond, so the steps of a
+    2048-token budget use 60 kernels per weight shape."""
+    if rows <= 16:
+        return rows
+    step = 8 if rows <= 64 else 32 if rows <= 512 else 64
     return -(-rows // step) * step
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -87,3 +88,75 @@ def generate_events(base: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]
             event = orjson.loads(line[len("data: "):])
             assert "error" not in event, event
             yield event
+
+
+class TokenStream:
+    """One streaming generation drained in a thread: `ids` and `text` grow as it arrives.
+    Subclasses define run(), which calls follow_grpc or follow_sse."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.error: BaseException | None = None
+        self.done = False
+        self.cond = threading.Condition()
+
+    def run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> TokenStream:
+        threading.Thread(target=self._guarded, daemon=True).start()
+        return self
+
+    def _guarded(self) -> None:
+        try:
+            self.run()
+        except BaseException as e:  # noqa: BLE001 - reported by result()
+            self.error = e
+        finally:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+
+    def _progress(self, ids: list[int], text: str) -> None:
+        with self.cond:
+            self.ids, self.text = ids, text
+            self.cond.notify_all()
+
+    def follow_grpc(self, responses: Any) -> None:
+        """Read a TextGenerate stream."""
+        ids: list[int] = []
+        text = ""
+        for m in responses:
+            ids, text = ids + list(m.output_ids), text + m.text
+            if m.finished:
+                self.finish_reason = m.meta_info["finish_reason"]
+                self.completion_tokens = int(m.meta_info["completion_tokens"])
+            self._progress(ids, text)
+
+    def follow_sse(self, base: str, body: dict[str, Any]) -> None:
+        """Read a streamed /generate (each event has the ids and text so far)."""
+        for event in generate_events(base, body):
+            meta = event["meta_info"]
+            if meta["finish_reason"] is not None:
+                self.finish_reason = meta["finish_reason"]["type"]
+                self.completion_tokens = meta["completion_tokens"]
+            self._progress(event["output_ids"], event["text"])
+
+    def wait_tokens(self, n: int, timeout: float = 120) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: len(self.ids) >= n or self.done, timeout)
+        assert len(self.ids) >= n, f"{self.rid} ended after {len(self.ids)} tokens: {self.error}"
+
+    def wait_done(self, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.done, timeout)
+
+    def result(self, timeout: float = 300) -> TokenStream:
+        assert self.wait_done(timeout), f"{self.rid} did not end"
+        if self.error is not None:
+            raise self.error
+        return self

@@ -14,7 +14,6 @@ in a fixture's teardown, whatever happened.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from helpers import gateway_load, generate_events, text_request, wait_until
+from helpers import TokenStream, gateway_load, text_request, wait_until
 
 from sglang.runtime.v1 import sglang_pb2 as pb
 
@@ -38,54 +37,11 @@ SAMPLING: dict[str, dict[str, Any]] = {
 }
 
 
-class Stream:
-    """One streaming generation drained in a thread: `ids` and `text` grow as it arrives."""
-
+class Stream(TokenStream):
     def __init__(self, kind: str, max_new_tokens: int) -> None:
+        super().__init__(f"pause-{kind}-{uuid.uuid4().hex[:8]}")
         self.kind = kind
         self.max_new_tokens = max_new_tokens
-        self.rid = f"pause-{kind}-{uuid.uuid4().hex[:8]}"
-        self.ids: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.completion_tokens = 0
-        self.error: BaseException | None = None
-        self.cond = threading.Condition()
-        self.done = False
-
-    def start(self) -> Stream:
-        threading.Thread(target=self._guarded, daemon=True).start()
-        return self
-
-    def _guarded(self) -> None:
-        try:
-            self.run()
-        except BaseException as e:  # noqa: BLE001 - reported by result()
-            self.error = e
-        finally:
-            with self.cond:
-                self.done = True
-                self.cond.notify_all()
-
-    def run(self) -> None:
-        raise NotImplementedError
-
-    def _progress(self, ids: list[int], text: str) -> None:
-        with self.cond:
-            self.ids, self.text = ids, text
-            self.cond.notify_all()
-
-    def wait_tokens(self, n: int, timeout: float = 60) -> None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: len(self.ids) >= n or self.done, timeout)
-        assert len(self.ids) >= n, f"{self.rid} ended after {len(self.ids)} tokens: {self.error}"
-
-    def result(self, timeout: float = 120) -> Stream:
-        with self.cond:
-            assert self.cond.wait_for(lambda: self.done, timeout), f"{self.rid} did not end"
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 class GrpcStream(Stream):
@@ -96,13 +52,7 @@ class GrpcStream(Stream):
     def run(self) -> None:
         req = text_request(PROMPTS[self.kind], rid=self.rid, max_new_tokens=self.max_new_tokens,
                            ignore_eos=True, **SAMPLING[self.kind])
-        ids, text = [], ""
-        for m in self.stub.TextGenerate(req, timeout=300):
-            ids, text = ids + list(m.output_ids), text + m.text
-            if m.finished:
-                self.finish_reason = m.meta_info["finish_reason"]
-                self.completion_tokens = int(m.meta_info["completion_tokens"])
-            self._progress(ids, text)
+        self.follow_grpc(self.stub.TextGenerate(req, timeout=300))
 
 
 class HttpStream(Stream):
@@ -113,15 +63,10 @@ class HttpStream(Stream):
         self.base = base
 
     def run(self) -> None:
-        body = {"text": PROMPTS[self.kind], "stream": True, "rid": self.rid,
-                "sampling_params": {"max_new_tokens": self.max_new_tokens, "ignore_eos": True,
-                                    **SAMPLING[self.kind]}}
-        for event in generate_events(self.base, body):
-            meta = event["meta_info"]
-            if meta["finish_reason"] is not None:
-                self.finish_reason = meta["finish_reason"]["type"]
-                self.completion_tokens = meta["completion_tokens"]
-            self._progress(event["output_ids"], event["text"])
+        self.follow_sse(self.base, {
+            "text": PROMPTS[self.kind], "stream": True, "rid": self.rid,
+            "sampling_params": {"max_new_tokens": self.max_new_tokens, "ignore_eos": True,
+                                **SAMPLING[self.kind]}})
 
 
 _references: dict[tuple[str, int], tuple[list[int], str]] = {}
@@ -178,8 +123,7 @@ def streams(stub) -> Iterator[list[Stream]]:
             if not s.done:
                 stub.Abort(pb.AbortRequest(rid=s.rid), timeout=60)
         for s in started:
-            with s.cond:
-                s.cond.wait_for(lambda s=s: s.done, 60)
+            s.wait_done(60)
         wait_until(lambda: gateway_load(stub)["running"] == 0, timeout=60, what="idle mesh")
 
 

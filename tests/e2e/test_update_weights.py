@@ -17,7 +17,6 @@ other weights (each tensor's values shuffled).
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import httpx
 import numpy as np
 import orjson
 import pytest
-from helpers import gateway_load, generate_events, own_mesh, wait_until
+from helpers import TokenStream, gateway_load, own_mesh, wait_until
 
 from meshlm.common.default_model import ensure_default_model
 from meshlm.launch.mesh import Mesh
@@ -129,52 +128,10 @@ def greedy_steps(path: Path, prompt: list[int], ids: list[int]) -> list[bool]:
 # -- streams ------------------------------------------------------------------------------------
 
 
-class Stream:
-    """One greedy streaming generation drained in a thread; `ids` grows as it arrives."""
-
+class Stream(TokenStream):
     def __init__(self, prompt: str) -> None:
+        super().__init__(f"weights-{uuid.uuid4().hex[:8]}")
         self.prompt = prompt
-        self.rid = f"weights-{uuid.uuid4().hex[:8]}"
-        self.ids: list[int] = []
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.completion_tokens = 0
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.cond = threading.Condition()
-
-    def start(self) -> Stream:
-        threading.Thread(target=self._guarded, daemon=True).start()
-        return self
-
-    def _guarded(self) -> None:
-        try:
-            self.run()
-        except BaseException as e:  # noqa: BLE001 - reported by result()
-            self.error = e
-        finally:
-            self.done.set()
-            with self.cond:
-                self.cond.notify_all()
-
-    def run(self) -> None:
-        raise NotImplementedError
-
-    def _progress(self, ids: list[int], text: str) -> None:
-        with self.cond:
-            self.ids, self.text = ids, text
-            self.cond.notify_all()
-
-    def wait_tokens(self, n: int) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: len(self.ids) >= n or self.done.is_set(), 120)
-        assert len(self.ids) >= n, f"{self.rid} ended after {len(self.ids)} tokens: {self.error}"
-
-    def result(self) -> Stream:
-        assert self.done.wait(300), f"{self.rid} did not end"
-        if self.error is not None:
-            raise self.error
-        return self
 
 
 class GrpcStream(Stream):
@@ -186,14 +143,7 @@ class GrpcStream(Stream):
         req = pb.TextGenerateRequest(text=self.prompt, stream=True, rid=self.rid,
                                      sampling_params=pb.SamplingParams(
                                          temperature=0.0, max_new_tokens=LONG, ignore_eos=True))
-        ids: list[int] = []
-        text = ""
-        for m in self.stub.TextGenerate(req, timeout=300):
-            ids, text = ids + list(m.output_ids), text + m.text
-            if m.finished:
-                self.finish_reason = m.meta_info["finish_reason"]
-                self.completion_tokens = int(m.meta_info["completion_tokens"])
-            self._progress(ids, text)
+        self.follow_grpc(self.stub.TextGenerate(req, timeout=300))
 
 
 class HttpStream(Stream):
@@ -204,15 +154,10 @@ class HttpStream(Stream):
         self.base = base
 
     def run(self) -> None:
-        body = {"text": self.prompt, "stream": True, "rid": self.rid,
-                "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True,
-                                    "temperature": 0.0}}
-        for event in generate_events(self.base, body):
-            meta = event["meta_info"]
-            if meta["finish_reason"] is not None:
-                self.finish_reason = meta["finish_reason"]["type"]
-                self.completion_tokens = meta["completion_tokens"]
-            self._progress(event["output_ids"], event["text"])
+        self.follow_sse(self.base, {
+            "text": self.prompt, "stream": True, "rid": self.rid,
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True,
+                                "temperature": 0.0}})
 
 
 # -- updating over each transport -------------------------------------------------------------
@@ -270,10 +215,10 @@ def streams(wstub: Any) -> Iterator[list[Stream]]:
         yield started
     finally:
         for s in started:
-            if not s.done.is_set():
+            if not s.done:
                 wstub.Abort(pb.AbortRequest(rid=s.rid), timeout=60)
         for s in started:
-            s.done.wait(60)
+            s.wait_done(60)
         wait_until(lambda: gateway_load(wstub)["running"] == 0, timeout=60, what="idle mesh")
 
 
@@ -290,7 +235,7 @@ def test_update_under_load_finishes_every_stream_on_the_new_weights(
     for s in streams:
         s.wait_tokens(4)
     at_update = [len(s.ids) for s in streams]
-    assert not any(s.done.is_set() for s in streams)
+    assert not any(s.done for s in streams)
 
     started = time.monotonic()
     status, reply = update(via, wstub, http, str(new))

@@ -22,6 +22,7 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 OpenCall = Callable[[], Any]
+FIRST_WRITE_TIMEOUT = 5.0  # seconds a new call may take to accept its first batch
 
 
 class BatchedStream(Generic[T]):
@@ -79,6 +80,7 @@ class BatchedStream(Generic[T]):
 
     async def _send(self, call: Any, watcher: asyncio.Task[None]) -> None:
         """Write batches with `call.write` until the call ends (its error propagates)."""
+        first = True
         while not self._closed:
             if watcher.done():
                 watcher.result()  # raises the call's error, if any
@@ -91,7 +93,15 @@ class BatchedStream(Generic[T]):
             items = [self._queue.popleft() for _ in range(n)]
             if len(self._queue) < self._capacity:
                 self._has_room.set()
-            await call.write(self._make_batch(items))
+            write = call.write(self._make_batch(items))
+            if first:
+                # A call opened while the channel was reconnecting can hang instead of failing
+                # (seen after a peer restart): a peer that does not take the first batch within
+                # FIRST_WRITE_TIMEOUT counts as lost, and the stream reconnects.
+                await asyncio.wait_for(write, FIRST_WRITE_TIMEOUT)
+                first = False
+            else:
+                await write
             self.messages_sent += 1
 
     async def _run(self) -> None:
@@ -115,6 +125,8 @@ class BatchedStream(Generic[T]):
                 error = f"{exc.code().name}: {exc.details()}"
             except asyncio.InvalidStateError as exc:  # wrote to a call that had just ended
                 error = str(exc)
+            except TimeoutError:
+                error = f"the first batch was not taken within {FIRST_WRITE_TIMEOUT} s"
             finally:
                 self.connected = False
             if watcher.done() and not watcher.cancelled():

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import grpc
 import httpx
 import pytest
-from helpers import text_request, wait_until
+from helpers import mesh_credentials, own_mesh, scheduler_load, text_request, wait_until
 
 from meshlm.launch.process import ServiceProcess
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -73,3 +73,29 @@ def _in_flight(stub) -> int:
 
     info = json.loads(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).json_info)
     return int(info["requests_in_flight"])
+
+
+def test_scheduler_refuses_past_its_waiting_queue(tmp_path_factory):
+    """A scheduler with one running slot and one waiting place: a third request ends at once
+    with RESOURCE_EXHAUSTED (gRPC) / 429 (HTTP), the first two finish, and the queue takes
+    requests again once it has room."""
+    env = {"MESHLM_MAX_RUNNING": "1", "MESHLM_MAX_QUEUED": "1"}
+    with own_mesh(tmp_path_factory.mktemp("queue"), env=env) as m, \
+            grpc.insecure_channel(m.addresses.gateway_grpc) as ch:
+        stub = sglang_pb2_grpc.SglangServiceStub(ch)
+        running = stub.TextGenerate(text_request("first", **LONG), timeout=120)
+        next(running)
+        waiting = stub.TextGenerate(text_request("second", max_new_tokens=2), timeout=120)
+        wait_until(lambda: scheduler_load(m, mesh_credentials(m)).waiting == 1,
+                   what="the second request to wait")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.TextGenerate(text_request("third", max_new_tokens=2), timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "1 requests waiting (limit 1)" in err.value.details()
+        r = httpx.post(f"{m.addresses.gateway_http}/generate", timeout=30,
+                       json={"text": "over http", "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 429, r.text
+        running.cancel()
+        assert list(waiting)[-1].finished
+        msgs = list(stub.TextGenerate(text_request("later", max_new_tokens=2), timeout=30))
+        assert msgs[-1].finished

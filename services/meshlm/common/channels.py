@@ -21,20 +21,44 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 
 
 class ChannelPool:
-    """One grpc.aio channel per peer address, all with the mesh's mTLS credentials."""
+    """One grpc.aio channel per peer address, all with the mesh's mTLS credentials.
+
+    An address found by resolving a DNS name (an IP) is verified against that name, not the IP:
+    `get(address, server_name=name)` once, and every later `get(address)` (the callers that only
+    know the address, e.g. from a route) gets the same channel."""
 
     def __init__(self, credentials: grpc.ChannelCredentials) -> None:
         self._credentials = credentials
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._names: dict[str, str] = {}
+        self._retired: list[grpc.aio.Channel] = []  # replaced while calls may still use them
 
-    def get(self, address: str) -> grpc.aio.Channel:
+    def get(self, address: str, server_name: str | None = None) -> grpc.aio.Channel:
+        """The channel to `address`; `server_name` is the name its certificate must carry
+        (default: the host of `address`). A new name replaces the address's channel."""
+        if server_name is not None and self._names.get(address) != server_name:
+            self._names[address] = server_name
+            old = self._channels.pop(address, None)
+            if old is not None:
+                self._retired.append(old)
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.secure_channel(address, self._credentials, options=CHANNEL_OPTIONS)
+            options = list(CHANNEL_OPTIONS)
+            if address in self._names:
+                options.append(("grpc.ssl_target_name_override", self._names[address]))
+            channel = grpc.aio.secure_channel(address, self._credentials, options=options)
             self._channels[address] = channel
         return channel
 
+    async def discard(self, address: str) -> None:
+        """Close and forget the channel to a peer that left (a later `get` opens a new one)."""
+        self._names.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            await channel.close(grace=None)
+
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._retired]:
             await channel.close(grace=None)
         self._channels.clear()
+        self._retired.clear()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from meshlm.common import config as cfg
+from meshlm.common.announce import Announcer
 from meshlm.common.logs import get_logger, setup_logging
 from meshlm.common.metrics import MetricsServer, ServiceMetrics
 from meshlm.common.server import GrpcServer, wait_for_signal
@@ -32,6 +33,12 @@ class ServiceConfig:
     shutdown_grace: float = cfg.field(5.0, "seconds in-flight calls get to finish on SIGTERM")
     metrics_port: int = cfg.field(0, "Prometheus GET /metrics on this port (plain HTTP, bound "
                                      "on --host); 0 = off")
+    announce_redis_url: str = cfg.field("", "tokenizer, scheduler, detokenizer: announce this "
+                                            "replica in this Redis (meshlm:members:<role>) for "
+                                            "gateways started with --discover; empty = off")
+    heartbeat_interval: float = cfg.field(1.0, "seconds between heartbeats in "
+                                               "--announce-redis-url (an entry is stale after 3); "
+                                               "on a gateway, between discovery polls")
 
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -124,20 +131,29 @@ async def start_metrics(config: ServiceConfig, metrics: ServiceMetrics) -> Metri
 
 async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: str,
                              watch: asyncio.Task[Any] | None = None,
-                             metrics: ServiceMetrics | None = None, **fields: Any) -> None:
-    """Serve `metrics` on --metrics-port (if set), mark SERVING, log `listening`, run until
-    SIGTERM/SIGINT (or until `watch` ends), then NOT_SERVING and a graceful stop."""
+                             metrics: ServiceMetrics | None = None, *, role: str = "",
+                             **fields: Any) -> None:
+    """Serve `metrics` on --metrics-port (if set), mark SERVING, log `listening`, announce this
+    `role` replica in Redis (with --announce-redis-url), run until SIGTERM/SIGINT (or until
+    `watch` ends), then leave Redis, NOT_SERVING and a graceful stop."""
     exporter = await start_metrics(config, metrics) if metrics is not None else None
     if exporter is not None:
         fields["metrics_address"] = advertised(config, exporter.address)
     await server.set_serving(True)
     log.info("listening", address=advertised(config, bound), **fields)
+    announcer = None
+    if config.announce_redis_url and role:
+        announcer = Announcer(config.announce_redis_url, role, advertised(config, bound),
+                              config.heartbeat_interval)
+        announcer.start()
     waiter = asyncio.create_task(wait_for_signal())
     tasks: set[asyncio.Task[Any]] = {waiter} | ({watch} if watch is not None else set())
     done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     if watch is not None and watch in done:
         log.error("task_stopped", task=watch.get_name(), error=repr(watch.exception()))
     waiter.cancel()
+    if announcer is not None:
+        await announcer.leave()  # gateways drop it before it stops serving
     await server.set_serving(False)
     await server.stop(config.shutdown_grace)
     if exporter is not None:

@@ -187,5 +187,5 @@ async def serve(config: DetokenizerConfig) -> None:
                                  "meshlm.v1.Detokenizer"), profiler_binding(servicer.profiling)])
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())
     await serve_until_signal(server, config, bound, metrics=servicer.metrics,
-                             model_path=model_path)
+                             model_path=model_path, role="detokenizer")
     await peers.close()

@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import grpc
 
+from meshlm.common import deadline
 from meshlm.common.channels import ChannelPool
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
@@ -161,6 +162,8 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
             raise MeshError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"this gateway has {inflight} requests in flight (limit "
                             f"{self.max_inflight}); retry later or use another gateway")
+        deadline.remaining()  # DEADLINE_EXCEEDED at once if the client's deadline has passed
+        expires = deadline.current()
         rid = v.rid or uuid.uuid4().hex
         tokenizer = self._pick("tokenizer")
         scheduler, detokenizer = self._pick_scheduler(v), self._pick("detokenizer")
@@ -194,13 +197,25 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
                     self.registry.create_later(rid, record)
                 registered = True
                 trace_context = carrier_of(span)
-                await self.submit[tokenizer].put([  # one batch, the leader first
-                    self._internal_request(v, c, pendings[c.index], trace_context)
+                submit = self.submit.get(tokenizer)
+                if submit is None:  # the replica left (discovery) since it was picked
+                    raise MeshError(grpc.StatusCode.UNAVAILABLE,
+                                    f"the tokenizer at {tokenizer} became unavailable")
+                await submit.put([  # one batch, the leader first
+                    self._internal_request(v, c, pendings[c.index], trace_context, expires)
                     for c in children])
                 dispatched = True
                 events.record("send", (c.rid for c in children))
                 while not choices.done:
-                    for index, update in await next_updates(pendings):
+                    try:
+                        async with asyncio.timeout_at(_loop_time(expires)):
+                            updates = await next_updates(pendings)
+                    except TimeoutError:
+                        self.registry.finish(rid, "error", finish_reason="deadline_exceeded")
+                        ended = True
+                        span.add_event("deadline_exceeded")
+                        raise deadline.expired_error() from None
+                    for index, update in updates:
                         if update.error is not None:
                             self.registry.finish(rid, "error", finish_reason="error")
                             ended = True
@@ -243,13 +258,14 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
                     self.registry.finish(rid, "aborted", finish_reason="abort")
 
     def _internal_request(self, v: ValidatedRequest, child: Child, pending: PendingRequest,
-                          trace_context: dict[str, str]) -> tokenizer_pb2.GenerateRequest:
+                          trace_context: dict[str, str],
+                          expires: float | None) -> tokenizer_pb2.GenerateRequest:
         msg = tokenizer_pb2.GenerateRequest(
             rid=child.rid, sampling=child.sampling, stream=v.stream, return_text=v.return_text,
             route=common_pb2.Route(gateway=self.identity.inbox, scheduler=pending.scheduler,
                                    detokenizer=pending.detokenizer),
             trace=trace_context, add_special_tokens=True, arrival_time=pending.started_at,
-            embed=v.embed, after=child.after,
+            embed=v.embed, after=child.after, deadline=deadline.wire(expires),
         )
         if v.text is not None:
             msg.text = v.text
@@ -336,7 +352,7 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
         add_special = req.add_special_tokens if req.HasField("add_special_tokens") else True
         reply = await self._call(self._tokenizer_stub().Tokenize(
             tokenizer_pb2.TokenizeRequest(text=req.text, add_special_tokens=add_special),
-            timeout=CONTROL_TIMEOUT))
+            timeout=deadline.timeout()))
         return pb.TokenizeResponse(tokens=reply.tokens, count=len(reply.tokens),
                                    max_model_len=reply.max_model_len, input_text=req.text)
 
@@ -347,7 +363,7 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
         reply = await self._call(self._tokenizer_stub().Detokenize(
             tokenizer_pb2.DetokenizeRequest(tokens=req.tokens,
                                             skip_special_tokens=skip_special_tokens),
-            timeout=CONTROL_TIMEOUT))
+            timeout=deadline.timeout()))
         return pb.DetokenizeResponse(text=reply.text)
 
     @staticmethod
@@ -361,3 +377,10 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
                 raise MeshError(grpc.StatusCode.UNAVAILABLE,
                                 f"internal service: {exc.details()}") from exc
             raise MeshError(code, exc.details() or code.name) from exc
+
+
+def _loop_time(expires: float | None) -> float | None:
+    """A unix-time deadline on the event loop's clock (asyncio.timeout_at); None stays None."""
+    if expires is None:
+        return None
+    return asyncio.get_running_loop().time() + (expires - time.time())

@@ -1,7 +1,10 @@
 """The gateway's view of the services it depends on, kept live with grpc.health.v1 Watch.
 
-Each configured tokenizer, scheduler and detokenizer address gets one watcher; the gateway is
-ready while every role has at least one SERVING replica, and `on_change` fires on each flip.
+Each tokenizer, scheduler and detokenizer address gets one watcher; the gateway is ready while
+every role has at least one SERVING replica, and `on_change` fires on each flip. Static
+addresses come from the configuration; discovery (`gateway/discovery.py`) `add`s and `remove`s
+others while the gateway runs. `addresses[role]` is the role's list in dp-rank order: static
+entries as configured, then discovered ones sorted (`membership.ordered`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
+from meshlm.gateway.membership import ordered
 
 log = get_logger(__name__)
 
@@ -26,18 +30,61 @@ class Dependencies:
                  on_change: Callable[[bool], None],
                  on_down: Callable[[str, str], None] | None = None) -> None:
         self._channels = channels
-        self.addresses = {role: list(addresses.get(role, ())) for role in ROLES}
+        self._static = {role: list(dict.fromkeys(addresses.get(role, ()))) for role in ROLES}
+        self._discovered: dict[str, dict[str, str | None]] = {role: {} for role in ROLES}
+        self.addresses = {role: list(self._static[role]) for role in ROLES}
         self._serving: dict[str, bool] = {}
         self._on_change = on_change
         self._on_down = on_down
         self._ready = False
-        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._rr = {role: itertools.count() for role in ROLES}
 
     def start(self) -> None:
+        self._started = True
         for role, addrs in self.addresses.items():
             for address in addrs:
-                self._tasks.append(asyncio.create_task(self._watch(role, address)))
+                self._start_watch(role, address)
+
+    def discovered(self, role: str) -> list[str]:
+        """The role's replicas that discovery added (not the static ones)."""
+        return list(self._discovered[role])
+
+    def add(self, role: str, address: str, server_name: str | None = None) -> bool:
+        """A replica joins: watch its health (it is used once SERVING). `server_name` is the
+        name its certificate is checked against (a DNS name it was resolved from). False if
+        the role has it already."""
+        if address in self.addresses[role]:
+            return False
+        self._discovered[role][address] = server_name
+        self.addresses[role] = ordered(self._static[role], self._discovered[role])
+        log.info("dependency_added", role=role, address=address, server_name=server_name,
+                 rank=self.addresses[role].index(address))
+        if server_name is not None:
+            self._channels.get(address, server_name)
+        if self._started:
+            self._start_watch(role, address)
+        return True
+
+    def remove(self, role: str, address: str) -> bool:
+        """A discovered replica leaves: stop watching it and treat it as down (`on_down`
+        ends its requests at once, as for a health flip). Static replicas never leave."""
+        if address not in self._discovered[role]:
+            return False
+        task = self._tasks.pop((role, address), None)
+        if task is not None:
+            task.cancel()
+        self._set(role, address, False)
+        del self._discovered[role][address]
+        self._serving.pop(address, None)
+        self.addresses[role] = ordered(self._static[role], self._discovered[role])
+        log.info("dependency_removed", role=role, address=address)
+        return True
+
+    def _start_watch(self, role: str, address: str) -> None:
+        self._tasks[(role, address)] = asyncio.create_task(
+            self._watch(role, address), name=f"health:{role}:{address}")
 
     @property
     def ready(self) -> bool:
@@ -58,6 +105,8 @@ class Dependencies:
                 for role, addrs in self.addresses.items()}
 
     def _set(self, role: str, address: str, serving: bool) -> None:
+        if address not in self.addresses[role]:
+            return  # removed meanwhile
         was = self._serving.get(address)
         if was != serving:
             log.info("dependency_health", role=role, address=address, serving=serving)
@@ -86,6 +135,7 @@ class Dependencies:
             backoff = min(backoff * 2, 1.0)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = list(self._tasks.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -36,6 +36,7 @@ from meshlm.common.rpc import CallContext
 from meshlm.gateway import transcode
 from meshlm.gateway.auth import ApiKeyMiddleware, ApiKeys
 from meshlm.gateway.disconnect import ClientGone, unless_disconnected
+from meshlm.gateway.http_call import call_context
 from meshlm.gateway.native_routes import native_routes
 from meshlm.gateway.openai.http import openai_routes
 from meshlm.gateway.sse import (
@@ -79,16 +80,6 @@ async def _metrics(metrics: ServiceMetrics, request: Request) -> Response:
     """Prometheus exposition (text, or OpenMetrics when the scraper asks for it)."""
     body, content_type = await metrics.scrape(request.headers.get("accept"))
     return Response(body, media_type=content_type)
-
-
-def call_context(request: Request) -> CallContext:
-    """Lower-cased headers as metadata (repeated headers joined with ","), peer host:port."""
-    metadata: dict[str, str] = {}
-    for key, value in request.headers.items():
-        metadata[key] = f"{metadata[key]},{value}" if key in metadata else value
-    client = request.client
-    peer = f"{client.host}:{client.port}" if client else ""
-    return CallContext(metadata=metadata, peer=peer, transport="http")
 
 
 class _Handlers:

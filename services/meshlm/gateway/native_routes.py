@@ -31,6 +31,7 @@ from meshlm.common.errors import MeshError, invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.rpc import CallContext
 from meshlm.gateway import transcode
+from meshlm.gateway.http_call import call_context
 from meshlm.gateway.profile import default_output_dir, stop_message
 from meshlm.gateway.sse import native_error
 from meshlm.v1 import profiler_pb2
@@ -78,7 +79,7 @@ class _NativeHandlers:
         """200 once a one-token generation (an embedding, for embedding-only models) came
         back through the whole mesh; 503 if not ready, failed or not within the timeout (also
         while generation is paused: the probe waits like any request)."""
-        ctx = _context(request)
+        ctx = call_context(request)
         try:
             if not self.api.is_healthy():
                 raise MeshError(grpc.StatusCode.UNAVAILABLE,
@@ -106,7 +107,7 @@ class _NativeHandlers:
             await stream.aclose()  # aborts it in the mesh if it is still going
 
     async def get_model_info(self, request: Request) -> dict[str, Any]:
-        reply = await self.api.GetModelInfo(pb.GetModelInfoRequest(), _context(request))
+        reply = await self.api.GetModelInfo(pb.GetModelInfoRequest(), call_context(request))
         info = _json(reply.json_info)
         config = info.get("config", {})
         return {
@@ -125,7 +126,7 @@ class _NativeHandlers:
     async def get_server_info(self, request: Request) -> dict[str, Any]:
         """The gateway's facts (GetServerInfo), each scheduler's state as `internal_states`
         (GetLoad) and the version, as SGLang's server_args + internal_states + version."""
-        ctx = _context(request)
+        ctx = call_context(request)
         info, loads = await asyncio.gather(
             self.api.GetServerInfo(pb.GetServerInfoRequest(), ctx),
             self.api.GetLoad(pb.GetLoadRequest(), ctx))
@@ -143,7 +144,7 @@ class _NativeHandlers:
                 raise invalid(key, "unknown query parameter; /get_load takes dp_rank")
         if "dp_rank" in params:
             req.dp_rank = _query_int(params["dp_rank"], "dp_rank")
-        reply = await self.api.GetLoad(req, _context(request))
+        reply = await self.api.GetLoad(req, call_context(request))
         return [_load(entry) for entry in _json(reply.json_info)]
 
     async def abort_request(self, request: Request) -> dict[str, Any]:
@@ -155,7 +156,7 @@ class _NativeHandlers:
         if not rid and not abort_all:
             raise invalid("rid", "give the rid of a request, or \"abort_all\": true")
         reply = await self.api.Abort(pb.AbortRequest(rid=rid, abort_all=abort_all),
-                                     _context(request))
+                                     call_context(request))
         return {"success": reply.success}
 
     async def pause_generation(self, request: Request) -> dict[str, Any]:
@@ -163,13 +164,13 @@ class _NativeHandlers:
         doc = await _body(request, ("mode",))
         mode = _string(doc, "mode", "abort")
         reply = await self.api.PauseGeneration(pb.PauseGenerationRequest(mode=mode),
-                                               _context(request))
+                                               call_context(request))
         return {"message": reply.message, "status": "ok"}
 
     async def continue_generation(self, request: Request) -> dict[str, Any]:
         await _body(request, ())
         reply = await self.api.ContinueGeneration(pb.ContinueGenerationRequest(),
-                                                  _context(request))
+                                                  call_context(request))
         return {"message": reply.message, "status": "ok"}
 
     async def start_profile(self, request: Request) -> dict[str, Any]:
@@ -251,7 +252,7 @@ class _NativeHandlers:
                 raise invalid(where, "give a string" + ("" if batch else " or a list of them"))
             if not text:
                 raise invalid(where, "must not be empty")
-        ctx = _context(request)
+        ctx = call_context(request)
         replies = await asyncio.gather(*(self.api.Tokenize(
             pb.TokenizeRequest(text=text, add_special_tokens=add_special), ctx)
             for text in prompts))
@@ -274,7 +275,7 @@ class _NativeHandlers:
         lists = _batch(tokens if batch else [tokens], "tokens")
         for i, ids in enumerate(lists):
             _check_ids(ids, f"tokens[{i}]" if batch else "tokens")
-        ctx = _context(request)
+        ctx = call_context(request)
 
         async def one(i: int, ids: list[int]) -> str:
             try:
@@ -313,12 +314,6 @@ def _guarded(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
 def _error(err: MeshError, status: int | None = None) -> Response:
     return Response(orjson.dumps(native_error(err)), status_code=status or err.http_status,
                     media_type=JSON)
-
-
-def _context(request: Request) -> CallContext:
-    from meshlm.gateway.http_app import call_context  # http_app imports this module
-
-    return call_context(request)
 
 
 async def _body(request: Request, known: tuple[str, ...]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Gateway process: public gRPC (SglangService) and HTTP on their ports, the internal inbox
-(mutual TLS) that detokenizers stream into, the dependency watchers and the RID registry."""
+(mutual TLS) that detokenizers stream into, the dependency watchers, discovery and the RID
+registry."""
 
 from __future__ import annotations
 
@@ -26,19 +27,16 @@ from meshlm.common.streams import BatchedStream
 from meshlm.common.tls import MeshTLS, server_credentials
 from meshlm.gateway.api import GatewayAPI
 from meshlm.gateway.auth import ApiKeyInterceptor, ApiKeys
-from meshlm.gateway.dependencies import Dependencies
+from meshlm.gateway.dependencies import ROLES, Dependencies
+from meshlm.gateway.discovery import Discovery
 from meshlm.gateway.http_app import build_http_app
 from meshlm.gateway.inbox import InboxServicer, RequestTable
 from meshlm.gateway.info import GatewayIdentity
+from meshlm.gateway.membership import split_entries
 from meshlm.gateway.registry import RidRegistry
+from meshlm.gateway.replicas import Replicas
 from meshlm.gateway.servicer import SglangServicer
-from meshlm.v1 import (
-    gateway_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
-)
+from meshlm.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 log = get_logger(__name__)
@@ -56,10 +54,21 @@ class GatewayConfig(ServiceConfig):
     tls_cert: str = cfg.field("", "public TLS certificate (PEM); plaintext when empty")
     tls_key: str = cfg.field("", "public TLS private key (PEM)")
     tls_client_ca: str = cfg.field("", "require public clients' certificates signed by this CA")
-    tokenizers: tuple[str, ...] = cfg.field(("127.0.0.1:50051",), "tokenizer addresses")
-    schedulers: tuple[str, ...] = cfg.field(("127.0.0.1:50052",), "scheduler addresses")
-    detokenizers: tuple[str, ...] = cfg.field(("127.0.0.1:50053",), "detokenizer addresses")
-    redis_url: str = cfg.field("redis://127.0.0.1:6379/0", "Redis for the shared RID registry")
+    tokenizers: tuple[str, ...] = cfg.field(("127.0.0.1:50051",), "tokenizer addresses: "
+                                            "host:port, or dns:///<name>:<port> for every "
+                                            "address the name resolves to")
+    schedulers: tuple[str, ...] = cfg.field(("127.0.0.1:50052",), "scheduler addresses (as "
+                                            "--tokenizers); a scheduler's dp rank is its place: "
+                                            "host:port entries in order, then the others sorted")
+    detokenizers: tuple[str, ...] = cfg.field(("127.0.0.1:50053",), "detokenizer addresses (as "
+                                              "--tokenizers)")
+    redis_url: str = cfg.field("redis://127.0.0.1:6379/0", "Redis for the shared RID registry "
+                                                           "(and --discover)")
+    discover: bool = cfg.field(False, "also use the replicas that announce themselves in "
+                                      "--redis-url (--announce-redis-url on the backends); "
+                                      "polled every --heartbeat-interval")
+    dns_server: str = cfg.field("", "host:port of the DNS server for dns:/// entries; empty = "
+                                    "the system resolver (/etc/resolv.conf, search domains)")
     registry_ttl: float = cfg.field(3600.0, "seconds a live request's record is kept")
     registry_finished_ttl: float = cfg.field(300.0, "seconds a finished request's record is kept")
     served_model_name: str = cfg.field("", "model id in ListModels and /v1/models "
@@ -96,6 +105,9 @@ def _http_server(config: GatewayConfig, app: Any) -> uvicorn.Server:
 
 
 async def serve(config: GatewayConfig) -> None:
+    lists = {"tokenizer": config.tokenizers, "scheduler": config.schedulers,
+             "detokenizer": config.detokenizers}
+    entries = {role: split_entries(lists[role], f"--{role}s") for role in ROLES}
     tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
     channels = ChannelPool(tls.channel_credentials())
     table = RequestTable()
@@ -127,24 +139,21 @@ async def serve(config: GatewayConfig) -> None:
             if server is not None:
                 await server.set_serving(serving)
 
-    deps = Dependencies(channels, {"tokenizer": config.tokenizers,
-                                   "scheduler": config.schedulers,
-                                   "detokenizer": config.detokenizers}, on_change,
+    deps = Dependencies(channels, {role: static for role, (static, _) in entries.items()},
+                        on_change,
                         lambda role, address: api_ref[0].on_dependency_down(role, address))
     metrics = GatewayMetrics(lambda: identity.served_model_name,
-                             lambda: _engine_loads(channels, config.schedulers),
+                             lambda: _engine_loads(channels, deps.addresses["scheduler"]),
                              registry_degraded=lambda: registry.degraded)
     api = GatewayAPI(identity, deps, table, registry, channels, submit, metrics,
                      max_inflight=config.max_inflight)
     api_ref.append(api)
-    for address in config.tokenizers:
-        stub = tokenizer_pb2_grpc.TokenizerStub(channels.get(address))
-        stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
-            "gateway->tokenizer", address, stub.Submit,
-            lambda items: tokenizer_pb2.GenerateBatch(requests=items),
-            on_reply=api.on_rejections)
-        stream.start()
-        submit[address] = stream
+    replicas = Replicas(deps, channels, submit, api.on_rejections)
+    for address in deps.addresses["tokenizer"]:
+        replicas.open_submit(address)
+    discovery = Discovery(replicas, {role: names for role, (_, names) in entries.items()},
+                          redis_url=config.redis_url if config.discover else "",
+                          interval=config.heartbeat_interval, dns_server=config.dns_server)
 
     keys = ApiKeys(config.api_key)
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
@@ -163,6 +172,8 @@ async def serve(config: GatewayConfig) -> None:
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]), name="http")
     exporter = await start_metrics(config, metrics)
     deps.start()
+    if discovery.enabled:
+        discovery.start()
     api.loads.start()
     scheme = "https" if config.tls_cert else "http"
     host = config.public_host if ":" not in config.public_host else f"[{config.public_host}]"
@@ -184,9 +195,9 @@ async def serve(config: GatewayConfig) -> None:
         await exporter.stop()
     await api.background.close()
     await api.loads.close()
+    await discovery.close()
     await deps.close()
-    for stream in submit.values():
-        await stream.close()
+    await replicas.close()
     await registry.close()
     await channels.close()
 

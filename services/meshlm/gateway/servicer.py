@@ -5,11 +5,13 @@ RPCs the API does not implement yet keep the generated base class's UNIMPLEMENTE
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
+from meshlm.common.deadline import set_deadline
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api import GatewayAPI
@@ -19,13 +21,13 @@ SERVICE = sglang_pb2.DESCRIPTOR.services_by_name["SglangService"]
 
 
 def call_context(context: grpc.aio.ServicerContext) -> CallContext:
-    import time
-
+    """The call's facts; its deadline also becomes the current one (`common/deadline.py`)."""
     metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())
                 if isinstance(v, str)}
     remaining = context.time_remaining()
-    return CallContext(metadata=metadata, peer=context.peer() or "",
-                       deadline=time.time() + remaining if remaining is not None else None)
+    deadline = time.time() + remaining if remaining is not None else None
+    set_deadline(deadline)
+    return CallContext(metadata=metadata, peer=context.peer() or "", deadline=deadline)
 
 
 def _unary(name: str) -> Callable[..., Any]:

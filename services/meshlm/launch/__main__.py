@@ -50,6 +50,8 @@ class LaunchConfig:
     detokenizers: int = cfg.field(1, "detokenizer replicas")
     gateways: int = cfg.field(1, "gateways; the first takes --http-port / --grpc-port, the "
                                  "others free ports (shown at start)")
+    discover: bool = cfg.field(False, "backends announce themselves in Redis and the gateways "
+                                      "find them there (--discover) instead of static lists")
 
 
 class _Stop(BaseException):
@@ -77,6 +79,7 @@ def run(config: LaunchConfig) -> int:
         metrics_port=config.metrics_port or None,
         replicas={"tokenizer": config.tokenizers, "scheduler": config.schedulers,
                   "detokenizer": config.detokenizers, "gateway": config.gateways},
+        discover=config.discover,
     ))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)

@@ -9,6 +9,9 @@ A service is ready once it has logged its "listening" line and grpc.health.v1 an
 for "" (over mTLS on mesh ports). Every child's stdout and stderr go to
 <workdir>/logs/<name>.log; a failed start stops everything and raises MeshStartError with the
 tail of the failing service's log. Children die with the launcher, even when it is SIGKILLed.
+
+With `discover` the backends announce themselves in the mesh's Redis and the gateways find
+them there (no static lists), so `start_backend` can add a replica to a running mesh.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ class MeshOptions:
     stop_timeout: float = 10.0    # per stage (gateways, then backends) before SIGKILL
     replicas: dict[str, int] = field(default_factory=dict)  # per role ("gateway" too); 1 each
                                   # by default. Names: "scheduler", "scheduler-1", ...
+    discover: bool = False        # backends announce in Redis (--announce-redis-url), gateways
+                                  # find them there (--discover) instead of static lists
+    heartbeat_interval: float = 1.0  # seconds between heartbeats and discovery polls
+    sans: tuple[str, ...] = ()    # more names / IPs for the mesh certificate (replicas bound
+                                  # on other loopback IPs, DNS names gateways resolve)
 
     def count(self, role: str) -> int:
         return max(1, self.replicas.get(role, 1))
@@ -134,7 +142,7 @@ class Mesh:
         o = self.options
         self.services = {}
         (self.workdir / "logs").mkdir(parents=True, exist_ok=True)
-        self.certs = ensure_dev_certs(self.workdir / "certs", _extra_sans(o.host))
+        self.certs = ensure_dev_certs(self.workdir / "certs", [*_extra_sans(o.host), *o.sans])
         if not o.model_path:
             _ensure_default_model(o.env.get("MESHLM_CACHE_DIR") or os.environ.get(
                 "MESHLM_CACHE_DIR"))
@@ -213,6 +221,21 @@ class Mesh:
         self._launch([proc])
         return proc
 
+    def start_backend(self, role: str, name: str = "", **flags: Any) -> ServiceProcess:
+        """Another tokenizer, scheduler or detokenizer (named `<role>-<n>` unless `name`),
+        configured as the mesh's own (it announces itself with `discover`); waits until it is
+        SERVING. `flags` are its flags with underscores (host=..., port=...) and win."""
+        if role not in BACKENDS:
+            raise ValueError(f"not a backend role: {role!r}")
+        index = len(self.replicas(role))
+        while not name or name in self.services:
+            name, index = replica_name(role, index), index + 1
+        values = self._backend_flags(role)
+        values.update({k.replace("_", "-"): str(v) for k, v in flags.items()})
+        proc = self._add(name, values, role=role)
+        self._launch([proc])
+        return proc
+
     def exited(self) -> dict[str, int]:
         """Services whose process has exited, with their exit codes."""
         return {n: p.returncode for n, p in self.services.items() if p.returncode is not None}
@@ -237,6 +260,8 @@ class Mesh:
         env.pop(API_KEY_ENV, None)
         if (role or name) == "gateway" and keys:
             env[API_KEY_ENV] = keys
+        if (role or name) == "gateway":  # a switch, not a flag with a value
+            env["MESHLM_DISCOVER"] = "true" if self.options.discover else "false"
         proc = ServiceProcess(
             name, role or name, flags, env, self.log_path(name),
             echo=self.options.echo_logs,
@@ -253,6 +278,7 @@ class Mesh:
             "mesh-key": str(self.certs.mesh_key),
             "log-level": self.options.log_level,
             "metrics-port": str(self._metrics_port(role)),
+            "heartbeat-interval": str(self.options.heartbeat_interval),
         }
 
     def _metrics_port(self, role: str) -> int:
@@ -264,7 +290,8 @@ class Mesh:
         return base + ("gateway", *BACKENDS).index(role)
 
     def _backend_flags(self, name: str) -> dict[str, str]:
-        flags = {**self._common_flags(name), "model-path": self.options.model_path}
+        flags = {**self._common_flags(name), "model-path": self.options.model_path,
+                 "announce-redis-url": self._redis_url if self.options.discover else ""}
         if name == "scheduler" and "MESHLM_NUM_THREADS" not in {**os.environ, **self.options.env}:
             # Every service shares this machine: leave the rest of the mesh a core, or the
             # engine's spinning OpenMP workers starve it (measured: ~40% vs ~65% of in-process
@@ -277,6 +304,10 @@ class Mesh:
         o = self.options
         cert, key = (o.tls_cert, o.tls_key) if o.tls_cert else (
             str(self.certs.server_cert), str(self.certs.server_key))
+
+        def static(role: str) -> str:
+            return "" if o.discover else ",".join(p.address for p in self.replicas(role))
+
         return {
             **self._common_flags("gateway"),
             "public-host": o.host,
@@ -284,9 +315,9 @@ class Mesh:
             "grpc-port": str(grpc_port),
             "tls-cert": cert if public_tls else "",
             "tls-key": key if public_tls else "",
-            "tokenizers": ",".join(p.address for p in self.replicas("tokenizer")),
-            "schedulers": ",".join(p.address for p in self.replicas("scheduler")),
-            "detokenizers": ",".join(p.address for p in self.replicas("detokenizer")),
+            "tokenizers": static("tokenizer"),
+            "schedulers": static("scheduler"),
+            "detokenizers": static("detokenizer"),
             "redis-url": self._redis_url,
         }
 

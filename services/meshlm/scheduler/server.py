@@ -10,6 +10,8 @@ planning the next).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +24,7 @@ import grpc
 from opentelemetry import trace
 
 from meshlm.common import config as cfg
+from meshlm.common import deadline
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import SchedulerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
@@ -46,6 +49,7 @@ from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
 log = get_logger(__name__)
 
 PRE_ABORT_TTL = 60.0  # seconds an abort for a not-yet-seen rid is remembered
+EXPIRY_CHECK = 0.05  # seconds between scans for requests past their deadline
 
 @dataclass
 class SchedulerConfig(ServiceConfig):
@@ -70,6 +74,8 @@ class SchedulerConfig(ServiceConfig):
     packed_linears: bool = cfg.field(True, "CPU: pack the decoder's weights once for oneDNN "
                                            "(faster small batches)")
     num_threads: int = cfg.field(0, "torch CPU threads; 0 = torch's default")
+    max_queued: int = cfg.field(1024, "requests waiting for a running slot; beyond it a new "
+                                      "request ends at once with RESOURCE_EXHAUSTED")
 
 
 @dataclass
@@ -90,6 +96,8 @@ class Tracked:
     # Status code of an engine refusal: a generation request to an embedding-only model is
     # FAILED_PRECONDITION (the model cannot do it), any other refusal INVALID_ARGUMENT.
     error_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
+    deadline: float = 0.0  # unix seconds the client waits until; 0 = none
+    expired: bool = False  # aborted because the deadline passed: ends DEADLINE_EXCEEDED
 
 
 @dataclass
@@ -101,8 +109,9 @@ class SchedulerState:
 class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor,
                  outputs: StreamPool[detokenizer_pb2.TokenOutput],
-                 info: common_pb2.ModelInfo, address: str) -> None:
+                 info: common_pb2.ModelInfo, address: str, max_queued: int = 1024) -> None:
         self.engine = engine
+        self.max_queued = max_queued
         self.outputs = outputs
         self.info = info
         self.address = address
@@ -116,6 +125,7 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
         # in arrival order.
         self._controls: list[tuple[Callable[[], Awaitable[Any]], asyncio.Future[Any]]] = []
         self._updating = asyncio.Lock()  # one weight update at a time, in arrival order
+        self._next_expiry_check = 0.0  # time.time() of the next deadline scan
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -139,6 +149,7 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
             skip_special_tokens=req.sampling.skip_special_tokens,
             prompt_tokens=len(req.input_ids), span=span,
             return_text_in_logprobs=req.sampling.return_text_in_logprobs,
+            deadline=req.deadline,
         )
         if req.sampling.return_logprob and req.sampling.logprob_start_len >= 0:
             tracked.prompt_ids = list(req.input_ids)
@@ -152,6 +163,11 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
         if self.state.pre_aborted.pop(req.rid, None) is not None:
             self._pending.append(_final(req.rid, len(req.input_ids), "abort"))
             return
+        refusal = self._refusal(req)
+        if refusal is not None:
+            tracked.error_code, message = refusal
+            self._pending.append(_final(req.rid, len(req.input_ids), "error", message))
+            return
         try:
             if req.embed:
                 self.engine.add_embed_request(req.rid, list(req.input_ids))
@@ -160,6 +176,40 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
                                         after=req.after or None)
         except ValueError as exc:
             self._pending.append(_final(req.rid, len(req.input_ids), "error", str(exc)))
+
+    def _refusal(self, req: scheduler_pb2.TokenizedRequest
+                 ) -> tuple[grpc.StatusCode, str] | None:
+        """Why a request cannot be queued now: its deadline has passed, or the waiting queue
+        is full (bounded admission: the client is told at once rather than queued without
+        end)."""
+        if deadline.passed(req.deadline):
+            return (grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "the client's deadline passed before the request reached the scheduler")
+        waiting = self.engine.num_waiting
+        if waiting >= self.max_queued:
+            return (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the scheduler at {self.address} has {waiting} requests waiting (limit "
+                    f"{self.max_queued}); retry later")
+        return None
+
+    def _expire(self) -> float | None:
+        """Abort the live requests whose deadline has passed (they end DEADLINE_EXCEEDED, KV
+        freed); at most every EXPIRY_CHECK seconds. Returns the seconds until the next live
+        deadline (None: none), so an idle (paused) loop wakes for it."""
+        now = time.time()
+        if now < self._next_expiry_check:
+            return self._next_expiry_check - now
+        self._next_expiry_check = now + EXPIRY_CHECK
+        soonest = None
+        for rid, tracked in self.state.tracked.items():
+            if not tracked.deadline or tracked.expired:
+                continue
+            if tracked.deadline <= now:
+                tracked.expired = True
+                self.engine.abort(rid)
+            elif soonest is None or tracked.deadline < soonest:
+                soonest = tracked.deadline
+        return None if soonest is None else max(soonest - now, EXPIRY_CHECK)
 
     def _refuse_duplicate(self, req: scheduler_pb2.TokenizedRequest, tracked: Tracked) -> None:
         # The running request keeps the rid; the duplicate is answered on its own route.
@@ -214,10 +264,13 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
     async def run_engine(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            # 1. sleep until there is work; between steps, run control calls (flush, pause)
+            # 1. sleep until there is work or a deadline to enforce; between steps, run control
+            # calls (flush, pause)
+            next_deadline = self._expire()
             if not self.engine.has_work() and not self._pending and not self._controls:
                 self.wake.clear()
-                await self.wake.wait()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), next_deadline)
             if self._controls:
                 await self._run_controls()
             # 2. plan on the loop thread, run the forward pass in the engine thread
@@ -245,6 +298,10 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
                 tracked.first_token_at = now
                 tracked.span.add_event("first_token")
                 events.record("first", out.rid)
+            if out.finished and tracked.expired and out.finish_reason == "abort":
+                tracked.error_code = grpc.StatusCode.DEADLINE_EXCEEDED
+                out = dataclasses.replace(out, finish_reason="error", error=(
+                    f"the client's deadline passed after {out.completion_tokens} tokens"))
             if out.finished:
                 events.record("finish", out.rid)
                 del self.state.tracked[out.rid]
@@ -335,7 +392,7 @@ async def serve(config: SchedulerConfig) -> None:
         json_info=model_info_json(model_path, {"device": str(engine.device),
                                                "max_running": config.max_running}),
     )
-    servicer = SchedulerServicer(engine, executor, outputs, info, "")
+    servicer = SchedulerServicer(engine, executor, outputs, info, "", config.max_queued)
     server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
                                  "meshlm.v1.Scheduler"), profiler_binding(servicer.profiling)])
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())
@@ -344,7 +401,7 @@ async def serve(config: SchedulerConfig) -> None:
     metrics = SchedulerMetrics(Path(model_path).name, engine.stats)
     await serve_until_signal(server, config, bound, watch=engine_task, metrics=metrics,
                              model_path=model_path, device=str(engine.device),
-                             max_running=config.max_running)
+                             max_running=config.max_running, role="scheduler")
     engine_task.cancel()
     servicer.close()
     await peers.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,7 @@ import grpc
 from opentelemetry import trace
 
 from meshlm.common import config as cfg
+from meshlm.common import deadline
 from meshlm.common.errors import invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import TokenizerMetrics
@@ -85,6 +87,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                     ids[i] = e
         rejections: list[tokenizer_pb2.Rejection] = []
         by_scheduler: dict[str, list[scheduler_pb2.TokenizedRequest]] = {}
+        now = time.time()
         for req, prompt in zip(requests, ids, strict=True):
             with self._tracer.start_as_current_span(
                 "tokenizer.tokenize", context=context_of(req.trace),
@@ -92,18 +95,23 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             ) as span:
                 sampling = req.sampling
                 start = sampling.logprob_start_len if sampling.return_logprob else -1
-                problem = self._tok.check_context(len(prompt), sampling.max_new_tokens,
-                                                  logprob_start_len=start)
+                code, problem = grpc.StatusCode.INVALID_ARGUMENT, self._tok.check_context(
+                    len(prompt), sampling.max_new_tokens, logprob_start_len=start)
+                if problem is None and deadline.passed(req.deadline, now):
+                    code, problem = (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     "the client's deadline passed before the request was "
+                                     "tokenized")
                 if problem is not None:
                     span.set_status(trace.StatusCode.ERROR, problem)
                     rejections.append(tokenizer_pb2.Rejection(rid=req.rid, status=common_pb2.Status(
-                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=problem)))
+                        code=code.value[0], message=problem)))
                     continue
                 by_scheduler.setdefault(req.route.scheduler, []).append(
                     scheduler_pb2.TokenizedRequest(
                         rid=req.rid, input_ids=prompt, sampling=req.sampling, stream=req.stream,
                         return_text=req.return_text, route=req.route, trace=carrier_of(span),
                         arrival_time=req.arrival_time, embed=req.embed, after=req.after,
+                        deadline=req.deadline,
                     )
                 )
         for address, items in by_scheduler.items():
@@ -171,5 +179,5 @@ async def serve(config: TokenizerConfig) -> None:
                                  "meshlm.v1.Tokenizer"), profiler_binding(servicer.profiling)])
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())
     await serve_until_signal(server, config, bound, metrics=servicer.metrics,
-                             model_path=model_path)
+                             model_path=model_path, role="tokenizer")
     await peers.close()

@@ -4,10 +4,12 @@ after do, and FlushCache answered by the engine loop between steps."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import grpc
 import pytest
 
 from meshlm.scheduler.server import SchedulerServicer
@@ -112,3 +114,67 @@ async def test_flush_cache_is_refused_while_busy(service: tuple[SchedulerService
     assert outs["b"][0].cached_tokens == 0  # the flush emptied what "a" left
     assert (await servicer.FlushCache(flush, None)).success
 
+
+
+async def test_a_request_past_its_deadline_ends_deadline_exceeded(
+        service: tuple[SchedulerServicer, Outputs]):
+    """The scheduler enforces the client's deadline itself: a request already past it is never
+    queued, and a running one is ended (its KV freed) once it passes, while a request without
+    a deadline runs on."""
+    servicer, outputs = service
+    long = {"deadline": time.time() + 0.5}
+    late = _request("late", _prompt(8), deadline=time.time() - 1)
+    running = _request("running", _prompt(8), **long)
+    running.sampling.max_new_tokens = 100_000  # far more than 0.5 s of steps
+    free = _request("free", _prompt(8))
+    free.sampling.max_new_tokens = 100_000
+    await _submit(servicer, late, running, free)
+    outs = await outputs.finished({"late", "running"})
+    for rid, what in (("late", "before the request reached the scheduler"),
+                      ("running", "deadline passed after")):
+        final = outs[rid][-1]
+        assert final.finish_reason == "error", final
+        assert final.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert what in final.error.message
+    assert not any(o.token_ids for o in outs["late"])
+    assert sum(len(o.token_ids) for o in outs["running"]) > 0
+    stats = servicer.engine.stats()
+    assert stats["running"] == 1 and "free" in servicer.state.tracked  # only "free" is left
+    await servicer.Abort(scheduler_pb2.AbortRequest(rids=["free"], reason="abort"), None)
+    assert (await outputs.finished({"free"}))["free"][-1].finish_reason == "abort"
+
+
+async def test_a_paused_scheduler_still_ends_requests_past_their_deadline(
+        service: tuple[SchedulerServicer, Outputs]):
+    servicer, outputs = service
+    await servicer.Pause(scheduler_pb2.PauseRequest(mode="in_place"), None)
+    await _submit(servicer, _request("held", _prompt(8), deadline=time.time() + 0.2))
+    final = (await outputs.finished({"held"}))["held"][-1]
+    assert final.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    await servicer.Continue(scheduler_pb2.ContinueRequest(), None)
+
+
+async def test_the_waiting_queue_is_bounded(make_engine: Any):
+    """Past max_queued waiting requests a new one ends at once with RESOURCE_EXHAUSTED; once
+    the queue drains, requests are taken again."""
+    engine = make_engine(max_running=1, block_size=16)
+    outputs = Outputs()
+    servicer = SchedulerServicer(engine, ThreadPoolExecutor(1), outputs,
+                                 common_pb2.ModelInfo(), "s", max_queued=2)
+    reqs = [_request(f"q-{i}", _prompt(8)) for i in range(4)]
+    await _submit(servicer, *reqs)  # one batch: nothing has run yet, so all wait
+    assert engine.num_waiting == 2
+    loop = asyncio.create_task(servicer.run_engine())
+    try:
+        refused = (await outputs.finished({"q-2", "q-3"}))
+        for rid in ("q-2", "q-3"):
+            final = refused[rid][-1]
+            assert final.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert "2 requests waiting (limit 2)" in final.error.message
+        outs = await outputs.finished({"q-0", "q-1"})
+        assert all(outs[r][-1].finish_reason == "length" for r in ("q-0", "q-1"))
+        await _submit(servicer, _request("q-4", _prompt(8)))
+        assert (await outputs.finished({"q-4"}))["q-4"][-1].finish_reason == "length"
+    finally:
+        loop.cancel()
+        servicer.close()

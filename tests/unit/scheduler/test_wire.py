@@ -105,6 +105,7 @@ class _FakeEngine:
     def __init__(self) -> None:
         self.added: list[tuple[str, list[int], SamplingParams]] = []
         self.model_config = SimpleNamespace(has_lm_head=True)
+        self.num_waiting = 0
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
                     after: str | None = None) -> None:

@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
 from meshlm.gateway.disconnect import ClientGone, unless_disconnected
+from meshlm.gateway.http_call import call_context
 from meshlm.gateway.openai.errors import error_body
 from meshlm.gateway.openai.logprobs import dumps
 from meshlm.gateway.openai.protocol import (
@@ -69,6 +70,7 @@ def openai_routes(api: Any) -> list[BaseRoute]:
 async def _generation(api: Any, parse: Callable[[bytes], GenerationRequest],
                       run: Callable[[Any, Any], Chunks], request: Request) -> Response:
     try:
+        call_context(request)  # the deadline of a grpc-timeout header
         req = parse(await request.body())
         chunks = run(api, req)
         if not req.stream:
@@ -96,6 +98,7 @@ async def _reply(api: Any, parse: Callable[[bytes], Any],
                  run: Callable[[Any, Any], Awaitable[bytes]], request: Request) -> Response:
     """A route answered with one JSON body: parse it, run it (cancelled if the client goes)."""
     try:
+        call_context(request)  # the deadline of a grpc-timeout header
         req = parse(await request.body())
         body = await unless_disconnected(run(api, req), request.receive)
         return Response(body, media_type=JSON)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import orjson
 
+from meshlm.common import deadline
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.inbox import Update
@@ -58,7 +59,6 @@ T = TypeVar("T")
 Generation = tuple[Update, dict[str, str]]
 Chunks = AsyncGenerator[pb.OpenAIStreamChunk, None]
 
-TOKENIZER_TIMEOUT = 10.0  # seconds for the unary tokenizer calls (chat template, decode)
 
 
 class Gateway(Protocol):
@@ -109,7 +109,7 @@ async def chat_chunks(gw: Gateway, req: ChatRequest) -> Chunks:
     reply = await gw._call(gw._tokenizer_stub().ApplyChatTemplate(
         tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(req.messages).decode(),
                                           add_generation_prompt=True),
-        timeout=TOKENIZER_TIMEOUT))
+        timeout=deadline.timeout()))
     tokens = list(reply.tokens)
     # OpenAI's default: whatever room the context leaves.
     room = max(limits.max_model_len - len(tokens), 1)
@@ -186,7 +186,7 @@ async def _prompt_text(gw: Gateway, prompt: str | list[int]) -> str:
         return prompt
     reply = await gw._call(gw._tokenizer_stub().Detokenize(
         tokenizer_pb2.DetokenizeRequest(tokens=prompt, skip_special_tokens=False),
-        timeout=TOKENIZER_TIMEOUT))
+        timeout=deadline.timeout()))
     return reply.text
 
 

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from meshlm.common import deadline
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.inbox import Update
@@ -63,7 +64,6 @@ from meshlm.gateway.validation import (
 from meshlm.v1 import common_pb2, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
-TOKENIZER_TIMEOUT = 10.0
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
 RERANK_PROMPT = ("Query: {query}\nDocument: {document}\n"
                  "Is the document relevant to the query? Answer yes or no.\nAnswer:")
@@ -226,7 +226,7 @@ async def _yes_no(gw: ScoringGateway) -> list[int]:
     for word in RERANK_WORDS:
         reply = await gw._call(gw._tokenizer_stub().Tokenize(
             tokenizer_pb2.TokenizeRequest(text=word, add_special_tokens=False),
-            timeout=TOKENIZER_TIMEOUT))
+            timeout=deadline.timeout()))
         ids.append(reply.tokens[0] if reply.tokens else -1)
     if ids[0] < 0 or ids[0] == ids[1]:
         raise MeshError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -169,6 +169,11 @@ class Engine(EngineWeights):
         """Abort every live request; returns how many."""
         return self.scheduler.abort_all()
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for a running slot (preempted and retracted ones included)."""
+        return len(self.scheduler.waiting)
+
     def has_work(self) -> bool:
         """Outputs not yet returned by postprocess(), or (unless paused) anything waiting or
         running."""

@@ -44,14 +44,7 @@ def test_gateway_refuses_past_its_limit_and_recovers(small_gateway, small_stub):
     for t in drained:
         t.start()
 
-    with pytest.raises(grpc.RpcError) as err:
-        list(small_stub.TextGenerate(text_request("one too many", max_new_tokens=2), timeout=30))
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "3 requests in flight (limit 3)" in err.value.details()
-    r = httpx.post(f"{small_gateway.http_address}/generate", timeout=30,
-                   json={"text": "over http", "sampling_params": {"max_new_tokens": 2}})
-    assert r.status_code == 429, r.text
-    assert "limit 3" in r.json()["error"]["message"]
+    _refused(small_stub, small_gateway.http_address, "3 requests in flight (limit 3)")
     # n samples count one each: 2 more would not fit even with one slot free.
     small_stub.Abort(pb.AbortRequest(rid=rids[0]), timeout=10)
     drained[0].join(30)
@@ -66,6 +59,19 @@ def test_gateway_refuses_past_its_limit_and_recovers(small_gateway, small_stub):
     for t in drained:
         t.join(30)
         assert not t.is_alive()
+
+
+def _refused(stub, http_base: str, why: str) -> None:
+    """One more request, over gRPC and over HTTP, is refused at once: RESOURCE_EXHAUSTED / 429
+    saying `why`."""
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.TextGenerate(text_request("one too many", max_new_tokens=2), timeout=30))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert why in err.value.details()
+    r = httpx.post(f"{http_base}/generate", timeout=30,
+                   json={"text": "over http", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 429, r.text
+    assert why in r.json()["error"]["message"]
 
 
 def _in_flight(stub) -> int:
@@ -88,13 +94,7 @@ def test_scheduler_refuses_past_its_waiting_queue(tmp_path_factory):
         waiting = stub.TextGenerate(text_request("second", max_new_tokens=2), timeout=120)
         wait_until(lambda: scheduler_load(m, mesh_credentials(m)).waiting == 1,
                    what="the second request to wait")
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.TextGenerate(text_request("third", max_new_tokens=2), timeout=30))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "1 requests waiting (limit 1)" in err.value.details()
-        r = httpx.post(f"{m.addresses.gateway_http}/generate", timeout=30,
-                       json={"text": "over http", "sampling_params": {"max_new_tokens": 2}})
-        assert r.status_code == 429, r.text
+        _refused(stub, m.addresses.gateway_http, "1 requests waiting (limit 1)")
         running.cancel()
         assert list(waiting)[-1].finished
         msgs = list(stub.TextGenerate(text_request("later", max_new_tokens=2), timeout=30))

@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 
 from meshlm.common.announce import members_key
 from meshlm.common.logs import get_logger
+from meshlm.common.tasks import Periodic
 from meshlm.gateway.dependencies import ROLES
 from meshlm.gateway.membership import DnsName, diff, live_members, replica_address, wanted
 
@@ -78,14 +79,14 @@ class Discovery:
         self._heartbeats: dict[str, set[str]] = {role: set() for role in ROLES}
         self._answers: dict[DnsName, list[str]] = {}
         self._failing: set[str] = set()  # sources whose failure was logged
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic("discovery", self.poll, interval)
 
     @property
     def enabled(self) -> bool:
         return self._redis is not None or self._resolver is not None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="discovery")
+        self._periodic.start()
 
     async def poll(self) -> None:
         """One round: ask every source, then add and remove the difference per role."""
@@ -151,18 +152,7 @@ class Discovery:
             self._failing.discard(source)
             log.info("discovery_restored", source=source)
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.poll()
-            except Exception:  # noqa: BLE001 - a bug must not end discovery for good
-                log.exception("discovery_failed")
-            await asyncio.sleep(self.interval)  # the polling period, not synchronisation
-
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._periodic.close()
         if self._redis is not None:
             await self._redis.aclose()

@@ -5,12 +5,12 @@ only this gateway's own requests there)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from meshlm.common.channels import ChannelPool
+from meshlm.common.tasks import Periodic
 from meshlm.gateway.routing import Load
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -24,10 +24,8 @@ class LoadPoller:
         self._schedulers = schedulers
         self.interval = interval
         self.loads: dict[str, Load] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="load-poller")
+        self._periodic = Periodic("load_poll", self.poll, interval)
+        self.start, self.close = self._periodic.start, self._periodic.close
 
     async def poll(self) -> None:
         addresses = list(self._schedulers())
@@ -43,14 +41,3 @@ class LoadPoller:
             return None
         return Load(running=reply.running, waiting=reply.waiting,
                     max_running=max(1, reply.max_running), token_usage=reply.token_usage)
-
-    async def _run(self) -> None:
-        while True:
-            await self.poll()
-            await asyncio.sleep(self.interval)  # the polling period, not synchronisation
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task

@@ -107,8 +107,9 @@ class MeshPeers:
         """Streams `name` to any address: `open_call(channel)` gives the RPC to call (e.g.
         `lambda ch: DetokenizerStub(ch).Push`), `make_batch(items)` the message."""
         def open_stream(address: str) -> BatchedStream[T]:
-            return BatchedStream(name, address, open_call(self.channels.get(address)),
-                                 make_batch)
+            channel = self.channels.get(address)
+            return BatchedStream(name, address, open_call(channel), make_batch,
+                                 ready=channel.channel_ready)
 
         pool: StreamPool[T] = StreamPool(open_stream)
         self._pools.append(pool)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -28,7 +28,13 @@ FIRST_WRITE_TIMEOUT = 5.0  # seconds a new call may take to accept its first bat
 class BatchedStream(Generic[T]):
     """Client stream to `address`: `open_call()` starts the RPC (e.g. `stub.Push`);
     `make_batch(items)` wraps queued items into one message; `on_reply(message)` receives the
-    reply stream of a bidi RPC.
+    reply stream of a bidi RPC; `ready()` (the channel's `channel_ready`) returns once the
+    channel to the peer is READY.
+
+    A call is opened only on a READY channel: one opened while the channel reconnects to a
+    restarted peer could neither fail nor deliver (grpc/grpc#18309, grpc-node#80 describe the
+    same), and the requests behind it hung. Items put meanwhile wait in the queue and go out on
+    the new call; FIRST_WRITE_TIMEOUT remains as the last resort.
 
     When the call fails, what is still queued is dropped, not kept for the next connection:
     the owners of those requests learn of the dead peer from its health
@@ -39,10 +45,12 @@ class BatchedStream(Generic[T]):
         self, name: str, address: str, open_call: OpenCall,
         make_batch: Callable[[list[T]], Any], *, capacity: int = 65536, max_batch: int = 4096,
         on_reply: Callable[[Any], None] | None = None,
+        ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.name, self.address = name, address
         self._open_call, self._make_batch = open_call, make_batch
         self._on_reply = on_reply
+        self._ready = ready
         self._capacity, self._max_batch = capacity, max_batch
         self._queue: collections.deque[T] = collections.deque()
         self._has_items = asyncio.Event()
@@ -108,6 +116,8 @@ class BatchedStream(Generic[T]):
         backoff = 0.05
         while not self._closed:
             sent_before = self.messages_sent
+            if self._ready is not None:
+                await self._ready()  # waits (reconnecting with backoff) while the peer is down
             call = self._open_call()
             watcher = asyncio.create_task(self._watch(call))
             watcher.add_done_callback(lambda _: self._has_items.set())

@@ -38,10 +38,14 @@ class AdminRPCs:
     registry: RidRegistry
 
     async def Abort(self, req: pb.AbortRequest, ctx: CallContext) -> pb.AbortResponse:
+        # Broadcasts go to every known scheduler, not only those this gateway has seen SERVING
+        # yet (a gateway that just started may not have heard from all); only a SERVING one
+        # that does not answer makes the abort fail.
+        known = list(self.deps.addresses["scheduler"])
         if req.abort_all:
-            schedulers = self.deps.serving("scheduler")
-            replies = await on_every(self.channels, schedulers, lambda ch: _abort(ch, [], True))
-            return pb.AbortResponse(success=_all_answered(schedulers, replies, "abort_all"))
+            replies = await on_every(self.channels, known, lambda ch: _abort(ch, [], True))
+            return pb.AbortResponse(success=_all_answered(known, replies, "abort_all",
+                                                          self.deps.serving("scheduler")))
         if not req.rid:
             raise MeshError(grpc.StatusCode.INVALID_ARGUMENT, "rid: give a rid or abort_all")
         # A request with n > 1 samples is its children: aborting it aborts them all.
@@ -52,8 +56,10 @@ class AdminRPCs:
             record = await self.registry.get(req.rid)
             if record is None and self.registry.degraded:
                 # Fail-open: every scheduler this gateway knows, every child the rid may have.
-                schedulers = self.deps.serving("scheduler")
-                rids = sorted({req.rid, *child_rids(req.rid, MAX_N)})
+                replies = await on_every(self.channels, known, lambda ch: _abort(
+                    ch, sorted({req.rid, *child_rids(req.rid, MAX_N)}), False))
+                return pb.AbortResponse(success=_all_answered(known, replies, req.rid,
+                                                              self.deps.serving("scheduler")))
             elif record is None or not record.get("scheduler"):
                 return pb.AbortResponse(success=False)
             elif record.get("state") not in ("queued", "running"):
@@ -99,11 +105,13 @@ def _abort(channel: grpc.aio.Channel, rids: list[str],
         scheduler_pb2.AbortRequest(rids=rids, all=all_, reason="abort"), timeout=ABORT_TIMEOUT)
 
 
-def _all_answered(schedulers: list[str], replies: list[object], what: str) -> bool:
-    """True when every scheduler acknowledged; the ones that did not are logged."""
+def _all_answered(schedulers: list[str], replies: list[object], what: str,
+                  required: list[str] | None = None) -> bool:
+    """True when every scheduler in `required` (default: all) acknowledged; the ones that did
+    not are logged."""
     ok = True
     for address, reply in zip(schedulers, replies, strict=True):
         if isinstance(reply, grpc.aio.AioRpcError):
             log.warning("abort_failed", scheduler=address, what=what, error=reply.details())
-            ok = False
+            ok = ok and required is not None and address not in required
     return ok

@@ -25,11 +25,12 @@ class Replicas:
     def open_submit(self, address: str) -> None:
         """Start the gateway->tokenizer Submit stream to `address` (its channel must carry its
         server name already: `ChannelPool.get(address, name)`)."""
-        stub = tokenizer_pb2_grpc.TokenizerStub(self._channels.get(address))
+        channel = self._channels.get(address)
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
         stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
             "gateway->tokenizer", address, stub.Submit,
             lambda items: tokenizer_pb2.GenerateBatch(requests=items),
-            on_reply=self._on_rejections)
+            on_reply=self._on_rejections, ready=channel.channel_ready)
         stream.start()
         self._submit[address] = stream
 

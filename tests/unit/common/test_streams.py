@@ -96,3 +96,53 @@ async def test_items_queued_when_the_call_fails_are_dropped_not_replayed():
     await _until(lambda: [4] in peer.batches)
     assert peer.batches == [[1], [4]]
     await stream.close()
+
+
+async def test_items_put_while_the_peer_is_down_reach_it_when_it_is_back():
+    """Over real gRPC: after the peer goes away the stream opens no call until the channel is
+    READY again, and what was put meanwhile is delivered to the restarted peer."""
+    import grpc
+
+    from meshlm.common.channels import CHANNEL_OPTIONS
+    from meshlm.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc
+
+    received: list[str] = []
+    got = asyncio.Event()
+
+    class Detokenizer(detokenizer_pb2_grpc.DetokenizerServicer):
+        async def Push(self, request_iterator, context):  # noqa: N802 - gRPC method name
+            async for batch in request_iterator:
+                received.extend(o.rid for o in batch.outputs)
+                got.set()
+            return common_pb2.Empty()
+
+    async def serve(port: int) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(Detokenizer(), server)
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        return server, bound
+
+    server, port = await serve(0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    stream = BatchedStream("t", "peer", detokenizer_pb2_grpc.DetokenizerStub(channel).Push,
+                           lambda items: detokenizer_pb2.TokenBatch(outputs=items),
+                           ready=channel.channel_ready)
+    stream.start()
+    try:
+        await stream.put([detokenizer_pb2.TokenOutput(rid="before")])
+        await asyncio.wait_for(got.wait(), 10)
+        await server.stop(None)
+        await _until(lambda: not stream.connected, timeout=10)
+        await stream.put([detokenizer_pb2.TokenOutput(rid="while-down")])
+        # The peer stays down until the channel has tried it and failed: a call opened now
+        # would fail, and what it held would be dropped.
+        await _until(lambda: channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                     timeout=10)
+        server, _ = await serve(port)
+        await _until(lambda: "while-down" in received, timeout=10)
+        assert received == ["before", "while-down"]
+    finally:
+        await stream.close()
+        await channel.close()
+        await server.stop(None)

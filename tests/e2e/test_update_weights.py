@@ -302,3 +302,24 @@ def test_native_route_refuses_unknown_fields(http: httpx.Client, checkpoints: di
                                                      "flush": True})
     assert r.status_code == 400 and r.json()["success"] is False
     assert "flush: unknown field" in r.json()["message"]
+
+
+def test_other_gateways_follow_an_update(wstub: Any, http: httpx.Client, weights_mesh: Mesh,
+                                         checkpoints: dict[str, Path]) -> None:
+    """An update through one gateway: another gateway of the mesh names the new checkpoint
+    too, within its follow interval (it asks the schedulers which checkpoint they serve)."""
+    other = weights_mesh.start_gateway(f"gateway-{uuid.uuid4().hex[:6]}")
+    try:
+        with grpc.insecure_channel(other.grpc_address) as ch:
+            ostub = sglang_pb2_grpc.SglangServiceStub(ch)
+            old = served_path(wstub, http)
+            assert ostub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30).model_path == old
+            new = str(checkpoints["b"] if old == str(checkpoints["a"]) else checkpoints["a"])
+            status, reply = update("grpc", wstub, http, new)
+            assert status == 200 and reply["success"], reply
+            wait_until(lambda: ostub.GetModelInfo(pb.GetModelInfoRequest(),
+                                                  timeout=30).model_path == new,
+                       timeout=10, what="the other gateway to name the new checkpoint")
+    finally:
+        other.stop(10)
+        del weights_mesh.services[other.name]

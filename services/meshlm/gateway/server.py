@@ -24,6 +24,7 @@ from meshlm.common.metrics import GatewayMetrics
 from meshlm.common.server import Binding, GrpcServer, wait_for_signal
 from meshlm.common.service import ServiceConfig, advertised, start_metrics
 from meshlm.common.streams import BatchedStream
+from meshlm.common.tasks import Periodic
 from meshlm.common.tls import MeshTLS, server_credentials
 from meshlm.gateway.api import GatewayAPI
 from meshlm.gateway.auth import ApiKeyInterceptor, ApiKeys
@@ -36,6 +37,7 @@ from meshlm.gateway.membership import split_entries
 from meshlm.gateway.registry import RidRegistry
 from meshlm.gateway.replicas import Replicas
 from meshlm.gateway.servicer import SglangServicer
+from meshlm.gateway.weights import FOLLOW_INTERVAL
 from meshlm.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2_grpc
 
@@ -172,6 +174,8 @@ async def serve(config: GatewayConfig) -> None:
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]), name="http")
     exporter = await start_metrics(config, metrics)
     deps.start()
+    following = Periodic("follow_checkpoint", api.follow_checkpoint, FOLLOW_INTERVAL)
+    following.start()
     if discovery.enabled:
         discovery.start()
     api.loads.start()
@@ -195,6 +199,7 @@ async def serve(config: GatewayConfig) -> None:
         await exporter.stop()
     await api.background.close()
     await api.loads.close()
+    await following.close()
     await discovery.close()
     await deps.close()
     await replicas.close()

@@ -6,8 +6,9 @@ architecture, config, vocabulary and tensor shapes) while it goes on stepping, t
 steps, retracts its running requests to its waiting queue, empties its prefix cache, copies the
 weights in and steps again: requests in flight finish on the new weights, no token lost or
 repeated. A refused checkpoint leaves the old weights serving everywhere. GetModelInfo names the
-new model_path afterwards (this gateway's cached model info is updated). Updates from this
-gateway run one at a time, so every scheduler sees them in the same order.
+new model_path afterwards: on this gateway at once, on the others within FOLLOW_INTERVAL
+(`follow_checkpoint`). Updates from this gateway run one at a time, so every scheduler sees them
+in the same order.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ log = get_logger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 UPDATE_TIMEOUT = 600.0  # seconds; a scheduler waits for a step boundary, then loads
+FOLLOW_INTERVAL = 2.0  # seconds between checks for an update made through another gateway
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
@@ -110,6 +112,22 @@ class WeightsRPCs:
                  aborted=update.aborted, seconds=round(update.seconds, 3),
                  load_seconds=round(max(r.load_seconds for r in replies), 3))
         return update
+
+    async def follow_checkpoint(self) -> None:
+        """Notice an update made through another gateway: ask one serving scheduler (in turn)
+        which checkpoint it serves and, if it is not the one this gateway names, take it."""
+        address = self.deps.pick("scheduler")
+        if address is None or self.info is None:
+            return
+        try:
+            info = await scheduler_pb2_grpc.SchedulerStub(self.channels.get(address)).GetInfo(
+                common_pb2.GetInfoRequest(), timeout=FOLLOW_INTERVAL)
+        except grpc.aio.AioRpcError:
+            return  # its health watch deals with a scheduler that does not answer
+        if info.model_path and info.model_path != self.info.model_path:
+            log.info("checkpoint_changed", model_path=info.model_path, was=self.info.model_path,
+                     scheduler=address)
+            self._note_checkpoint(info)
 
     def _note_checkpoint(self, scheduler_info: common_pb2.ModelInfo) -> None:
         """GetModelInfo names the new checkpoint: its path and config.json (the limits, from the

@@ -85,13 +85,8 @@ async def _generation(api: Any, parse: Callable[[bytes], GenerationRequest],
         if first is None:  # cannot happen: a stream ends with its finish chunk
             raise MeshError(grpc.StatusCode.INTERNAL, "the stream ended without a chunk")
         return _EventStream(producer, first)
-    except ClientGone:
-        return Response(status_code=499)
-    except MeshError as e:
-        return _error(e)
-    except Exception:
-        log.exception("http_request_failed", path=request.url.path)
-        return _error(_internal())
+    except Exception as e:  # noqa: BLE001 - every failure becomes an answer
+        return _failure(e, request)
 
 
 async def _reply(api: Any, parse: Callable[[bytes], Any],
@@ -102,13 +97,19 @@ async def _reply(api: Any, parse: Callable[[bytes], Any],
         req = parse(await request.body())
         body = await unless_disconnected(run(api, req), request.receive)
         return Response(body, media_type=JSON)
-    except ClientGone:
+    except Exception as e:  # noqa: BLE001 - every failure becomes an answer
+        return _failure(e, request)
+
+
+def _failure(exc: Exception, request: Request) -> Response:
+    """The answer to a route that raised (inside its `except`): 499 when the client went
+    away, a MeshError's status, else a logged 500."""
+    if isinstance(exc, ClientGone):
         return Response(status_code=499)
-    except MeshError as e:
-        return _error(e)
-    except Exception:
-        log.exception("http_request_failed", path=request.url.path)
-        return _error(_internal())
+    if isinstance(exc, MeshError):
+        return _error(exc)
+    log.exception("http_request_failed", path=request.url.path)
+    return _error(_internal())
 
 
 def _error(err: MeshError) -> Response:

@@ -107,16 +107,29 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     """HF-style random init, the same for the same seed on the same device: norm weights 1,
     biases 0, every other tensor N(0, initializer_range) (config.json's, default 0.02)."""
     std = float(model.config.raw.get("initializer_range", 0.02))
-    generators: dict[torch.device, torch.Generator] = {}
+    draw = DummyDraws(seed, std)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                gen = generators.get(param.device)
-                if gen is None:
-                    gen = generators[param.device] = torch.Generator(device=param.device)
-                    gen.manual_seed(seed)
-                param.normal_(0.0, std, generator=gen)
+            draw.into(name, param)
+
+
+class DummyDraws:
+    """The dummy value of each tensor in turn (`init_dummy_weights`); the draws depend on the
+    order of the calls, so a reload that visits tensors in the same order gets the same
+    weights."""
+
+    def __init__(self, seed: int, std: float) -> None:
+        self.seed, self.std = seed, std
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def into(self, name: str, value: torch.Tensor) -> None:
+        if name.endswith("norm.weight"):
+            value.fill_(1.0)
+        elif name.endswith(".bias"):
+            value.zero_()
+        else:
+            gen = self._generators.get(value.device)
+            if gen is None:
+                gen = self._generators[value.device] = torch.Generator(device=value.device)
+                gen.manual_seed(self.seed)
+            value.normal_(0.0, self.std, generator=gen)

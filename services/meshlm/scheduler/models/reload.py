@@ -25,7 +25,12 @@ from torch import Tensor, nn
 
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.cpu_linear import PackedLinear
-from meshlm.scheduler.models.loader import _IGNORED_SUFFIXES, DUMMY_SEED, LOAD_FORMATS
+from meshlm.scheduler.models.loader import (
+    _IGNORED_SUFFIXES,
+    DUMMY_SEED,
+    LOAD_FORMATS,
+    DummyDraws,
+)
 
 # safetensors dtypes a floating-point parameter may be loaded from (copy_ converts).
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -263,17 +268,8 @@ def load_checkpoint(model: nn.Module, checkpoint: Checkpoint) -> int:
 
 def _fill_dummy(slots: dict[str, _Slot], std: float) -> None:
     """`loader.init_dummy_weights` over the slots: the same draws in the same order."""
-    generators: dict[torch.device, torch.Generator] = {}
+    draw = DummyDraws(DUMMY_SEED, std)
     for name, slot in slots.items():
         value = torch.empty(slot.shape, dtype=slot.dtype, device=slot.device)
-        if name.endswith("norm.weight"):
-            value.fill_(1.0)
-        elif name.endswith(".bias"):
-            value.zero_()
-        else:
-            gen = generators.get(slot.device)
-            if gen is None:
-                gen = generators[slot.device] = torch.Generator(device=slot.device)
-                gen.manual_seed(DUMMY_SEED)
-            value.normal_(0.0, std, generator=gen)
+        draw.into(name, value)
         slot.store(value)

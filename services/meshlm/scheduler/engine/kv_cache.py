@@ -169,6 +169,10 @@ class PagedAttention:
         self.meta = meta
         self.windows = windows
         self._decode_bias: dict[tuple[int, int | None], Tensor] = {}
+        # Rows of the 2-D cache view each decode group / chunk reads: the same for K and V and
+        # for every layer, so computed once per step.
+        self._group_rows = [_cache_rows(cache.k[0], g.tables) for g in meta.decodes]
+        self._chunk_rows = [_cache_rows(cache.k[0], c.table[None]) for c in meta.chunks]
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [Hkv, NB, bs, D]
@@ -179,11 +183,12 @@ class PagedAttention:
         window = self.windows[layer]
         out = torch.empty_like(q)
         for i, group in enumerate(self.meta.decodes):
-            keys, values = _gather(kc, group.tables), _gather(vc, group.tables)
+            rows, shape = self._group_rows[i], group.tables.shape
+            keys, values = _gather(kc, rows, shape), _gather(vc, rows, shape)
             qd = q[0].index_select(1, group.rows)  # [Hq, B, D]
             bias = self._bias(i, window, keys.shape[2])
             out[0].index_copy_(1, group.rows, _decode_attention(qd, keys, values, bias))
-        for span in self.meta.chunks:
+        for span, rows in zip(self.meta.chunks, self._chunk_rows, strict=True):
             a, b = span.q_start, span.q_end
             n, end = b - a, span.start + b - a
             qs = q[:, :, a:b]
@@ -192,8 +197,9 @@ class PagedAttention:
                     qs, k[:, :, a:b], v[:, :, a:b], is_causal=True, enable_gqa=True
                 )
             else:
-                keys = _gather(kc, span.table[None]).transpose(0, 1)[:, :, :end]
-                values = _gather(vc, span.table[None]).transpose(0, 1)[:, :, :end]
+                span_shape = (1, span.table.shape[0])
+                keys = _gather(kc, rows, span_shape).transpose(0, 1)[:, :, :end]
+                values = _gather(vc, rows, span_shape).transpose(0, 1)[:, :, :end]
                 pos = torch.arange(span.start, end, device=q.device)
                 mask = _visible(pos, end, window)
                 o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask,
@@ -212,16 +218,24 @@ class PagedAttention:
         return bias
 
 
-def _gather(cache: Tensor, tables: Tensor) -> Tensor:
-    """Blocks [Hkv, NB, bs, D] read through tables [B, nb] -> [Hkv, B, nb * bs, D].
+def _cache_rows(cache: Tensor, tables: Tensor) -> Tensor:
+    """The rows of a layer's blocks [Hkv, NB, bs, D], viewed as 2-D [Hkv * NB, bs * D], that
+    tables [B, nb] read: head h's block j is row h * NB + j. Flat, head-major."""
+    hkv, nb_total = cache.shape[:2]
+    heads = torch.arange(hkv, device=tables.device)[:, None] * nb_total
+    return (tables.reshape(1, -1) + heads).reshape(-1)
 
-    One row lookup in a 2-D view (head h's block j is row h * NB + j). `F.embedding` is the
-    lookup: on CPU it copies whole rows several times faster than `index_select`.
+
+def _gather(cache: Tensor, rows: Tensor, table_shape: tuple[int, ...]) -> Tensor:
+    """Blocks [Hkv, NB, bs, D] read through tables of `table_shape` [B, nb] (their
+    `_cache_rows`) -> [Hkv, B, nb * bs, D].
+
+    One row lookup in a 2-D view. `F.embedding` is the lookup: on CPU it copies whole rows
+    several times faster than `index_select`.
     """
     hkv, nb_total, bs, d = cache.shape
-    b, nb = tables.shape
-    rows = (tables.reshape(1, -1) + torch.arange(hkv, device=tables.device)[:, None] * nb_total)
-    blocks = F.embedding(rows.reshape(-1), cache.view(hkv * nb_total, bs * d))
+    b, nb = table_shape
+    blocks = F.embedding(rows, cache.view(hkv * nb_total, bs * d))
     return blocks.view(hkv, b, nb * bs, d)
 
 

@@ -1,4 +1,5 @@
-"""Prepacked oneDNN linears: every decoder projection swapped, same logits as nn.Linear."""
+"""Prepacked oneDNN linears: every decoder projection swapped (q/k/v and gate/up fused), same
+logits as nn.Linear."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from meshlm.scheduler.models.cpu_linear import PackedLinear, available, pack_linears
+from meshlm.scheduler.models.cpu_linear import (
+    FusedPackedLinear,
+    PackedLinear,
+    available,
+    pack_linears,
+)
 from meshlm.scheduler.models.loader import load_model
 
 pytestmark = pytest.mark.skipif(not available(torch.device("cpu"), torch.float32),
@@ -22,7 +28,9 @@ def test_packed_model_matches_plain(fixture: str, request: pytest.FixtureRequest
     plain, cfg = load_model(path)
     packed, _ = load_model(path)
     assert pack_linears(packed) == 7 * cfg.num_layers
-    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 7 * cfg.num_layers
+    # Per layer: q/k/v fused, o, gate/up fused, down.
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * cfg.num_layers
+    assert sum(isinstance(m, FusedPackedLinear) for m in packed.modules()) == 2 * cfg.num_layers
     assert isinstance(packed.lm_head, nn.Linear)  # may be tied to the embedding: left alone
     assert not any(isinstance(m, nn.Linear) for m in packed.model.layers.modules())
     ids = torch.tensor([[3, 17, 5, 99, 42, 7, 1, 250]])

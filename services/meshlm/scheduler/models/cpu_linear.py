@@ -16,7 +16,8 @@ CPU (bfloat16 needs AVX-512).
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Callable
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from torch import Tensor, nn
 BATCH_HINT = 64
 _DTYPES = (torch.float32, torch.bfloat16)
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Projections of the same input, fused into one matmul: (the fused module's name, its parts).
+_FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -91,6 +94,60 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+class FusedPackedLinear(PackedLinear):
+    """Several projections of one input (q/k/v, gate/up) as one packed matmul: the parts'
+    outputs side by side, in order. Fewer, wider multiplies: measured here ~30% less time for
+    q/k/v and ~10% for gate/up at 16 rows.
+
+    A checkpoint still names the parts: `part_stores()` gives one store per part tensor for a
+    reload (`models/reload.py`); the weight is repacked once every part has arrived."""
+
+    def __init__(self, names: tuple[str, ...], parts: list[nn.Linear],
+                 batch_hint: int = BATCH_HINT) -> None:
+        with torch.no_grad():
+            fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
+                              bias=parts[0].bias is not None, device=parts[0].weight.device,
+                              dtype=parts[0].weight.dtype)
+            fused.weight.copy_(torch.cat([p.weight for p in parts]))
+            if fused.bias is not None:
+                fused.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
+        super().__init__(fused, batch_hint)
+        self.names = names
+        self.sizes = [p.out_features for p in parts]
+        self._staged: dict[int, Tensor] = {}
+
+    def part_stores(self) -> list[tuple[str, tuple[int, ...], Callable[[Tensor], object]]]:
+        """(part name, weight shape, store) per part, then (name + ".bias", ...) per bias."""
+        stores: list[tuple[str, tuple[int, ...], Callable[[Tensor], object]]] = []
+        offset = 0
+        for i, (name, size) in enumerate(zip(self.names, self.sizes, strict=True)):
+            stores.append((f"{name}.weight", (size, self.in_features), partial(self._stage, i)))
+            if self.bias is not None:
+                stores.append((f"{name}.bias", (size,), self.bias[offset:offset + size].copy_))
+            offset += size
+        return stores
+
+    def _stage(self, index: int, weight: Tensor) -> None:
+        self._staged[index] = weight.detach().to(self.packed.dtype).clone()
+        if len(self._staged) == len(self.sizes):
+            self.repack(torch.cat([self._staged[i] for i in range(len(self.sizes))]))
+            self._staged.clear()
+
+
+def _fuse(module: nn.Module, fused_name: str, names: tuple[str, ...],
+          fused: FusedPackedLinear) -> None:
+    """Put `fused` where the first of `names` was (keeping the children's order, which the
+    reload's tensor order follows) and drop the parts."""
+    children = list(module._modules.items())
+    module._modules.clear()
+    for name, child in children:
+        if name == names[0]:
+            module._modules[fused_name] = fused
+        elif name not in names:
+            module._modules[name] = child
+    module.__dict__.pop(fused_name, None)  # the None placeholder, now a child
+
+
 def row_bucket(rows: int) -> int:
     """`rows` rounded up: exact up to 16 rows (small decode batches, where padding costs most),
     then to a multiple of 8 up to 64, of 32 up to 512 and of 64 beyond, so the steps of a
@@ -110,6 +167,12 @@ def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, warm_rows: int 
         return 0
     replaced = 0
     for module in list(model.modules()):
+        for fused_name, names in _FUSED:
+            parts = [getattr(module, n, None) for n in names]
+            if hasattr(module, fused_name) and all(isinstance(p, nn.Linear) for p in parts):
+                _fuse(module, fused_name, names,
+                      FusedPackedLinear(names, parts, batch_hint))  # type: ignore[arg-type]
+                replaced += len(names)
         for name in _PROJECTIONS:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear):

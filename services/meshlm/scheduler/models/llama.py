@@ -144,12 +144,20 @@ class LlamaAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_proj_bias)
+        # q, k and v in one matmul where the projections were fused (`cpu_linear.pack_linears`).
+        self.qkv_proj: nn.Module | None = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            d = self.head_dim
+            q, k, v = self.qkv_proj(x).split(
+                [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention.attend(self.layer, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
@@ -162,9 +170,13 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # fused gate and up (`pack_linears`)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from meshlm.scheduler.models.config import ModelConfig
-from meshlm.scheduler.models.cpu_linear import PackedLinear
+from meshlm.scheduler.models.cpu_linear import FusedPackedLinear, PackedLinear
 from meshlm.scheduler.models.loader import (
     _IGNORED_SUFFIXES,
     DUMMY_SEED,
@@ -222,6 +222,14 @@ def _slots(model: nn.Module) -> dict[str, _Slot]:
     seen: set[int] = set()
     for prefix, module in model.named_modules():
         dot = f"{prefix}." if prefix else ""
+        if isinstance(module, FusedPackedLinear):  # stored under its parts' names
+            parent = prefix.rpartition(".")[0]
+            packed = module.packed
+            for name, shape, store in module.part_stores():
+                dtype = packed.dtype if name.endswith(".weight") else module.bias.dtype  # type: ignore[union-attr]
+                slots[f"{parent}.{name}" if parent else name] = _Slot(shape, dtype,
+                                                                       packed.device, store)
+            continue
         if isinstance(module, PackedLinear):
             packed = module.packed
             slots[dot + "weight"] = _Slot((module.out_features, module.in_features),

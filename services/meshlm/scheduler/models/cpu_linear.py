@@ -7,8 +7,9 @@ for CPU linears). Measured here on one core, the decoder projections of a hidden
 take ~40% less time at 16 rows and ~12% less at 2048 (`make bench-engine` shows the effect
 on the whole engine).
 
-`pack_linears(model)` swaps each decoder projection (attention q/k/v/o, MLP gate/up/down)
-for a `PackedLinear` holding only the packed weight, so memory does not grow. The LM head
+`pack_linears(model)` swaps the decoder projections for packed ones holding only the packed
+weight, so memory does not grow: q/k/v and gate/up each become one `FusedPackedLinear` (one
+wider matmul per input), o and down a `PackedLinear`. The LM head
 stays a plain Linear (it may share its weight with the embedding). It does nothing where
 the op is missing (a torch without oneDNN) or the dtype is not one oneDNN packs on this
 CPU (bfloat16 needs AVX-512).

@@ -59,6 +59,10 @@ class _Stop(BaseException):
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    # Once: a second SIGTERM/SIGINT (a supervisor and `timeout` both signalling, a double
+    # Ctrl-C) must not interrupt the shutdown the first one started.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     raise _Stop(signal.Signals(signum).name)
 
 
@@ -99,7 +103,7 @@ def run(config: LaunchConfig) -> int:
         log.error("start_failed", error=str(e))
         code = 1
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not cut cleanup short
+        for sig in (signal.SIGINT, signal.SIGTERM):  # nor a signal during cleanup
             signal.signal(sig, signal.SIG_IGN)
         mesh.stop()
     log.info("stopped", code=code)

@@ -206,10 +206,14 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
                     for c in children])
                 dispatched = True
                 events.record("send", (c.rid for c in children))
+                until = _loop_time(expires)  # once, not per update
                 while not choices.done:
                     try:
-                        async with asyncio.timeout_at(_loop_time(expires)):
+                        if until is None:
                             updates = await next_updates(pendings)
+                        else:
+                            async with asyncio.timeout_at(until):
+                                updates = await next_updates(pendings)
                     except TimeoutError:
                         self.registry.finish(rid, "error", finish_reason="deadline_exceeded")
                         ended = True

@@ -39,12 +39,10 @@ class Replicas:
 
     async def add(self, role: str, address: str, server_name: str | None) -> None:
         """A discovered replica joins. A tokenizer gets its stream before it can be picked."""
-        if address in self.deps.addresses[role]:
+        if not self.deps.add(role, address, server_name):  # also names its channel
             return
-        self._channels.get(address, server_name)
         if role == "tokenizer" and address not in self._submit:
-            self.open_submit(address)
-        self.deps.add(role, address, server_name)
+            self.open_submit(address)  # before its health watch can report it SERVING
 
     async def remove(self, role: str, address: str) -> None:
         """A discovered replica leaves: its requests end UNAVAILABLE (`Dependencies.remove`),

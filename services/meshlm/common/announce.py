@@ -21,6 +21,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from meshlm.common.logs import get_logger
+from meshlm.common.redis_client import NO_AUTH, RedisAuth
 
 log = get_logger(__name__)
 
@@ -47,11 +48,10 @@ async def redis_now(client: aioredis.Redis) -> float:
 class Announcer:
     """Keeps `address` in `meshlm:members:<role>` while this service is SERVING."""
 
-    def __init__(self, url: str, role: str, address: str, interval: float) -> None:
+    def __init__(self, url: str, role: str, address: str, interval: float,
+                 auth: RedisAuth = NO_AUTH) -> None:
         timeout = max(0.2, min(1.0, interval))
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout,
-                                              socket_connect_timeout=timeout,
-                                              decode_responses=True)
+        self._redis = auth.connect(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self.url, self.role, self.address, self.interval = url, role, address, interval
         self.key = members_key(role)
         self.degraded = False

@@ -25,13 +25,25 @@ class ChannelPool:
 
     An address found by resolving a DNS name (an IP) is verified against that name, not the IP:
     `get(address, server_name=name)` once, and every later `get(address)` (the callers that only
-    know the address, e.g. from a route) gets the same channel."""
+    know the address, e.g. from a route) gets the same channel. With `peer_name` (e.g.
+    'meshlm-{role}'), `for_role` checks every peer against its role's name, so certificates
+    name services, not the addresses containers and pods happen to get."""
 
-    def __init__(self, credentials: grpc.ChannelCredentials) -> None:
+    def __init__(self, credentials: grpc.ChannelCredentials, peer_name: str = "") -> None:
         self._credentials = credentials
+        self._peer_name = peer_name
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._names: dict[str, str] = {}
         self._retired: list[grpc.aio.Channel] = []  # replaced while calls may still use them
+
+    def name_for(self, role: str) -> str | None:
+        """The name a `role` peer's certificate is checked against (--peer-tls-name with
+        '{role}' filled in), or None to check it against its address."""
+        return self._peer_name.replace("{role}", role) if self._peer_name else None
+
+    def for_role(self, role: str, address: str) -> grpc.aio.Channel:
+        """The channel to a `role` peer at `address` (its certificate names the role)."""
+        return self.get(address, self.name_for(role))
 
     def get(self, address: str, server_name: str | None = None) -> grpc.aio.Channel:
         """The channel to `address`; `server_name` is the name its certificate must carry

@@ -9,6 +9,7 @@ List fields (tuple[str, ...]) take a comma-separated value or a repeated flag. A
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -92,12 +93,18 @@ def command(cls: type[C], name: str) -> Callable[[Callable[[C], None]], click.Co
 
 
 def as_dict(config: Any) -> dict[str, Any]:
-    """For the start-up log line: secret fields show how many values they hold, not them
-    (other secrets are never config values, only paths to them)."""
+    """For the start-up log line: secret fields show how many values they hold, not them, and
+    a password inside a URL shows as *** (other secrets are never config values, only paths)."""
     out = dataclasses.asdict(config)
     for f in dataclasses.fields(config):
         if f.metadata.get("secret"):
             value = out[f.name]
             count = len(value) if isinstance(value, tuple) else int(bool(value))
             out[f.name] = f"<{count} redacted>"
+        elif isinstance(out[f.name], str):
+            out[f.name] = _URL_PASSWORD.sub(r"\1***@", out[f.name])
     return out
+
+
+# scheme://user:password@host: a password written into a URL (redis://:pw@redis:6379)
+_URL_PASSWORD = re.compile(r"(\w[\w+.-]*://[^:/@\s]*:)[^@/\s]+@")

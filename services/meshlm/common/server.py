@@ -68,6 +68,7 @@ class GrpcServer:
             self.server,
         )
         self.port = 0
+        self._health_only: grpc.aio.Server | None = None
 
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> str:
         """Bind and start; returns the bound host:port (port 0 picks a free one)."""
@@ -82,6 +83,19 @@ class GrpcServer:
         await self.set_serving(False)
         return f"{_bracket(host)}:{self.port}"
 
+    async def serve_health(self, host: str, port: int) -> str:
+        """Also answer grpc.health.v1 (and nothing else) in plaintext on `port`, with this
+        server's statuses: for probes that cannot present the mesh certificate (Kubernetes'
+        native `grpc:` probes). Returns the bound host:port."""
+        self._health_only = grpc.aio.server(options=SERVER_OPTIONS)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_only)
+        address = f"{_bracket(host)}:{port}"
+        bound = self._health_only.add_insecure_port(address)
+        if bound == 0:
+            raise RuntimeError(f"could not bind {address}")
+        await self._health_only.start()
+        return f"{_bracket(host)}:{bound}"
+
     async def set_serving(self, serving: bool) -> None:
         status = SERVING if serving else NOT_SERVING
         for name in ("", *self.names):
@@ -90,6 +104,8 @@ class GrpcServer:
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        if self._health_only is not None:
+            await self._health_only.stop(None)
 
 
 def _bracket(host: str) -> str:

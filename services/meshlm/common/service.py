@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -11,6 +12,7 @@ from meshlm.common import config as cfg
 from meshlm.common.announce import Announcer
 from meshlm.common.logs import get_logger, setup_logging
 from meshlm.common.metrics import MetricsServer, ServiceMetrics
+from meshlm.common.redis_client import RedisAuth
 from meshlm.common.server import GrpcServer, wait_for_signal
 from meshlm.common.streams import BatchedStream, StreamPool
 from meshlm.common.tracing import setup_tracing, shutdown_tracing
@@ -39,6 +41,17 @@ class ServiceConfig:
     heartbeat_interval: float = cfg.field(1.0, "seconds between heartbeats in "
                                                "--announce-redis-url (an entry is stale after 3); "
                                                "on a gateway, between discovery polls")
+    peer_tls_name: str = cfg.field("", "check every mesh peer's certificate against this name "
+                                       "instead of its address; '{role}' becomes the peer's role "
+                                       "(gateway, tokenizer, scheduler, detokenizer), e.g. "
+                                       "'meshlm-{role}'; empty = the address's host")
+    health_port: int = cfg.field(0, "also serve grpc.health.v1 alone, plaintext, on this port "
+                                    "(Kubernetes' native grpc probes); 0 = off")
+    redis_password: str = cfg.field("", "password for --redis-url / --announce-redis-url "
+                                        "(prefer --redis-password-file)", secret=True)
+    redis_password_file: str = cfg.field("", "file holding the Redis password")
+    redis_ca: str = cfg.field("", "CA that a rediss:// server's certificate must chain to "
+                                  "(default: --mesh-ca)")
 
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -60,12 +73,23 @@ def run(role: str, config: C, main: Callable[[C], Coroutine[Any, Any, None]]) ->
 
 
 def advertised(config: ServiceConfig, bound: str) -> str:
-    """The address to put in routes: --advertise-host (or the bind host) with the bound port."""
+    """The address to put in routes: --advertise-host (or the bind host) with the bound port.
+    A wildcard bind host advertises the address this host's name resolves to (a container's or
+    a pod's own IP), else loopback."""
     port = bound.rsplit(":", 1)[1]
     host = config.advertise_host or config.host
     if host in ("0.0.0.0", "::", "[::]"):
-        host = "127.0.0.1"
+        host = own_address()
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def own_address() -> str:
+    """The IP this host's name resolves to (/etc/hosts in a container or pod), else loopback."""
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+    return address
 
 
 def resolve_model_path(model_path: str) -> str:
@@ -99,15 +123,15 @@ class MeshPeers:
         from meshlm.common.tls import MeshTLS
 
         self.tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
-        self.channels = ChannelPool(self.tls.channel_credentials())
+        self.channels = ChannelPool(self.tls.channel_credentials(), config.peer_tls_name)
         self._pools: list[StreamPool[Any]] = []
 
-    def stream_pool(self, name: str, open_call: Callable[[Any], Any],
+    def stream_pool(self, name: str, role: str, open_call: Callable[[Any], Any],
                     make_batch: Callable[[list[T]], Any]) -> StreamPool[T]:
-        """Streams `name` to any address: `open_call(channel)` gives the RPC to call (e.g.
-        `lambda ch: DetokenizerStub(ch).Push`), `make_batch(items)` the message."""
+        """Streams `name` to any `role` peer's address: `open_call(channel)` gives the RPC to
+        call (e.g. `lambda ch: DetokenizerStub(ch).Push`), `make_batch(items)` the message."""
         def open_stream(address: str) -> BatchedStream[T]:
-            channel = self.channels.get(address)
+            channel = self.channels.for_role(role, address)
             return BatchedStream(name, address, open_call(channel), make_batch,
                                  ready=channel.channel_ready)
 
@@ -140,12 +164,14 @@ async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: s
     exporter = await start_metrics(config, metrics) if metrics is not None else None
     if exporter is not None:
         fields["metrics_address"] = advertised(config, exporter.address)
+    if config.health_port:
+        fields["health_address"] = await server.serve_health(config.host, config.health_port)
     await server.set_serving(True)
     log.info("listening", address=advertised(config, bound), **fields)
     announcer = None
     if config.announce_redis_url and role:
         announcer = Announcer(config.announce_redis_url, role, advertised(config, bound),
-                              config.heartbeat_interval)
+                              config.heartbeat_interval, RedisAuth.from_config(config))
         announcer.start()
     waiter = asyncio.create_task(wait_for_signal())
     tasks: set[asyncio.Task[Any]] = {waiter} | ({watch} if watch is not None else set())

@@ -16,6 +16,7 @@ from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import DetokenizerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
+from meshlm.common.roles import MESH_PORTS
 from meshlm.common.server import Binding, GrpcServer
 from meshlm.common.service import (
     MeshPeers,
@@ -46,7 +47,8 @@ log = get_logger(__name__)
 class DetokenizerConfig(ServiceConfig):
     """meshlm detokenizer service."""
 
-    port: int = cfg.field(50053, "mesh gRPC port (mutual TLS); 0 picks a free port")
+    port: int = cfg.field(MESH_PORTS["detokenizer"],
+                          "mesh gRPC port (mutual TLS); 0 picks a free port")
     model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
 
 
@@ -163,7 +165,7 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         state.span.end()
 
     def _stop_in_scheduler(self, scheduler: str, rids: list[str]) -> None:
-        stub = scheduler_pb2_grpc.SchedulerStub(self._channels.get(scheduler))
+        stub = scheduler_pb2_grpc.SchedulerStub(self._channels.for_role("scheduler", scheduler))
 
         async def call() -> None:
             try:
@@ -180,7 +182,8 @@ async def serve(config: DetokenizerConfig) -> None:
     tok = TextTokenizer.from_pretrained(model_path)
     peers = MeshPeers(config)
     gateways: StreamPool[gateway_pb2.TextOutput] = peers.stream_pool(
-        "detokenizer->gateway", lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
+        "detokenizer->gateway", "gateway",
+        lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
         lambda items: gateway_pb2.TextBatch(outputs=items))
     servicer = DetokenizerServicer(tok, gateways, peers.channels, Path(model_path).name)
     server = GrpcServer([Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,

@@ -40,6 +40,9 @@ class Dependencies:
         self._started = False
         self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._rr = {role: itertools.count() for role in ROLES}
+        for role, addrs in self.addresses.items():
+            for address in addrs:
+                channels.for_role(role, address)  # its certificate is checked against the role
 
     def start(self) -> None:
         self._started = True
@@ -54,9 +57,10 @@ class Dependencies:
     def add(self, role: str, address: str, server_name: str | None = None) -> bool:
         """A replica joins: watch its health (it is used once SERVING). `server_name` is the
         name its certificate is checked against (a DNS name it was resolved from). False if
-        the role has it already."""
+        the role has it already. With --peer-tls-name the role's name wins."""
         if address in self.addresses[role]:
             return False
+        server_name = self._channels.name_for(role) or server_name
         self._discovered[role][address] = server_name
         self.addresses[role] = ordered(self._static[role], self._discovered[role])
         log.info("dependency_added", role=role, address=address, server_name=server_name,

@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 
 from meshlm.common.announce import members_key
 from meshlm.common.logs import get_logger
+from meshlm.common.redis_client import NO_AUTH, RedisAuth
 from meshlm.common.tasks import Periodic
 from meshlm.gateway.dependencies import ROLES
 from meshlm.gateway.membership import DnsName, diff, live_members, replica_address, wanted
@@ -68,13 +69,13 @@ def make_resolver(dns_server: str) -> dns.asyncresolver.Resolver:
 
 class Discovery:
     def __init__(self, members: Members, names: Mapping[str, Sequence[DnsName]], *,
-                 redis_url: str = "", interval: float = 1.0, dns_server: str = "") -> None:
+                 redis_url: str = "", interval: float = 1.0, dns_server: str = "",
+                 redis_auth: RedisAuth = NO_AUTH) -> None:
         self._members = members
         self._names = {role: list(names.get(role, ())) for role in ROLES}
         self.interval = interval
-        self._redis = aioredis.Redis.from_url(
-            redis_url, socket_timeout=1.0, socket_connect_timeout=1.0,
-            decode_responses=True) if redis_url else None
+        self._redis = redis_auth.connect(
+            redis_url, socket_timeout=1.0, socket_connect_timeout=1.0) if redis_url else None
         self._resolver = make_resolver(dns_server) if any(self._names.values()) else None
         self._heartbeats: dict[str, set[str]] = {role: set() for role in ROLES}
         self._answers: dict[DnsName, list[str]] = {}

@@ -21,10 +21,10 @@ import time
 import typing
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from meshlm.common.logs import get_logger
+from meshlm.common.redis_client import NO_AUTH, RedisAuth
 
 log = get_logger(__name__)
 
@@ -47,9 +47,9 @@ def key(rid: str) -> str:
 
 
 class RidRegistry:
-    def __init__(self, url: str, ttl: float, finished_ttl: float) -> None:
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=1.0,
-                                              socket_connect_timeout=1.0, decode_responses=True)
+    def __init__(self, url: str, ttl: float, finished_ttl: float,
+                 auth: RedisAuth = NO_AUTH) -> None:
+        self._redis = auth.connect(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self._create = self._redis.register_script(_CREATE)
         self.ttl = max(1, int(ttl))
         self.finished_ttl = max(1, int(finished_ttl))

@@ -21,6 +21,8 @@ from meshlm.common import config as cfg
 from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import GatewayMetrics
+from meshlm.common.redis_client import RedisAuth
+from meshlm.common.roles import MESH_PORTS
 from meshlm.common.server import Binding, GrpcServer, wait_for_signal
 from meshlm.common.service import ServiceConfig, advertised, start_metrics
 from meshlm.common.streams import BatchedStream
@@ -48,7 +50,8 @@ log = get_logger(__name__)
 class GatewayConfig(ServiceConfig):
     """meshlm gateway: the public API (gRPC + HTTP)."""
 
-    port: int = cfg.field(50050, "internal inbox gRPC port (mutual TLS); 0 picks a free port")
+    port: int = cfg.field(MESH_PORTS["gateway"],
+                          "internal inbox gRPC port (mutual TLS); 0 picks a free port")
     http_port: int = cfg.field(30000, "public HTTP port; 0 picks a free port")
     grpc_port: int = cfg.field(0, "public gRPC port; 0 = HTTP port + 10000 (free port if the "
                                   "HTTP port is 0)")
@@ -56,13 +59,16 @@ class GatewayConfig(ServiceConfig):
     tls_cert: str = cfg.field("", "public TLS certificate (PEM); plaintext when empty")
     tls_key: str = cfg.field("", "public TLS private key (PEM)")
     tls_client_ca: str = cfg.field("", "require public clients' certificates signed by this CA")
-    tokenizers: tuple[str, ...] = cfg.field(("127.0.0.1:50051",), "tokenizer addresses: "
+    tokenizers: tuple[str, ...] = cfg.field(
+        (f"127.0.0.1:{MESH_PORTS['tokenizer']}",), "tokenizer addresses: "
                                             "host:port, or dns:///<name>:<port> for every "
                                             "address the name resolves to")
-    schedulers: tuple[str, ...] = cfg.field(("127.0.0.1:50052",), "scheduler addresses (as "
+    schedulers: tuple[str, ...] = cfg.field(
+        (f"127.0.0.1:{MESH_PORTS['scheduler']}",), "scheduler addresses (as "
                                             "--tokenizers); a scheduler's dp rank is its place: "
                                             "host:port entries in order, then the others sorted")
-    detokenizers: tuple[str, ...] = cfg.field(("127.0.0.1:50053",), "detokenizer addresses (as "
+    detokenizers: tuple[str, ...] = cfg.field(
+        (f"127.0.0.1:{MESH_PORTS['detokenizer']}",), "detokenizer addresses (as "
                                               "--tokenizers)")
     redis_url: str = cfg.field("redis://127.0.0.1:6379/0", "Redis for the shared RID registry "
                                                            "(and --discover)")
@@ -111,9 +117,11 @@ async def serve(config: GatewayConfig) -> None:
              "detokenizer": config.detokenizers}
     entries = {role: split_entries(lists[role], f"--{role}s") for role in ROLES}
     tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
-    channels = ChannelPool(tls.channel_credentials())
+    channels = ChannelPool(tls.channel_credentials(), config.peer_tls_name)
     table = RequestTable()
-    registry = RidRegistry(config.redis_url, config.registry_ttl, config.registry_finished_ttl)
+    redis_auth = RedisAuth.from_config(config)
+    registry = RidRegistry(config.redis_url, config.registry_ttl, config.registry_finished_ttl,
+                           redis_auth)
     registry.start()
 
     inbox = GrpcServer([Binding(gateway_pb2_grpc.add_GatewayInboxServicer_to_server,
@@ -155,7 +163,8 @@ async def serve(config: GatewayConfig) -> None:
         replicas.open_submit(address)
     discovery = Discovery(replicas, {role: names for role, (_, names) in entries.items()},
                           redis_url=config.redis_url if config.discover else "",
-                          interval=config.heartbeat_interval, dns_server=config.dns_server)
+                          interval=config.heartbeat_interval, dns_server=config.dns_server,
+                          redis_auth=redis_auth)
 
     keys = ApiKeys(config.api_key)
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
@@ -173,6 +182,8 @@ async def serve(config: GatewayConfig) -> None:
     http = _http_server(config, build_http_app(api, metrics=metrics, keys=keys))
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]), name="http")
     exporter = await start_metrics(config, metrics)
+    health = await inbox.serve_health(config.host, config.health_port) \
+        if config.health_port else None
     deps.start()
     following = Periodic("follow_checkpoint", api.follow_checkpoint, FOLLOW_INTERVAL)
     following.start()
@@ -182,6 +193,8 @@ async def serve(config: GatewayConfig) -> None:
     scheme = "https" if config.tls_cert else "http"
     host = config.public_host if ":" not in config.public_host else f"[{config.public_host}]"
     extra = {"metrics_address": advertised(config, exporter.address)} if exporter else {}
+    if health is not None:
+        extra["health_address"] = health
     log.info("listening", address=inbox_address, grpc_address=grpc_address,
              http_address=f"{scheme}://{host}:{http_port}", tls=bool(config.tls_cert),
              api_keys=bool(keys), **extra)

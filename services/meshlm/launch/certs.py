@@ -10,6 +10,12 @@ and stay valid for at least another day; otherwise it writes new ones (a new CA 
 Writes are atomic and serialized by a lock file, so concurrent callers are safe.
 
     python -m meshlm.launch.certs DIR [--san HOST ...]
+
+For containers (compose's one-shot `certs` service, the Kubernetes init Job): one certificate
+per service named by its DNS names, a Redis password, optionally stored as Kubernetes Secrets:
+
+    python -m meshlm.launch.certs DIR --service scheduler=scheduler,meshlm-scheduler ...
+        [--redis-password] [--k8s-secrets PREFIX]
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import datetime as dt
 import fcntl
 import ipaddress
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +37,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from meshlm.common.tls import MeshTLS
+from meshlm.launch.mesh_secrets import (
+    KubeSecrets,
+    ensure_redis_password,
+    redis_auth_secret,
+    tls_secret,
+)
 
 VALIDITY = dt.timedelta(days=365)
 BACKDATE = dt.timedelta(minutes=5)  # tolerate clock skew between processes / machines
@@ -41,6 +53,7 @@ MESH_DNS = (
     "meshlm-gateway", "meshlm-tokenizer", "meshlm-scheduler", "meshlm-detokenizer",
 )
 SERVER_DNS = ("localhost",)
+MESH_USAGES = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
 LOOPBACK_IPS = ("127.0.0.1", "::1")
 
 Key = ec.EllipticCurvePrivateKey
@@ -76,6 +89,10 @@ class DevCerts:
     def server_key(self) -> Path:
         return self.directory / "server.key"
 
+    def leaf(self, name: str) -> tuple[Path, Path]:
+        """A leaf certificate's PEM and key paths: `<name>.pem`, `<name>.key`."""
+        return self.directory / f"{name}.pem", self.directory / f"{name}.key"
+
     def mesh_tls(self) -> MeshTLS:
         return MeshTLS(str(self.ca_cert), str(self.mesh_cert), str(self.mesh_key))
 
@@ -94,25 +111,41 @@ def ensure_dev_certs(
     non-loopback address services bind to. `now` exists for tests (certificates "issued then").
     """
     certs = DevCerts(Path(directory))
+    _ensure_leaves(certs, {
+        "mesh": ([*MESH_DNS, *LOOPBACK_IPS, *extra_sans], MESH_USAGES),
+        "server": ([*SERVER_DNS, *LOOPBACK_IPS, *extra_sans], [ExtendedKeyUsageOID.SERVER_AUTH]),
+    }, now)
+    return certs
+
+
+def ensure_service_certs(directory: Path, services: Mapping[str, Sequence[str]], *,
+                         now: dt.datetime | None = None) -> DevCerts:
+    """The CA and one certificate per service, `<name>.pem` / `<name>.key`, valid for that
+    service's names (serverAuth + clientAuth: it is both ends of mesh calls). Names, not
+    addresses: peers check a certificate against the role's name (--peer-tls-name), so
+    containers and pods can come and go on any IP without new certificates."""
+    certs = DevCerts(Path(directory))
+    _ensure_leaves(certs, {name: (sans, MESH_USAGES) for name, sans in services.items()}, now)
+    return certs
+
+
+def _ensure_leaves(certs: DevCerts,
+                   leaves: Mapping[str, tuple[Sequence[str], list[x509.ObjectIdentifier]]],
+                   now: dt.datetime | None) -> None:
+    """The CA, and `<name>.pem` / `<name>.key` for each leaf: kept when still good, else new."""
     certs.directory.mkdir(parents=True, exist_ok=True)
     now = now or dt.datetime.now(dt.UTC)
-    mesh_sans = _sans([*MESH_DNS, *LOOPBACK_IPS, *extra_sans])
-    server_sans = _sans([*SERVER_DNS, *LOOPBACK_IPS, *extra_sans])
     with _locked(certs.directory / ".lock"):
         ca = _load(certs.ca_cert, certs.ca_key, None, None, now)
         if ca is None:
             ca = _write_ca(certs, now)
         ca_cert, ca_key = ca
-        for cert_path, key_path, sans, usages in (
-            (certs.mesh_cert, certs.mesh_key, mesh_sans,
-             [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            (certs.server_cert, certs.server_key, server_sans, [ExtendedKeyUsageOID.SERVER_AUTH]),
-        ):
+        for name, (names, usages) in leaves.items():
+            sans = _sans(names)
+            cert_path, key_path = certs.leaf(name)
             if _load(cert_path, key_path, ca_cert, sans, now) is None:
-                cn = cert_path.stem
-                leaf, key = _issue(ca_cert, ca_key, f"meshlm {cn}", sans, usages, now)
+                leaf, key = _issue(ca_cert, ca_key, f"meshlm {name}", sans, usages, now)
                 _write(cert_path, key_path, leaf, key)
-    return certs
 
 
 def _sans(names: Sequence[str]) -> list[x509.GeneralName]:
@@ -254,15 +287,54 @@ def _locked(path: Path) -> Iterator[None]:
 
 @click.command(name="meshlm-certs")
 @click.argument("directory", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--san", "sans", multiple=True, help="extra host name or IP for the leaf certs")
-def cli(directory: Path, sans: tuple[str, ...]) -> None:
-    """Create (or reuse) development certificates in DIRECTORY and print their paths."""
-    certs = ensure_dev_certs(directory, sans)
-    for label, path in (
-        ("ca", certs.ca_cert), ("mesh cert", certs.mesh_cert), ("mesh key", certs.mesh_key),
-        ("server cert", certs.server_cert), ("server key", certs.server_key),
-    ):
+@click.option("--san", "sans", multiple=True, help="extra host name or IP for the dev leaf certs")
+@click.option("--service", "services", multiple=True, metavar="NAME=DNS[,DNS...]",
+              help="instead of the dev pair: one certificate per service, <NAME>.pem/.key, "
+                   "valid for these names (repeat per service)")
+@click.option("--no-certs", is_flag=True, help="make no certificates (only --redis-password)")
+@click.option("--redis-password", is_flag=True,
+              help="also a random Redis password: redis-password and redis-auth.conf "
+                   "('requirepass ...', for redis-server); kept when present")
+@click.option("--k8s-secrets", "k8s_prefix", default="", metavar="PREFIX",
+              help="then store them as Secrets in this pod's namespace, each only if absent: "
+                   "PREFIX-<NAME>-tls (tls.crt, tls.key, ca.crt) and PREFIX-redis-auth "
+                   "(password, redis.conf)")
+def cli(directory: Path, sans: tuple[str, ...], services: tuple[str, ...], no_certs: bool,
+        redis_password: bool, k8s_prefix: str) -> None:
+    """Create (or reuse) certificates in DIRECTORY and print their paths."""
+    wanted: dict[str, list[str]] = {}
+    for item in services:
+        name, _, names = item.partition("=")
+        if not name or not names:
+            raise click.BadParameter(f"{item!r}: expected NAME=DNS[,DNS...]",
+                                     param_hint="--service")
+        wanted[name] = [n for n in names.split(",") if n]
+    made: list[tuple[str, Path]] = []
+    certs = DevCerts(directory)
+    if not no_certs and wanted:
+        ensure_service_certs(directory, wanted)
+        made += [(f"{name} cert", certs.leaf(name)[0]) for name in wanted]
+    elif not no_certs:
+        ensure_dev_certs(directory, sans)
+        made += [("mesh cert", certs.mesh_cert), ("mesh key", certs.mesh_key),
+                 ("server cert", certs.server_cert), ("server key", certs.server_key)]
+    if not no_certs:
+        made.insert(0, ("ca", certs.ca_cert))
+    if redis_password:
+        made.append(("redis pass", ensure_redis_password(directory)))
+    for label, path in made:
         click.echo(f"{label:12} {path}")
+    if k8s_prefix:
+        kube = KubeSecrets(os.environ.get("POD_NAMESPACE", ""))
+        stored = {f"{k8s_prefix}-{name}-tls": (tls_secret(certs.ca_cert, *certs.leaf(name)),
+                                                "kubernetes.io/tls")
+                  for name in (wanted if not no_certs else {})}
+        if redis_password:
+            stored[f"{k8s_prefix}-redis-auth"] = (redis_auth_secret(directory), "Opaque")
+        for name, (data, kind) in stored.items():
+            created = kube.create(name, data, kind)
+            click.echo(f"secret       {kube.namespace}/{name} "
+                       f"{'created' if created else 'exists, kept'}")
 
 
 if __name__ == "__main__":

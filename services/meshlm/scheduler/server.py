@@ -28,6 +28,7 @@ from meshlm.common import deadline
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import SchedulerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
+from meshlm.common.roles import MESH_PORTS
 from meshlm.common.server import Binding, GrpcServer
 from meshlm.common.service import (
     MeshPeers,
@@ -55,7 +56,8 @@ EXPIRY_CHECK = 0.05  # seconds between scans for requests past their deadline
 class SchedulerConfig(ServiceConfig):
     """meshlm scheduler service (the engine)."""
 
-    port: int = cfg.field(50052, "mesh gRPC port (mutual TLS); 0 picks a free port")
+    port: int = cfg.field(MESH_PORTS["scheduler"],
+                          "mesh gRPC port (mutual TLS); 0 picks a free port")
     model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
     device: str = cfg.field("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = cfg.field("auto", "auto | float32 | bfloat16 | float16")
@@ -384,7 +386,8 @@ async def serve(config: SchedulerConfig) -> None:
     await asyncio.get_running_loop().run_in_executor(executor, _warm_up, engine)
     peers = MeshPeers(config)
     outputs: StreamPool[detokenizer_pb2.TokenOutput] = peers.stream_pool(
-        "scheduler->detokenizer", lambda ch: detokenizer_pb2_grpc.DetokenizerStub(ch).Push,
+        "scheduler->detokenizer", "detokenizer",
+        lambda ch: detokenizer_pb2_grpc.DetokenizerStub(ch).Push,
         lambda items: detokenizer_pb2.TokenBatch(outputs=items))
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,

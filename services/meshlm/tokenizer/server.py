@@ -19,6 +19,7 @@ from meshlm.common.errors import invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import TokenizerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
+from meshlm.common.roles import MESH_PORTS
 from meshlm.common.server import Binding, GrpcServer
 from meshlm.common.service import (
     MeshPeers,
@@ -42,7 +43,8 @@ INLINE_CHARS = 8192  # below this a batch is tokenized on the event loop (cheape
 class TokenizerConfig(ServiceConfig):
     """meshlm tokenizer service."""
 
-    port: int = cfg.field(50051, "mesh gRPC port (mutual TLS); 0 picks a free port")
+    port: int = cfg.field(MESH_PORTS["tokenizer"],
+                          "mesh gRPC port (mutual TLS); 0 picks a free port")
     model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
 
 
@@ -167,7 +169,7 @@ async def serve(config: TokenizerConfig) -> None:
     tok = TextTokenizer.from_pretrained(model_path)
     peers = MeshPeers(config)
     schedulers: StreamPool[scheduler_pb2.TokenizedRequest] = peers.stream_pool(
-        "tokenizer->scheduler", lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Submit,
+        "tokenizer->scheduler", "scheduler", lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Submit,
         lambda items: scheduler_pb2.TokenizedBatch(requests=items))
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=tok.max_model_len, vocab_size=tok.vocab_size,

@@ -87,3 +87,15 @@ def channel(mesh) -> Iterator[grpc.Channel]:
 @pytest.fixture(scope="session")
 def stub(channel) -> sglang_pb2_grpc.SglangServiceStub:
     return sglang_pb2_grpc.SglangServiceStub(channel)
+
+
+@pytest.fixture(scope="session")
+def meshlm_image(tmp_path_factory) -> str:
+    """The real image, built once per session from deploy/Dockerfile (skips without Docker)."""
+    from containers import build_image, require_docker
+
+    require_docker()
+    tag = "meshlm:e2e"
+    built = build_image(tag, tmp_path_factory.mktemp("image"))
+    print(f"\nimage {tag}: built in {built['seconds']:.1f} s, {built['bytes'] / 1e6:.0f} MB")
+    return tag

@@ -59,3 +59,14 @@ class SecretConfig:
 
 def test_secret_fields_are_not_logged():
     assert cfg.as_dict(SecretConfig(keys=("k1", "k2"))) == {"keys": "<2 redacted>", "name": "x"}
+
+
+def test_a_password_inside_a_url_is_masked_in_the_start_up_line():
+    from meshlm.common.config import as_dict
+    from meshlm.gateway.server import GatewayConfig
+
+    config = GatewayConfig(redis_url="rediss://:s3cret-pw@redis:6379/0", redis_password="pw2")
+    shown = as_dict(config)
+    assert shown["redis_url"] == "rediss://:***@redis:6379/0"
+    assert shown["redis_password"] == "<1 redacted>"
+    assert "s3cret-pw" not in str(shown) and "pw2" not in str(shown)

@@ -42,6 +42,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -99,7 +100,16 @@ class ServiceMetrics:
         and its content type."""
         await self.refresh()
         encoder, content_type = choose_encoder(accept or "")
+        if content_type.startswith(OPENMETRICS) and "escaping=" not in (accept or ""):
+            # prometheus_client's default for OpenMetrics rewrites `vllm:x` to `vllm_x` in the
+            # samples (not in HELP/TYPE), so a Prometheus 2 scrape loses every vllm:/sglang:
+            # name. Colons are legal OpenMetrics names: keep them, as the text format does.
+            return openmetrics_latest(self.registry, escaping="allow-utf-8"), \
+                f"{OPENMETRICS}; version=1.0.0; charset=utf-8"
         return encoder(self.registry), content_type
+
+
+OPENMETRICS = "application/openmetrics-text"
 
 
 # ---- the gateway -----------------------------------------------------------------------------

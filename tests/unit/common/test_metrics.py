@@ -167,6 +167,10 @@ async def test_openmetrics_when_the_scraper_asks_for_it():
     body, content_type = await metrics.scrape("application/openmetrics-text; version=1.0.0")
     assert content_type.startswith("application/openmetrics-text")
     assert body.endswith(b"# EOF\n")
+    # vllm:/sglang:/meshlm: names keep their colons in the samples, as in the text format
+    # (Prometheus 2 asks for OpenMetrics first and stores what the samples say).
+    assert b"\nmeshlm:tokenizer_requests_total{" in body
+    assert b"meshlm_tokenizer_requests" not in body
 
 
 def test_tokenizer_and_detokenizer_counters():

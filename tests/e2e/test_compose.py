@@ -5,6 +5,8 @@ drain on `docker compose down`. Skips without Docker (see containers.py); CI run
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -22,6 +24,7 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 COMPOSE_FILE = ROOT / "deploy" / "compose.yaml"
+SCALED = ("--scale", "scheduler=2", "--scale", "tokenizer=2", "--scale", "detokenizer=2")
 
 
 def _free_port() -> int:
@@ -175,13 +178,31 @@ def test_streams_over_grpc_and_http_through_published_ports(stack: Stack) -> Non
     assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] > 0
 
 
+def _added(stack: Stack, role: str) -> set[str]:
+    """The `role` replicas' IPs the gateway added (its dependency_added log lines)."""
+    found = set()
+    for line in stack.compose("logs", "--no-log-prefix", "gateway").stdout.splitlines():
+        if '"dependency_added"' in line:
+            event = json.loads(line[line.index("{"):])
+            if event["role"] == role:
+                found.add(event["address"].rsplit(":", 1)[0])
+    return found
+
+
 def _loads(stack: Stack) -> list[dict]:
     return json.loads(stack.stub().GetLoad(pb.GetLoadRequest(), timeout=10).json_info)
 
 
 def test_scale_schedulers_and_both_serve(stack: Stack) -> None:
-    stack.up("--scale", "scheduler=2")
+    stack.up(*SCALED)
     wait_until(lambda: len(_loads(stack)) == 2, 30, "the gateway to see 2 schedulers")
+    # Every scaled role is found through its service's DNS name.
+    for role in ("tokenizer", "detokenizer"):
+        ips = {json.loads(docker("inspect", row["Name"]).stdout)[0]["NetworkSettings"]
+               ["Networks"][f"{stack.project}_mesh"]["IPAddress"]
+               for row in stack.containers(role)}
+        assert len(ips) == 2
+        wait_until(lambda role=role, ips=ips: ips <= _added(stack, role), 30, f"2 {role}s")
     # Routing spreads concurrent requests over both (GetLoad counts what each finished).
     before = {load["dp_rank"]: load["finished_total"] for load in _loads(stack)}
     stub = stack.stub()
@@ -193,6 +214,13 @@ def test_scale_schedulers_and_both_serve(stack: Stack) -> None:
     after = {load["dp_rank"]: load["finished_total"] for load in _loads(stack)}
     assert sorted(after) == [0, 1]
     assert all(after[rank] > before[rank] for rank in (0, 1)), (before, after)
+
+
+def _serves(stub: sglang_pb2_grpc.SglangServiceStub, rank: int) -> bool:
+    """Whether a short request routed to dp rank `rank` completes."""
+    follower = Follower(stub, _generate("are you there", 4, routed_dp_rank=rank)).start()
+    follower.join(60)
+    return follower.error is None and follower.tokens == 4
 
 
 def test_killed_scheduler_fails_only_its_requests_and_rejoins(stack: Stack) -> None:
@@ -221,11 +249,23 @@ def test_killed_scheduler_fails_only_its_requests_and_rejoins(stack: Stack) -> N
     alive.join(60)
     assert alive.error is None and alive.tokens == 8
     # `docker kill` is a manual stop for Docker's restart policy; compose brings it back.
-    stack.up("--scale", "scheduler=2")
+    stack.up(*SCALED)
     wait_until(lambda: len(_loads(stack)) == 2, 30, "the restarted scheduler to rejoin")
     rejoined = Follower(stub, _generate("back again", 8, routed_dp_rank=0)).start()
     rejoined.join(60)
     assert rejoined.error is None and rejoined.tokens == 8
+    if os.geteuid() != 0:
+        return  # the crash below kills a host process: root only (CI runs as root)
+    # A crash (the container's processes die, not a `docker kill`) is restarted by the restart
+    # policy alone, and the scheduler is used again.
+    def state() -> tuple[int, str]:
+        info = json.loads(docker("inspect", victim).stdout)[0]
+        return info["RestartCount"], info["State"].get("Health", {}).get("Status", "")
+
+    restarts, _ = state()
+    os.kill(json.loads(docker("inspect", victim).stdout)[0]["State"]["Pid"], signal.SIGKILL)
+    wait_until(lambda: state() == (restarts + 1, "healthy"), 120, "the restart policy")
+    wait_until(lambda: _serves(stub, 0), 30, "the crashed scheduler to serve again")
 
 
 def test_profiles_render_with_gpu_reservation_and_observability(stack: Stack) -> None:

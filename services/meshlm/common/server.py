@@ -23,6 +23,9 @@ log = get_logger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Health service name that is SERVING while the process runs, ready or not (until shutdown): for
+# liveness probes, which must not restart a replica that only waits for its dependencies.
+LIVENESS = "liveness"
 
 # Keepalive: detect dead peers within seconds, allow clients' pings on idle streams.
 SERVER_OPTIONS: list[tuple[str, Any]] = [
@@ -86,7 +89,8 @@ class GrpcServer:
     async def serve_health(self, host: str, port: int) -> str:
         """Also answer grpc.health.v1 (and nothing else) in plaintext on `port`, with this
         server's statuses: for probes that cannot present the mesh certificate (Kubernetes'
-        native `grpc:` probes). Returns the bound host:port."""
+        native `grpc:` probes; service "liveness" answers SERVING until shutdown, "" and the
+        services their readiness). Returns the bound host:port."""
         self._health_only = grpc.aio.server(options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_only)
         address = f"{_bracket(host)}:{port}"
@@ -94,6 +98,7 @@ class GrpcServer:
         if bound == 0:
             raise RuntimeError(f"could not bind {address}")
         await self._health_only.start()
+        await self.health.set(LIVENESS, SERVING)
         return f"{_bracket(host)}:{bound}"
 
     async def set_serving(self, serving: bool) -> None:

@@ -69,7 +69,7 @@ def test_cli_refuses_a_malformed_service_and_k8s_outside_a_pod(tmp_path: Path) -
 
 
 @pytest.fixture
-async def scheduler(tmp_path: Path) -> AsyncIterator[tuple[str, DevCerts, str]]:
+async def scheduler(tmp_path: Path) -> AsyncIterator[tuple[str, DevCerts, str, GrpcServer]]:
     """A mesh server with the scheduler's certificate, plus its plaintext health-only port."""
     certs = ensure_service_certs(tmp_path, SERVICES)
     tls = MeshTLS(str(certs.ca_cert), *map(str, certs.leaf("scheduler")))
@@ -77,12 +77,12 @@ async def scheduler(tmp_path: Path) -> AsyncIterator[tuple[str, DevCerts, str]]:
     bound = await server.start("127.0.0.1", 0, tls.server_credentials())
     health_only = await server.serve_health("127.0.0.1", 0)
     await server.set_serving(True)
-    yield bound, certs, health_only
+    yield bound, certs, health_only, server
     await server.stop(0)
 
 
 async def test_pool_checks_the_role_name_not_the_address(scheduler) -> None:
-    address, certs, _ = scheduler
+    address, certs, *_ = scheduler
     client = MeshTLS(str(certs.ca_cert), *map(str, certs.leaf("gateway")))
     named = ChannelPool(client.channel_credentials(), "meshlm-{role}")
     assert named.name_for("scheduler") == "meshlm-scheduler"
@@ -107,7 +107,7 @@ async def test_probe_over_mtls_with_the_role_name_and_plaintext_health_port(sche
     import asyncio
     import os
 
-    address, certs, health_only = scheduler
+    address, certs, health_only, _ = scheduler
     cert, key = certs.leaf("gateway")
     env = {**os.environ, "MESHLM_MESH_CA": str(certs.ca_cert), "MESHLM_MESH_CERT": str(cert),
            "MESHLM_MESH_KEY": str(key), "MESHLM_PEER_TLS_NAME": "meshlm-{role}"}
@@ -125,11 +125,18 @@ async def test_probe_over_mtls_with_the_role_name_and_plaintext_health_port(sche
 
 
 async def test_health_only_port_answers_nothing_else(scheduler) -> None:
-    _, _, health_only = scheduler
+    health_only = scheduler[2]
     async with grpc.aio.insecure_channel(health_only) as channel:
         reply = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="meshlm.v1.Scheduler"), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        # Not ready (e.g. waiting for a dependency) is still alive: liveness stays SERVING.
+        await scheduler[3].set_serving(False)
+        stub = health_pb2_grpc.HealthStub(channel)
+        ready = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+        alive = await stub.Check(health_pb2.HealthCheckRequest(service="liveness"), timeout=5)
+        assert ready.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert alive.status == health_pb2.HealthCheckResponse.SERVING
         call = channel.unary_unary("/meshlm.v1.Scheduler/GetLoad")
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await call(b"", timeout=5)

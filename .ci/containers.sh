@@ -50,9 +50,11 @@ _ci_compose() {
 _ci_base() {
   local image=localhost/meshlm-base
   if docker image inspect "$image" >/dev/null 2>&1; then return 0; fi
-  command -v debootstrap >/dev/null 2>&1 || \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends debootstrap \
-      >/dev/null || return 1
+  if ! command -v debootstrap >/dev/null 2>&1; then
+    apt-get update -q >/dev/null && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+        debootstrap >/dev/null || return 1
+  fi
   local mirror rootfs
   mirror=$(grep -rhoE '^(URIs:|deb) +https?://[^ ]+/debian/?' /etc/apt/sources.list \
              /etc/apt/sources.list.d/ 2>/dev/null | head -1 | awk '{print $2}')

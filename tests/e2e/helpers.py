@@ -160,3 +160,12 @@ class TokenStream:
         if self.error is not None:
             raise self.error
         return self
+
+
+def mesh_redis(mesh: Mesh) -> Any:
+    """A client of the mesh's Redis, with the password the launcher generated for it."""
+    import redis
+
+    password = mesh.redis.password if mesh.redis is not None else None
+    return redis.Redis.from_url(mesh.addresses.redis_url, password=password or None,
+                                decode_responses=True)

@@ -10,8 +10,7 @@ import uuid
 import grpc
 import httpx
 import pytest
-import redis
-from helpers import mesh_credentials, scheduler_load, text_request, wait_until
+from helpers import mesh_credentials, mesh_redis, scheduler_load, text_request, wait_until
 
 from meshlm.gateway.registry import key
 
@@ -20,7 +19,7 @@ LONG = {"max_new_tokens": 1900, "ignore_eos": True}  # far longer than any deadl
 
 @pytest.fixture(scope="module")
 def registry(mesh):
-    client = redis.Redis.from_url(mesh.addresses.redis_url, decode_responses=True)
+    client = mesh_redis(mesh)
     yield client
     client.close()
 

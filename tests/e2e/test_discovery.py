@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import redis
-from helpers import collect_text, own_mesh, text_request, wait_until
+from helpers import collect_text, mesh_redis, own_mesh, text_request, wait_until
 
 from meshlm.common.announce import members_key
 from meshlm.gateway.registry import key
@@ -34,7 +34,7 @@ def discovering(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
 
 @pytest.fixture(scope="module")
 def registry(discovering: Mesh) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(discovering.addresses.redis_url, decode_responses=True)
+    client = mesh_redis(discovering)
     yield client
     client.close()
 
@@ -118,7 +118,7 @@ def test_a_dns_name_with_two_addresses_gives_two_schedulers(tmp_path):
         mesh.start_gateway("gateway-dns", schedulers=f"dns:///{DNS_NAME}:{port}",
                            dns_server=dns.address)
         stub = gateway_stub(mesh, "gateway-dns")
-        client = redis.Redis.from_url(mesh.addresses.redis_url, decode_responses=True)
+        client = mesh_redis(mesh)
         try:
             assert schedulers_seen(stub) == {a.address: True, b.address: True}
             assert scheduler_of(client, stub, 0) == a.address

@@ -15,7 +15,7 @@ import grpc
 import httpx
 import pytest
 import redis
-from helpers import collect_text, own_mesh, text_request, wait_until
+from helpers import collect_text, mesh_redis, own_mesh, text_request, wait_until
 
 from meshlm.gateway.registry import key
 from meshlm.launch.mesh import Mesh
@@ -41,7 +41,7 @@ def stub(mesh2: Mesh) -> Iterator[sglang_pb2_grpc.SglangServiceStub]:
 
 @pytest.fixture(scope="module")
 def registry(mesh2: Mesh) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(mesh2.addresses.redis_url, decode_responses=True)
+    client = mesh_redis(mesh2)
     yield client
     client.close()
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
-from helpers import TWO_OF_EACH, own_mesh, text_request, wait_until
+from helpers import TWO_OF_EACH, mesh_redis, own_mesh, text_request, wait_until
 
 from meshlm.gateway.registry import KEY_PREFIX
 from meshlm.launch.mesh import Mesh
@@ -105,7 +104,7 @@ def test_500_streams_for_60_seconds(mesh2):
         raise AssertionError(f"memory did not come back within 10%: {growth}") from None
 
     # No request left behind in the registry once the finished TTL has passed.
-    client = redis.Redis.from_url(mesh2.addresses.redis_url, decode_responses=True)
+    client = mesh_redis(mesh2)
     try:
         wait_until(lambda: not client.keys(KEY_PREFIX + "*"), timeout=FINISHED_TTL + 15,
                    what="every registry record to expire")

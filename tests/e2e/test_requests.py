@@ -8,8 +8,7 @@ import uuid
 import grpc
 import httpx
 import pytest
-import redis
-from helpers import mesh_credentials, scheduler_load, text_request, wait_until
+from helpers import mesh_credentials, mesh_redis, scheduler_load, text_request, wait_until
 
 from sglang.runtime.v1 import sglang_pb2 as pb
 
@@ -17,7 +16,7 @@ LONG = {"max_new_tokens": 1500, "ignore_eos": True}
 
 
 def _record(mesh, rid: str) -> dict[str, str]:
-    r = redis.Redis.from_url(mesh.addresses.redis_url, decode_responses=True)
+    r = mesh_redis(mesh)
     return r.hgetall(f"meshlm:rid:{rid}")
 
 

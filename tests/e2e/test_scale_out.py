@@ -12,7 +12,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import redis
-from helpers import TWO_OF_EACH, collect_text, mesh_credentials, own_mesh, text_request, wait_until
+from helpers import (
+    TWO_OF_EACH,
+    collect_text,
+    mesh_credentials,
+    mesh_redis,
+    own_mesh,
+    text_request,
+    wait_until,
+)
 
 from meshlm.gateway.registry import key
 from meshlm.launch.mesh import Mesh
@@ -39,7 +47,7 @@ def stubs(mesh2: Mesh) -> Iterator[list[sglang_pb2_grpc.SglangServiceStub]]:
 
 @pytest.fixture(scope="module")
 def registry(mesh2: Mesh) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(mesh2.addresses.redis_url, decode_responses=True)
+    client = mesh_redis(mesh2)
     yield client
     client.close()
 

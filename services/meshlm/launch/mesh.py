@@ -28,6 +28,7 @@ from typing import Any
 
 from meshlm.common.logs import get_logger
 from meshlm.launch.certs import DevCerts, ensure_dev_certs
+from meshlm.launch.mesh_secrets import ensure_redis_password
 from meshlm.launch.process import WILDCARD_HOSTS, ReadinessProbe, ServiceProcess, free_port
 from meshlm.launch.redis_server import RedisServer
 
@@ -103,6 +104,7 @@ class Mesh:
         self.redis: RedisServer | None = None
         self.services: dict[str, ServiceProcess] = {}
         self._redis_url = options.redis_url
+        self._redis_password_file: Path | None = None
         self._registered = False
 
     @property
@@ -151,7 +153,11 @@ class Mesh:
             self._registered = True
         try:
             if not self._redis_url:
-                self.redis = RedisServer(log_path=self.log_path("redis")).start()
+                # A generated password, handed to the services as a file (never a flag value).
+                self._redis_password_file = ensure_redis_password(self.workdir / "redis")
+                self.redis = RedisServer(
+                    log_path=self.log_path("redis"),
+                    password=self._redis_password_file.read_text().strip()).start()
                 self._redis_url = self.redis.url
             backends = [self._add(replica_name(role, i), self._backend_flags(role), role=role)
                         for role in BACKENDS for i in range(o.count(role))]
@@ -279,6 +285,7 @@ class Mesh:
             "log-level": self.options.log_level,
             "metrics-port": str(self._metrics_port(role)),
             "heartbeat-interval": str(self.options.heartbeat_interval),
+            "redis-password-file": str(self._redis_password_file or ""),
         }
 
     def _metrics_port(self, role: str) -> int:

@@ -50,11 +50,13 @@ class RedisServer:
         binary: str | None = None,
         log_path: Path | None = None,
         startup_timeout: float = 10.0,
+        password: str = "",
     ) -> None:
         self.host = host
         self.port = port
         self.binary = binary or redis_binary()
         self.startup_timeout = startup_timeout
+        self.password = password  # clients must AUTH with it (requirepass); "" = none
         self._log_path = log_path
         self._dir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -126,15 +128,21 @@ class RedisServer:
     def _launch(self, port: int, deadline: float) -> bool:
         """Start on `port`; True once PING answers, False if it exited or the deadline passed."""
         assert self._dir is not None
-        args = [
-            self.binary, "--port", str(port), "--bind", self.host, "--save", "",
+        args = [self.binary]
+        if self.password:  # in a config file, never on the command line
+            conf = self._dir / "auth.conf"
+            conf.touch(mode=0o600)
+            conf.write_text(f"requirepass {self.password}\n")
+            args.append(str(conf))
+        args += [
+            "--port", str(port), "--bind", self.host, "--save", "",
             "--appendonly", "no", "--dir", str(self._dir), "--daemonize", "no",
             "--logfile", "",
         ]
         with open(self.log_path, "ab") as out:
             self._proc = spawn(args, cwd=self._dir, stdout=out, stderr=subprocess.STDOUT)
         while time.monotonic() < deadline:
-            if _ping(self.host, port, self._proc.pid):
+            if _ping(self.host, port, self._proc.pid, self.password):
                 return True
             if self._proc.poll() is not None:
                 return False
@@ -157,12 +165,16 @@ class RedisServer:
         self.stop()
 
 
-def _ping(host: str, port: int, pid: int) -> bool:
+def _ping(host: str, port: int, pid: int, password: str = "") -> bool:
     """True when the redis answering on host:port is process `pid` (not a stranger that won a
     port race against it)."""
+    auth = b""
+    if password:
+        pw = password.encode()
+        auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw)
     try:
         with socket.create_connection((host.strip("[]"), port), timeout=0.5) as s:
-            s.sendall(b"INFO server\r\n")
+            s.sendall(auth + b"INFO server\r\n")
             data = b""
             while b"process_id:" not in data or not data.split(b"process_id:", 1)[1].count(b"\n"):
                 chunk = s.recv(4096)

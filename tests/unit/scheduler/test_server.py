@@ -7,10 +7,12 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from scheduler_helpers import write_checkpoint
 
 from meshlm.scheduler.server import SchedulerServicer
 from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
@@ -45,8 +47,13 @@ class Outputs:
 
 
 @pytest.fixture
-async def service(make_engine: Any) -> AsyncIterator[tuple[SchedulerServicer, Outputs]]:
-    engine = make_engine(max_running=8, block_size=16)
+async def service(make_engine: Any, request: pytest.FixtureRequest,
+                  tmp_path: Path) -> AsyncIterator[tuple[SchedulerServicer, Outputs]]:
+    """A scheduler over the tiny engine; `@pytest.mark.parametrize("service", [N],
+    indirect=True)` gives it a model of N positions instead of 256."""
+    positions = getattr(request, "param", None)
+    path = write_checkpoint(tmp_path / "long", max_positions=positions) if positions else None
+    engine = make_engine(path, max_running=8, block_size=16)
     outputs = Outputs()
     servicer = SchedulerServicer(engine, ThreadPoolExecutor(1), outputs,
                                  common_pb2.ModelInfo(), "s")
@@ -115,7 +122,9 @@ async def test_flush_cache_is_refused_while_busy(service: tuple[SchedulerService
     assert (await servicer.FlushCache(flush, None)).success
 
 
-
+# 16k positions: "free" must not reach its length limit before "running" passes its deadline,
+# however fast the machine steps.
+@pytest.mark.parametrize("service", [16384], indirect=True)
 async def test_a_request_past_its_deadline_ends_deadline_exceeded(
         service: tuple[SchedulerServicer, Outputs]):
     """The scheduler enforces the client's deadline itself: a request already past it is never

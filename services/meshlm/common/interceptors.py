@@ -1,4 +1,5 @@
-"""The two server interceptors every service installs: errors -> statuses, and tracing.
+"""The two server interceptors every service installs: errors -> statuses, and tracing
+(common/parsing.py adds a third, innermost, that parses requests).
 
 Both wrap the method handler's behaviour. Handlers are coroutines (unary responses) or async
 generators (streamed responses), as in grpc's own aio examples.
@@ -24,7 +25,7 @@ Behavior = Callable[[Any, grpc.aio.ServicerContext], Any]
 UnaryWrapper = Callable[[str, Behavior, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 StreamWrapper = Callable[[str, Behavior, Any, grpc.aio.ServicerContext], AsyncIterator[Any]]
 
-_FACTORIES = {
+FACTORIES = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -32,15 +33,20 @@ _FACTORIES = {
 }
 
 
-def _wrap(handler: grpc.RpcMethodHandler, method: str, unary: UnaryWrapper,
-          stream: StreamWrapper) -> grpc.RpcMethodHandler:
-    req_stream, resp_stream = handler.request_streaming, handler.response_streaming
-    behavior = {
+def behavior_of(handler: grpc.RpcMethodHandler) -> Behavior:
+    """The servicer function a method handler calls, whichever of the four kinds it is."""
+    return {
         (False, False): handler.unary_unary,
         (False, True): handler.unary_stream,
         (True, False): handler.stream_unary,
         (True, True): handler.stream_stream,
-    }[(req_stream, resp_stream)]
+    }[(handler.request_streaming, handler.response_streaming)]
+
+
+def _wrap(handler: grpc.RpcMethodHandler, method: str, unary: UnaryWrapper,
+          stream: StreamWrapper) -> grpc.RpcMethodHandler:
+    req_stream, resp_stream = handler.request_streaming, handler.response_streaming
+    behavior = behavior_of(handler)
 
     # Streams written as async generators are wrapped item by item; those written with
     # context.write (e.g. grpc's own health Watch) are coroutines and wrap like unary calls.
@@ -54,7 +60,7 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, unary: UnaryWrapper,
         async def wrapped_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             return await unary(method, behavior, request, context)
         new_behavior = wrapped_unary
-    return _FACTORIES[(req_stream, resp_stream)](
+    return FACTORIES[(req_stream, resp_stream)](
         new_behavior,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,

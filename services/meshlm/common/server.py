@@ -1,5 +1,6 @@
 """The gRPC server every service runs: its own services plus grpc.health.v1 and reflection,
-the two interceptors, keepalive settings, and graceful shutdown on SIGTERM.
+the interceptors (tracing, errors, request parsing), keepalive settings, and graceful
+shutdown on SIGTERM.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from meshlm.common.interceptors import ErrorInterceptor, TracingInterceptor
 from meshlm.common.logs import get_logger
+from meshlm.common.parsing import ParseInterceptor
 
 log = get_logger(__name__)
 
@@ -52,12 +54,14 @@ class Binding:
 
 class GrpcServer:
     """A grpc.aio server with health (Check/Watch for "" and each service) and reflection.
-    `interceptors` run before the tracing and error ones (the gateway's API-key check)."""
+    `interceptors` run before the tracing and error ones (the gateway's API-key check);
+    requests are parsed innermost, so a malformed one is INVALID_ARGUMENT (common/parsing.py)."""
 
     def __init__(self, bindings: Sequence[Binding],
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
         self.server = grpc.aio.server(
-            interceptors=[*interceptors, TracingInterceptor(), ErrorInterceptor()],
+            interceptors=[*interceptors, TracingInterceptor(), ErrorInterceptor(),
+                          ParseInterceptor()],
             options=SERVER_OPTIONS,
         )
         self.health = HealthServicer()
@@ -91,7 +95,8 @@ class GrpcServer:
         server's statuses: for probes that cannot present the mesh certificate (Kubernetes'
         native `grpc:` probes; service "liveness" answers SERVING until shutdown, "" and the
         services their readiness). Returns the bound host:port."""
-        self._health_only = grpc.aio.server(options=SERVER_OPTIONS)
+        self._health_only = grpc.aio.server(
+            interceptors=[ErrorInterceptor(), ParseInterceptor()], options=SERVER_OPTIONS)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_only)
         address = f"{_bracket(host)}:{port}"
         bound = self._health_only.add_insecure_port(address)

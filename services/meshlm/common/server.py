@@ -55,14 +55,20 @@ class Binding:
 class GrpcServer:
     """A grpc.aio server with health (Check/Watch for "" and each service) and reflection.
     `interceptors` run before the tracing and error ones (the gateway's API-key check);
+    `max_receive_bytes` overrides the 64 MiB message limit (RESOURCE_EXHAUSTED past it);
     requests are parsed innermost, so a malformed one is INVALID_ARGUMENT (common/parsing.py)."""
 
     def __init__(self, bindings: Sequence[Binding],
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 max_receive_bytes: int | None = None) -> None:
+        options = SERVER_OPTIONS
+        if max_receive_bytes is not None:  # a public port: grpc refuses bigger messages
+            options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+            options.append(("grpc.max_receive_message_length", max_receive_bytes))
         self.server = grpc.aio.server(
             interceptors=[*interceptors, TracingInterceptor(), ErrorInterceptor(),
                           ParseInterceptor()],
-            options=SERVER_OPTIONS,
+            options=options,
         )
         self.health = HealthServicer()
         self.names = [b.name for b in bindings]

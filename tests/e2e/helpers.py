@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -169,3 +171,40 @@ def mesh_redis(mesh: Mesh) -> Any:
     password = mesh.redis.password if mesh.redis is not None else None
     return redis.Redis.from_url(mesh.addresses.redis_url, password=password or None,
                                 decode_responses=True)
+
+
+class Stream:
+    """A streaming TextGenerate drained in a thread; records how and when it ended (long by
+    default: 1900 tokens, ignore_eos)."""
+
+    def __init__(self, stub, text: str, *, dp_rank: int | None = None,
+                 max_new_tokens: int = 1900) -> None:
+        self.rid = f"f-{uuid.uuid4().hex[:10]}"
+        req = text_request(text, rid=self.rid, max_new_tokens=max_new_tokens, ignore_eos=True)
+        if dp_rank is not None:
+            req.routed_dp_rank = dp_rank
+        self.call = stub.TextGenerate(req, timeout=120)
+        self.messages = [next(self.call)]
+        self.error: grpc.RpcError | None = None
+        self.ended_at = 0.0
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        try:
+            self.messages.extend(self.call)
+        except grpc.RpcError as e:
+            self.error = e
+        self.ended_at = time.monotonic()
+
+    def join(self, timeout: float = 60) -> Stream:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.rid}: the stream is hanging"
+        return self
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and self.messages[-1].finished
+
+    def code(self) -> grpc.StatusCode | None:
+        return self.error.code() if self.error is not None else None

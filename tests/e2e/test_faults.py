@@ -6,7 +6,6 @@ restarted mid-load; SIGTERM of a gateway under load (it drains, then exits)."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,7 +14,7 @@ import grpc
 import httpx
 import pytest
 import redis
-from helpers import collect_text, mesh_redis, own_mesh, text_request, wait_until
+from helpers import Stream, collect_text, mesh_redis, own_mesh, text_request, wait_until
 
 from meshlm.gateway.registry import key
 from meshlm.launch.mesh import Mesh
@@ -23,7 +22,6 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 FAULT_BOUND = 2.0  # seconds from a kill to the end of the requests it held
-LONG = {"max_new_tokens": 1900, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -44,42 +42,6 @@ def registry(mesh2: Mesh) -> Iterator[redis.Redis]:
     client = mesh_redis(mesh2)
     yield client
     client.close()
-
-
-class Stream:
-    """A streaming request drained in a thread; records how and when it ended."""
-
-    def __init__(self, stub, text: str, *, dp_rank: int | None = None,
-                 max_new_tokens: int = LONG["max_new_tokens"]) -> None:
-        self.rid = f"f-{uuid.uuid4().hex[:10]}"
-        req = text_request(text, rid=self.rid, max_new_tokens=max_new_tokens, ignore_eos=True)
-        if dp_rank is not None:
-            req.routed_dp_rank = dp_rank
-        self.call = stub.TextGenerate(req, timeout=120)
-        self.messages = [next(self.call)]
-        self.error: grpc.RpcError | None = None
-        self.ended_at = 0.0
-        self.thread = threading.Thread(target=self._drain, daemon=True)
-        self.thread.start()
-
-    def _drain(self) -> None:
-        try:
-            self.messages.extend(self.call)
-        except grpc.RpcError as e:
-            self.error = e
-        self.ended_at = time.monotonic()
-
-    def join(self, timeout: float = 60) -> Stream:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"{self.rid}: the stream is hanging"
-        return self
-
-    @property
-    def finished(self) -> bool:
-        return self.error is None and self.messages[-1].finished
-
-    def code(self) -> grpc.StatusCode | None:
-        return self.error.code() if self.error is not None else None
 
 
 def replica(mesh2: Mesh, role: str, index: int) -> str:

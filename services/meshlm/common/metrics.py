@@ -10,6 +10,7 @@ labelled `model_name`; figures only meshlm has are `meshlm:*`. One class per rol
 - SchedulerMetrics: the engine's load, KV cache and totals, read from `Engine.stats()` at scrape
   time (no per-step cost).
 - TokenizerMetrics, DetokenizerMetrics: meshlm's own work counters.
+- LauncherMetrics: restarts and up/down of each service the launcher (`make run`) supervises.
 
 Token counters and latencies exist only at the gateway and engine counters only at the
 scheduler, so scraping every port counts nothing twice; the load gauges are the exception (the
@@ -399,6 +400,22 @@ class DetokenizerMetrics(ServiceMetrics):
         """One batch: outputs decoded, requests that matched a stop string."""
         self._outputs.inc(outputs)
         self._stops.inc(stopped)
+
+
+# ---- the launcher (make run) -----------------------------------------------------------------
+
+
+class LauncherMetrics(ServiceMetrics):
+    """The launcher's supervision of its children, labelled `service` (its name, e.g.
+    "scheduler-1") and `role`. Served by the launcher on --launcher-metrics-port."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        labels = ["service", "role"]
+        self.restarts = Counter("meshlm:service_restarts", "Times the launcher restarted a "
+                                "service that exited on its own.", labels, registry=self.registry)
+        self.up = Gauge("meshlm:service_up", "1 while the service's process runs, 0 from its "
+                        "exit until it is started again.", labels, registry=self.registry)
 
 
 # ---- serving a registry on its own port ------------------------------------------------------

@@ -1,8 +1,10 @@
 """python -m meshlm.launch (`make run`, the `meshlm` script): the whole mesh in the foreground.
 
 Starts redis (unless --redis-url), the tokenizer, scheduler and detokenizer, then the gateway;
-prints where to reach it; on Ctrl-C or SIGTERM stops everything and exits 0. If a service dies
-on its own, the rest are stopped and the exit code is 1.
+prints where to reach it; on Ctrl-C or SIGTERM stops everything and exits 0. A service that
+exits on its own is restarted on the same address with backoff while the others serve on
+(supervisor.py); a crash loop stops everything, names the service with its last log lines, and
+exits 1. Restarts are counted on --launcher-metrics-port.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from prometheus_client import start_http_server
+
 from meshlm.common import config as cfg
 from meshlm.common.logs import get_logger, setup_logging
+from meshlm.common.metrics import LauncherMetrics
 from meshlm.launch.mesh import API_KEY_ENV, Mesh, MeshOptions, MeshStartError
+from meshlm.launch.supervisor import RestartPolicy, Supervisor
 
 log = get_logger(__name__)
 
@@ -52,6 +58,15 @@ class LaunchConfig:
                                  "others free ports (shown at start)")
     discover: bool = cfg.field(False, "backends announce themselves in Redis and the gateways "
                                       "find them there (--discover) instead of static lists")
+    restart_backoff: float = cfg.field(0.5, "seconds before restarting a service that exited; "
+                                            "doubles with each restart, at most 10 s")
+    max_restarts: int = cfg.field(5, "restarts of one service allowed within --restart-window; "
+                                     "one more exit stops the mesh (crash loop)")
+    restart_window: float = cfg.field(60.0, "seconds over which restarts are counted")
+    launcher_metrics_port: int = cfg.field(0, "Prometheus port of the launcher itself "
+                                              "(meshlm:service_restarts_total, "
+                                              "meshlm:service_up); 0 = a free port, shown at "
+                                              "start")
 
 
 class _Stop(BaseException):
@@ -87,15 +102,24 @@ def run(config: LaunchConfig) -> int:
     ))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _raise_stop)
+    policy = RestartPolicy(backoff=config.restart_backoff, max_restarts=config.max_restarts,
+                           window=config.restart_window)
+    metrics = LauncherMetrics()
+    supervisor: Supervisor | None = None
+    metrics_server = None
     code = 0
     try:
         mesh.start()
-        print(banner(mesh), flush=True)
-        while not (dead := mesh.exited()):
-            time.sleep(0.5)
-        for name, status in dead.items():
-            log.error("service_exited", name=name, code=status, log=str(mesh.log_path(name)),
-                      tail=mesh.service(name).tail(20))
+        metrics_server, _ = start_http_server(config.launcher_metrics_port, addr=config.host,
+                                              registry=metrics.registry)
+        metrics_at = _http_address(config.host, metrics_server.server_port)
+        supervisor = Supervisor(mesh, policy, metrics)
+        log.info("supervising", metrics=metrics_at, backoff=policy.backoff,
+                 max_restarts=policy.max_restarts, window=policy.window)
+        print(banner(mesh, metrics_at), flush=True)
+        while not (loop := supervisor.check()):
+            time.sleep(0.2)
+        print(loop.message(), file=sys.stderr, flush=True)
         code = 1
     except _Stop as e:
         log.info("shutdown_requested", signal=str(e))
@@ -105,12 +129,23 @@ def run(config: LaunchConfig) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # nor a signal during cleanup
             signal.signal(sig, signal.SIG_IGN)
+        if supervisor is not None:
+            supervisor.stop()
         mesh.stop()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
     log.info("stopped", code=code)
     return code
 
 
-def banner(mesh: Mesh) -> str:
+def _http_address(host: str, port: int) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host.strip('[]')}]" \
+        if ":" in host else host
+    return f"http://{shown}:{port}/metrics"
+
+
+def banner(mesh: Mesh, launcher_metrics: str = "") -> str:
     """What a person needs to start poking at the running mesh."""
     at = mesh.addresses
     tls = at.gateway_http.startswith("https")
@@ -136,6 +171,7 @@ def banner(mesh: Mesh) -> str:
         f"  logs         {mesh.workdir / 'logs'}/<service>.log",
         f"  metrics      {at.gateway_http}/metrics",
         *metrics,
+        *([f"  {'':13}{'launcher':<12}{launcher_metrics}"] if launcher_metrics else []),
         *(["  API keys     required (health, reflection and /metrics are open)"] if auth else []),
         "",
         "Try:",
@@ -143,7 +179,7 @@ def banner(mesh: Mesh) -> str:
         f"  curl -s {curl}{auth}{at.gateway_http}/generate -H 'content-type: application/json' \\",
         f"       -d '{body}'",
         "",
-        "Ctrl-C stops everything.",
+        "A service that exits is restarted. Ctrl-C stops everything.",
         "",
     ])
 

@@ -20,6 +20,7 @@ import atexit
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -209,10 +210,21 @@ class Mesh:
             assert self.redis is not None, "redis was not started by this mesh"
             self.redis.restart()
             return
+        self.wait_ready(self.respawn(name))
+
+    def respawn(self, name: str) -> ServiceProcess:
+        """Stop the service if it still runs and start it again on the same port(s), its log
+        appended to; does not wait (see wait_ready)."""
         proc = self.service(name)
         proc.stop(self.options.stop_timeout)
         proc.pin_ports()
-        self._launch([proc], append_log=True)
+        self._spawn([proc], append_log=True)
+        return proc
+
+    def wait_ready(self, *procs: ServiceProcess, cancel: threading.Event | None = None) -> None:
+        """Wait until every one of `procs` is ready (one deadline for all); if one exits, the
+        deadline passes or `cancel` is set, stop them all and raise MeshStartError."""
+        self._wait_ready(list(procs), cancel)
 
     def start_gateway(self, name: str, tls: bool = False, **flags: Any) -> ServiceProcess:
         """Another gateway over the same backends and redis, on free ports unless `flags` say
@@ -243,8 +255,12 @@ class Mesh:
         return proc
 
     def exited(self) -> dict[str, int]:
-        """Services whose process has exited, with their exit codes."""
-        return {n: p.returncode for n, p in self.services.items() if p.returncode is not None}
+        """Services (and the mesh's own redis, as "redis") whose process has exited, with their
+        exit codes."""
+        dead = {n: p.returncode for n, p in self.services.items() if p.returncode is not None}
+        if self.redis is not None and self.redis.returncode is not None:
+            dead["redis"] = self.redis.returncode
+        return dead
 
     def __enter__(self) -> Mesh:
         self.start()
@@ -333,9 +349,16 @@ class Mesh:
 
     def _launch(self, procs: list[ServiceProcess], append_log: bool = False) -> None:
         """Start `procs` together and wait until all are ready (one deadline for all)."""
+        self._spawn(procs, append_log)
+        self._wait_ready(procs)
+
+    def _spawn(self, procs: list[ServiceProcess], append_log: bool = False) -> None:
         for p in procs:
             p.start(append_log=append_log)
             log.info("service_started", name=p.name, pid=p.pid, log=str(p.log_path))
+
+    def _wait_ready(self, procs: list[ServiceProcess], cancel: threading.Event | None = None,
+                    ) -> None:
         deadline = time.monotonic() + self.options.startup_timeout
         probes = {p.name: ReadinessProbe(p, self.certs) for p in procs}
         pending = list(procs)
@@ -354,6 +377,8 @@ class Mesh:
                 if pending and time.monotonic() >= deadline:
                     raise _failure(pending[0], f"not ready within {self.options.startup_timeout}s",
                                    probes[pending[0].name])
+                if pending and cancel is not None and cancel.is_set():
+                    raise MeshStartError(f"start of {pending[0].name} cancelled")
                 if pending:
                     time.sleep(0.05)
         except BaseException:

@@ -74,6 +74,11 @@ class RedisServer:
         return self._proc is not None and self._proc.poll() is None
 
     @property
+    def returncode(self) -> int | None:
+        """None while it runs (or after stop()); the exit code once it died on its own."""
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
     def log_path(self) -> Path:
         if self._log_path is not None:
             return self._log_path

@@ -25,6 +25,7 @@ from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import carrier_of, tracer
 from meshlm.gateway.admin import AdminRPCs
+from meshlm.gateway.bounds import Bounds
 from meshlm.gateway.choices import Child, Choices, fan_out
 from meshlm.gateway.dependencies import Dependencies
 from meshlm.gateway.inbox import PendingRequest, RequestTable, Update, next_updates
@@ -40,6 +41,8 @@ from meshlm.gateway.routing import Router, affinity_key
 from meshlm.gateway.validation import (
     Limits,
     ValidatedRequest,
+    check_batch,
+    check_prompt_chars,
     validate_detokenize,
     validate_embed,
     validate_generate,
@@ -67,9 +70,10 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
     def __init__(self, identity: GatewayIdentity, deps: Dependencies, table: RequestTable,
                  registry: RidRegistry, channels: ChannelPool,
                  submit_streams: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]],
-                 metrics: GatewayMetrics | None = None, max_inflight: int = 1024) -> None:
+                 metrics: GatewayMetrics | None = None, bounds: Bounds | None = None) -> None:
         self.identity = identity
-        self.max_inflight = max_inflight  # requests (each sample of n counts) in flight here
+        self.bounds = bounds or Bounds()  # size bounds checked before any work (bounds.py)
+        self.max_inflight = self.bounds.max_inflight  # requests (each sample counts) here
         self.metrics = metrics or GatewayMetrics(lambda: identity.served_model_name)
         self.profiling = Profiling("gateway")
         self.deps = deps
@@ -102,7 +106,12 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
         if self.info is None or not self.deps.ready:
             raise MeshError(grpc.StatusCode.UNAVAILABLE,
                             f"not ready: waiting for {self.missing() or 'model info'}")
-        return Limits(max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size)
+        return self._limits_of(self.info)
+
+    def _limits_of(self, info: common_pb2.ModelInfo) -> Limits:
+        return Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                      max_prompt_chars=self.bounds.prompt_chars(info.max_model_len),
+                      max_batch=self.bounds.batch)
 
     def missing(self) -> str:
         """The roles with no SERVING replica, for log lines and UNAVAILABLE messages."""
@@ -157,6 +166,9 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
         `gateway/choices.py`) and yield what the client gets: (update, meta_info) pairs, each
         update one child's news (merged into one per child when the client did not ask to
         stream). Ends it in the mesh if the client goes away."""
+        if v.text is not None:  # every text path (scoring, rerank pairs too) passes here
+            check_prompt_chars(len(v.text) + len(v.text_pair or ""), await self._limits())
+        check_batch(v.n, self.bounds.batch, "sampling_params.n")  # n samples never fitting
         inflight = len(self.table.requests)
         if inflight + v.n > self.max_inflight:
             raise MeshError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -309,8 +321,7 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
     # -- embeddings --------------------------------------------------------------------------
 
     async def TextEmbed(self, req: pb.TextEmbedRequest, ctx: CallContext) -> pb.TextEmbedResponse:
-        await self._limits()  # readiness
-        update, meta = await self._embed(validate_text_embed(req))
+        update, meta = await self._embed(validate_text_embed(req, await self._limits()))
         return pb.TextEmbedResponse(embedding=update.embedding or [], meta_info=meta)
 
     async def Embed(self, req: pb.EmbedRequest, ctx: CallContext) -> pb.EmbedResponse:
@@ -352,7 +363,11 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
         return tokenizer_pb2_grpc.TokenizerStub(self.channels.get(self._pick("tokenizer")))
 
     async def Tokenize(self, req: pb.TokenizeRequest, ctx: CallContext) -> pb.TokenizeResponse:
-        validate_tokenize(req)
+        if self.info is None:
+            await self.refresh_info()
+        if self.info is None:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, "not ready: waiting for model info")
+        validate_tokenize(req, self._limits_of(self.info))
         add_special = req.add_special_tokens if req.HasField("add_special_tokens") else True
         reply = await self._call(self._tokenizer_stub().Tokenize(
             tokenizer_pb2.TokenizeRequest(text=req.text, add_special_tokens=add_special),

@@ -35,6 +35,8 @@ from meshlm.common.metrics import ServiceMetrics
 from meshlm.common.rpc import CallContext
 from meshlm.gateway import transcode
 from meshlm.gateway.auth import ApiKeyMiddleware, ApiKeys
+from meshlm.gateway.body_limit import BodyLimit
+from meshlm.gateway.bounds import Bounds
 from meshlm.gateway.disconnect import ClientGone, unless_disconnected
 from meshlm.gateway.http_call import call_context
 from meshlm.gateway.native_routes import native_routes
@@ -46,7 +48,7 @@ from meshlm.gateway.sse import (
     native_error,
     sse_event,
 )
-from meshlm.gateway.validation import DEFAULT_MAX_NEW_TOKENS
+from meshlm.gateway.validation import DEFAULT_MAX_NEW_TOKENS, check_batch
 from sglang.runtime.v1 import sglang_pb2
 
 log = get_logger(__name__)
@@ -55,10 +57,12 @@ JSON = "application/json"
 
 
 def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
-                   keys: ApiKeys | None = None) -> Starlette:
+                   keys: ApiKeys | None = None, bounds: Bounds | None = None) -> Starlette:
     """The ASGI app serving `api` over HTTP (uvicorn runs it in the gateway process), with
-    `metrics` at /metrics and, when `keys` holds any, every other route behind them."""
-    h = _Handlers(api)
+    `metrics` at /metrics and, when `keys` holds any, every other route behind them; bodies
+    and batches within `bounds` (`gateway/bounds.py`)."""
+    bounds = bounds or Bounds()
+    h = _Handlers(api, bounds)
     routes: list[BaseRoute] = [
         Route("/generate", h.generate, methods=["POST"]),
         Route("/encode", h.encode, methods=["POST"]),
@@ -70,9 +74,11 @@ def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
     routes += [_TranscodedRoute(b, partial(h.transcoded, b)) for b in transcode.routes()]
     if metrics is not None:
         routes.append(Route("/metrics", partial(_metrics, metrics), methods=["GET"]))
+    middleware = [Middleware(ApiKeyMiddleware, keys=keys)] if keys else []
+    middleware.append(Middleware(BodyLimit, limit=bounds.max_body_bytes))
     return Starlette(
         routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed},
-        middleware=[Middleware(ApiKeyMiddleware, keys=keys)] if keys else [],
+        middleware=middleware,
     )
 
 
@@ -83,8 +89,9 @@ async def _metrics(metrics: ServiceMetrics, request: Request) -> Response:
 
 
 class _Handlers:
-    def __init__(self, api: Any) -> None:
+    def __init__(self, api: Any, bounds: Bounds) -> None:
         self.api = api
+        self.bounds = bounds
         self.created = int(time.time())
 
     async def _invoke(self, rpc: str, req: Any, ctx: CallContext) -> Any:
@@ -120,7 +127,12 @@ class _Handlers:
         started = time.monotonic()
         parts: list[tuple[NativeChoices, AsyncIterator[Any]]] = []
         try:
-            reqs, batch = transcode.native_generate_requests(await request.body())
+            reqs, batch = transcode.native_generate_requests(await request.body(),
+                                                             self.bounds.batch)
+            if batch:  # prompts x n, all refused at once if they could never be admitted
+                check_batch(sum(_samples(r) for r in reqs), self.bounds.batch,
+                            "text" if isinstance(reqs[0], sglang_pb2.TextGenerateRequest)
+                            else "input_ids")
             ctx = call_context(request)
             for req in reqs:
                 sampling = req.sampling_params
@@ -160,7 +172,8 @@ class _Handlers:
         a batch of prompts -> a list of them, in order."""
         started = time.monotonic()
         try:
-            reqs, batch = transcode.native_embed_requests(await request.body())
+            reqs, batch = transcode.native_embed_requests(await request.body(),
+                                                          self.bounds.batch)
             ctx = call_context(request)
             replies = await asyncio.gather(*(self._invoke(
                 "TextEmbed" if isinstance(req, sglang_pb2.TextEmbedRequest) else "Embed",
@@ -225,6 +238,12 @@ class _Handlers:
             "parent": card.parent if card.HasField("parent") else None,
             "max_model_len": card.max_model_len if card.HasField("max_model_len") else None,
         }
+
+
+def _samples(req: transcode.NativeRequest) -> int:
+    """The requests one prompt puts into the mesh (its n samples)."""
+    sampling = req.sampling_params
+    return sampling.n if sampling.HasField("n") and sampling.n > 1 else 1
 
 
 # ---- streams ---------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from meshlm.common.tasks import Periodic
 from meshlm.common.tls import MeshTLS, server_credentials
 from meshlm.gateway.api import GatewayAPI
 from meshlm.gateway.auth import ApiKeyInterceptor, ApiKeys
+from meshlm.gateway.bounds import DEFAULT_BODY_BYTES, DEFAULT_GRPC_RECEIVE_BYTES, Bounds
 from meshlm.gateway.dependencies import ROLES, Dependencies
 from meshlm.gateway.discovery import Discovery
 from meshlm.gateway.http_app import build_http_app
@@ -83,6 +84,19 @@ class GatewayConfig(ServiceConfig):
                                            "(default: the checkpoint directory's name)")
     max_inflight: int = cfg.field(1024, "requests in flight on this gateway (each of n samples "
                                         "counts); beyond it RESOURCE_EXHAUSTED / 429 at once")
+    http_max_body_bytes: int = cfg.field(DEFAULT_BODY_BYTES, "largest HTTP request body; past "
+                                                             "it 413 before the body is read "
+                                                             "(0 = no limit)")
+    grpc_max_receive_bytes: int = cfg.field(DEFAULT_GRPC_RECEIVE_BYTES, "largest public gRPC "
+                                            "request message; past it grpc answers "
+                                            "RESOURCE_EXHAUSTED (internal ports take 64 MiB)")
+    max_prompt_chars: int = cfg.field(0, "characters of a text prompt (a chat: of its "
+                                         "messages) checked before tokenization; past it "
+                                         "INVALID_ARGUMENT / 400; 0 = the model's context "
+                                         "length x 32, which no prompt that fits can exceed")
+    max_batch: int = cfg.field(0, "requests one call may put into the mesh (prompts x n); "
+                                  "past it INVALID_ARGUMENT / 400 before any is sent; 0 = "
+                                  "--max-inflight (never more than that)")
     api_key: tuple[str, ...] = cfg.field((), "API keys: every public RPC and route but health, "
                                              "reflection and /metrics then needs "
                                              "'authorization: Bearer <key>'", secret=True)
@@ -155,8 +169,10 @@ async def serve(config: GatewayConfig) -> None:
     metrics = GatewayMetrics(lambda: identity.served_model_name,
                              lambda: _engine_loads(channels, deps.addresses["scheduler"]),
                              registry_degraded=lambda: registry.degraded)
-    api = GatewayAPI(identity, deps, table, registry, channels, submit, metrics,
-                     max_inflight=config.max_inflight)
+    bounds = Bounds(max_body_bytes=config.http_max_body_bytes,
+                    max_prompt_chars=config.max_prompt_chars, max_batch=config.max_batch,
+                    max_inflight=config.max_inflight)
+    api = GatewayAPI(identity, deps, table, registry, channels, submit, metrics, bounds=bounds)
     api_ref.append(api)
     replicas = Replicas(deps, channels, submit, api.on_rejections)
     for address in deps.addresses["tokenizer"]:
@@ -169,7 +185,8 @@ async def serve(config: GatewayConfig) -> None:
     keys = ApiKeys(config.api_key)
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
                                  SglangServicer(api), "sglang.runtime.v1.SglangService")],
-                        interceptors=[ApiKeyInterceptor(keys)] if keys else [])
+                        interceptors=[ApiKeyInterceptor(keys)] if keys else [],
+                        max_receive_bytes=config.grpc_max_receive_bytes or None)
     public_creds = None
     if config.tls_cert:
         public_creds = server_credentials(config.tls_cert, config.tls_key,
@@ -179,7 +196,7 @@ async def serve(config: GatewayConfig) -> None:
     http_port = http_sock.getsockname()[1]
     grpc_port = config.grpc_port or (http_port + 10000 if config.http_port else 0)
     grpc_address = await public.start(config.public_host, grpc_port, public_creds)
-    http = _http_server(config, build_http_app(api, metrics=metrics, keys=keys))
+    http = _http_server(config, build_http_app(api, metrics=metrics, keys=keys, bounds=bounds))
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]), name="http")
     exporter = await start_metrics(config, metrics)
     health = await inbox.serve_health(config.host, config.health_port) \

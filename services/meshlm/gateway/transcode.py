@@ -25,6 +25,7 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 
 from meshlm.common.errors import MeshError, invalid
+from meshlm.gateway.validation import check_batch
 from sglang.runtime.v1 import sglang_pb2
 
 _M = TypeVar("_M", bound=Message)
@@ -306,14 +307,16 @@ _PER_PROMPT = ("sampling_params", "rid", "return_logprob", "logprob_start_len",
                "top_logprobs_num", "return_text_in_logprobs", "routing_key", "routed_dp_rank")
 
 
-def native_generate_requests(body: bytes) -> tuple[list[NativeRequest], bool]:
+def native_generate_requests(body: bytes, max_batch: int = 0
+                             ) -> tuple[list[NativeRequest], bool]:
     """SGLang's /generate body -> one TextGenerateRequest ("text") or GenerateRequest
     ("input_ids") per prompt, and whether the body was a batch (a list of texts or of id
     lists). In a batch, the fields of `_PER_PROMPT` are either one value for every prompt or
     a list with one value per prompt.
 
     Sampling params use SGLang's names, which are the proto's; "stop" may be a single string.
-    JSON nulls mean "not given".
+    JSON nulls mean "not given". A batch of more than `max_batch` prompts (0: no limit) is
+    refused before it is split.
     """
     doc, has_text = _native_prompt(body, batch_ok=True)
     key = "text" if has_text else "input_ids"
@@ -321,7 +324,8 @@ def native_generate_requests(body: bytes) -> tuple[list[NativeRequest], bool]:
     is_batch = isinstance(prompts, list) and (has_text or _is_batch(prompts))
     if not is_batch:
         return [_native_generate(doc, has_text)], False
-    return [_native_generate(d, has_text) for d in _split_batch(doc, key, _PER_PROMPT)], True
+    return [_native_generate(d, has_text)
+            for d in _split_batch(doc, key, _PER_PROMPT, max_batch)], True
 
 
 def native_generate_request(body: bytes) -> NativeRequest:
@@ -347,9 +351,11 @@ def _native_generate(doc: dict[str, Any], has_text: bool) -> NativeRequest:
 NativeEmbedRequest = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest
 
 
-def native_embed_requests(body: bytes) -> tuple[list[NativeEmbedRequest], bool]:
+def native_embed_requests(body: bytes, max_batch: int = 0
+                          ) -> tuple[list[NativeEmbedRequest], bool]:
     """SGLang's /encode body -> one TextEmbedRequest ("text") or EmbedRequest ("input_ids") per
-    prompt, and whether it was a batch; "rid" may be a list, one per prompt."""
+    prompt, and whether it was a batch; "rid" may be a list, one per prompt. At most
+    `max_batch` prompts (0: no limit)."""
     doc, has_text = _native_prompt(body, batch_ok=True)
     key = "text" if has_text else "input_ids"
     cls = sglang_pb2.TextEmbedRequest if has_text else sglang_pb2.EmbedRequest
@@ -357,19 +363,20 @@ def native_embed_requests(body: bytes) -> tuple[list[NativeEmbedRequest], bool]:
     if not (isinstance(prompts, list) and (has_text or _is_batch(prompts))):
         check_known_fields(doc, cls.DESCRIPTOR, "")
         return [parse_dict(doc, cls())], False
-    docs = _split_batch(doc, key, ("rid", "routing_key"))
+    docs = _split_batch(doc, key, ("rid", "routing_key"), max_batch)
     for one in docs:
         check_known_fields(one, cls.DESCRIPTOR, "")
     return [parse_dict(one, cls()) for one in docs], True
 
 
-def _split_batch(doc: dict[str, Any], key: str, per_prompt: tuple[str, ...]
-                 ) -> list[dict[str, Any]]:
+def _split_batch(doc: dict[str, Any], key: str, per_prompt: tuple[str, ...],
+                 max_batch: int = 0) -> list[dict[str, Any]]:
     """A batched body -> one body per prompt of `doc[key]`; each field of `per_prompt` that
     is a list gives one value per prompt."""
     prompts = doc[key]
     if not prompts:
         raise invalid(key, "the batch is empty; give at least one prompt")
+    check_batch(len(prompts), max_batch, key)
     docs = []
     for i, prompt in enumerate(prompts):
         one = {**doc, key: prompt}

@@ -7,7 +7,9 @@ bad value and UNIMPLEMENTED for a feature meshlm does not serve yet. Public samp
 
 Text prompts are checked against the context length only after tokenization: the gateway calls
 `check_prompt_length` with the prompt's token count (field "text"); the tokenizer checks
-logprob_start_len against it the same way.
+logprob_start_len against it the same way. Before that, their characters (`check_prompt_chars`)
+and a call's number of requests (`check_batch`) are checked against the gateway's bounds
+(`gateway/bounds.py`), so nothing that could never fit costs tokenization or a place in the mesh.
 
 Logprob options are request-level in the public API; internally they ride in the sampling params
 (set only when return_logprob was asked, so that the engine never sees stray values).
@@ -39,10 +41,13 @@ _RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 @dataclass(frozen=True)
 class Limits:
-    """What the served model allows: context length (prompt + output) and vocabulary size."""
+    """What the served model allows: context length (prompt + output) and vocabulary size;
+    and the gateway's bounds: characters of a text prompt, requests of one call (0: unchecked)."""
 
     max_model_len: int
     vocab_size: int
+    max_prompt_chars: int = 0
+    max_batch: int = 0
 
 
 @dataclass
@@ -178,6 +183,30 @@ def check_token_ids(ids: list[int], limits: Limits, field_path: str) -> None:
             )
 
 
+def check_prompt_chars(chars: int, limits: Limits, field_path: str = "text") -> None:
+    """A text prompt's characters, before it is tokenized: past the bound it cannot fit."""
+    limit = limits.max_prompt_chars
+    if limit and chars > limit:
+        raise invalid(
+            field_path,
+            f"the prompt is {chars} characters; this gateway takes at most {limit} "
+            f"(--max-prompt-chars), more cannot fit the model's context length "
+            f"({limits.max_model_len} tokens); shorten the prompt",
+        )
+
+
+def check_batch(requests: int, limit: int, field_path: str) -> None:
+    """The requests (prompts x n samples) one call would put into the mesh: more than the
+    gateway ever admits at once (`limit`, Limits.max_batch; 0: unchecked) could never be
+    admitted."""
+    if limit and requests > limit:
+        raise invalid(
+            field_path,
+            f"the call asks for {requests} requests (prompts x n); at most {limit} fit on "
+            f"this gateway at once (--max-batch, --max-inflight); split it into smaller calls",
+        )
+
+
 def check_prompt_length(
     prompt_tokens: int, max_new_tokens: int, limits: Limits, *, field_path: str = "input_ids"
 ) -> None:
@@ -271,6 +300,7 @@ def validate_text_generate(req: sglang_pb2.TextGenerateRequest, limits: Limits) 
     """Checks all but the prompt length, which needs the token count (`check_prompt_length`)."""
     if not req.text:
         raise invalid("text", "must not be empty")
+    check_prompt_chars(len(req.text), limits)
     sampling = normalize_sampling(
         req.sampling_params if req.HasField("sampling_params") else None
     )
@@ -313,10 +343,13 @@ def _validated_embed(
     )
 
 
-def validate_text_embed(req: sglang_pb2.TextEmbedRequest) -> ValidatedRequest:
-    """The prompt's length is checked after tokenization, as for TextGenerate."""
+def validate_text_embed(req: sglang_pb2.TextEmbedRequest,
+                        limits: Limits | None = None) -> ValidatedRequest:
+    """The prompt's length in tokens is checked after tokenization, as for TextGenerate."""
     if not req.text:
         raise invalid("text", "must not be empty")
+    if limits is not None:
+        check_prompt_chars(len(req.text), limits)
     return _validated_embed(req, text=req.text, input_ids=None)
 
 
@@ -336,6 +369,7 @@ def validate_classify(req: sglang_pb2.ClassifyRequest, limits: Limits) -> Valida
     if req.text and ids:
         raise invalid("input_ids", "give text or input_ids, not both")
     if req.text:
+        check_prompt_chars(len(req.text), limits)
         return _validated_embed(req, text=req.text, input_ids=None)
     if not ids:
         raise invalid("text", "give text or input_ids")
@@ -344,9 +378,11 @@ def validate_classify(req: sglang_pb2.ClassifyRequest, limits: Limits) -> Valida
     return _validated_embed(req, text=None, input_ids=ids)
 
 
-def validate_tokenize(req: sglang_pb2.TokenizeRequest) -> None:
+def validate_tokenize(req: sglang_pb2.TokenizeRequest, limits: Limits | None = None) -> None:
     if not req.text:
         raise invalid("text", "must not be empty")
+    if limits is not None:
+        check_prompt_chars(len(req.text), limits)
 
 
 def validate_detokenize(req: sglang_pb2.DetokenizeRequest, limits: Limits) -> None:

@@ -26,6 +26,7 @@ import orjson
 from meshlm.common import deadline
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
+from meshlm.gateway.bounds import text_chars
 from meshlm.gateway.inbox import Update
 from meshlm.gateway.openai.errors import model_not_found, renamed
 from meshlm.gateway.openai.logprobs import dumps
@@ -43,6 +44,8 @@ from meshlm.gateway.openai.responses import Answer, ChatAnswer, CompletionAnswer
 from meshlm.gateway.validation import (
     Limits,
     ValidatedRequest,
+    check_batch,
+    check_prompt_chars,
     validate_embed,
     validate_generate,
     validate_text_embed,
@@ -106,6 +109,9 @@ class OpenAIRPCs:
 async def chat_chunks(gw: Gateway, req: ChatRequest) -> Chunks:
     limits = await gw._limits()
     model = _served(gw, req.model)
+    check_batch(req.n, limits.max_batch, "n")
+    # The conversation's text, before a tokenizer renders and encodes it.
+    check_prompt_chars(text_chars(req.messages), limits, "messages")
     reply = await gw._call(gw._tokenizer_stub().ApplyChatTemplate(
         tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(req.messages).decode(),
                                           add_generation_prompt=True),
@@ -124,6 +130,7 @@ async def chat_chunks(gw: Gateway, req: ChatRequest) -> Chunks:
 async def completion_chunks(gw: Gateway, req: CompletionRequest) -> Chunks:
     limits = await gw._limits()
     model = _served(gw, req.model)
+    check_batch(len(req.prompts) * req.n, limits.max_batch, "prompt")
     runs = []
     for i, prompt in enumerate(req.prompts):
         key = f"prompt[{i}]" if req.batch else "prompt"
@@ -143,12 +150,14 @@ async def completion_chunks(gw: Gateway, req: CompletionRequest) -> Chunks:
 async def embedding_response(gw: Gateway, req: EmbeddingRequest) -> bytes:
     limits = await gw._limits()
     model = _served(gw, req.model)
+    check_batch(len(req.inputs), limits.max_batch, "input")
     runs = []
     for i, item in enumerate(req.inputs):
         key = f"input[{i}]" if len(req.inputs) > 1 else "input"
         names = {"text": key, "input_ids": key}
         try:
-            v = (validate_text_embed(pb.TextEmbedRequest(text=item)) if isinstance(item, str)
+            v = (validate_text_embed(pb.TextEmbedRequest(text=item), limits)
+                 if isinstance(item, str)
                  else validate_embed(pb.EmbedRequest(input_ids=item), limits))
         except MeshError as e:
             raise renamed(e, names) from None

@@ -56,6 +56,8 @@ from meshlm.gateway.openai.scoring_results import (
 from meshlm.gateway.validation import (
     Limits,
     ValidatedRequest,
+    check_batch,
+    check_prompt_chars,
     check_prompt_length,
     check_token_ids,
     validate_classify,
@@ -113,12 +115,15 @@ async def score_response(gw: ScoringGateway, req: ScoreRequest) -> bytes:
     check_token_ids(labels, limits, "label_token_ids")
     if isinstance(req.query, list) and req.query:
         check_token_ids(req.query, limits, "query")
+    check_batch(len(req.items), limits.max_batch, "items")
     runs = []
     for i in range(len(req.items)):
         key = f"items[{i}]"
         item = req.items[i]
         if isinstance(item, list):
             check_token_ids(item, limits, key)
+        else:  # before query + item is built
+            check_prompt_chars(len(req.query) + len(item), limits, key)
         runs.append((_label_request(req.prompt(i), labels, limits, key), {"text": key,
                                                                           "input_ids": key}))
     results = await _all([_renaming(_final(gw, v), names) for v, names in runs])
@@ -132,6 +137,9 @@ async def score_response(gw: ScoringGateway, req: ScoreRequest) -> bytes:
 async def rerank_response(gw: ScoringGateway, req: RerankRequest) -> bytes:
     limits = await gw._limits()
     _served(gw, req.model)
+    check_batch(len(req.documents), limits.max_batch, "documents")
+    for i, doc in enumerate(req.documents):  # before any prompt is built with the query
+        check_prompt_chars(len(req.query) + len(doc), limits, f"documents[{i}]")
     if _architecture(gw).endswith(CLASSIFIER_SUFFIX):
         if req.label_token_ids is not None:
             raise invalid("label_token_ids", "is for generative checkpoints; this one is a "
@@ -155,6 +163,7 @@ async def classify_response(gw: ScoringGateway, req: ClassifyRequest) -> bytes:
     limits = await gw._limits()
     model = _served(gw, req.model)
     _require_classifier(gw, "classify")
+    check_batch(len(req.inputs), limits.max_batch, "input")
     runs = []
     for i, item in enumerate(req.inputs):
         key = f"input[{i}]" if req.batch else "input"

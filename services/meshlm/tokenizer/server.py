@@ -1,12 +1,18 @@
 """Tokenizer service: turns gateways' generation requests into token ids, checks them against
-the context length, and forwards them to the scheduler named in each request's route."""
+the context length, and forwards them to the scheduler named in each request's route.
+
+Tokenization runs on worker threads, never on the event loop (`tokenizer/workers.py`). On a
+gateway's Submit stream, each batch's small prompts are tokenized and forwarded in order, and its
+big ones as a job of their own on the big-input thread, so the batches behind them do not wait.
+A long prompt is counted piece by piece before it is encoded whole (`tokenizer/long_prompts.py`),
+so one that cannot fit is refused without encoding all of it."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +36,15 @@ from meshlm.common.service import (
 )
 from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
+from meshlm.tokenizer.long_prompts import TooLong, encode_prompts
 from meshlm.tokenizer.tokenization import TextTokenizer
+from meshlm.tokenizer.workers import Workers
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
 from meshlm.v1 import tokenizer_pb2_grpc as pb_grpc
 
 log = get_logger(__name__)
 
-INLINE_CHARS = 8192  # below this a batch is tokenized on the event loop (cheaper than a thread)
+Rejections = asyncio.Queue[list[tokenizer_pb2.Rejection] | None]
 
 
 @dataclass
@@ -50,8 +58,10 @@ class TokenizerConfig(ServiceConfig):
 
 class TokenizerServicer(pb_grpc.TokenizerServicer):
     def __init__(self, tok: TextTokenizer, schedulers: StreamPool[scheduler_pb2.TokenizedRequest],
-                 info: common_pb2.ModelInfo, metrics: TokenizerMetrics | None = None) -> None:
+                 info: common_pb2.ModelInfo, metrics: TokenizerMetrics | None = None,
+                 workers: Workers | None = None) -> None:
         self._tok = tok
+        self.workers = workers or Workers()
         self._schedulers = schedulers
         self._info = info
         self._tracer = tracer("meshlm.tokenizer")
@@ -62,48 +72,109 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         self, request_iterator: AsyncIterator[tokenizer_pb2.GenerateBatch],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.RejectionBatch]:
-        async for batch in request_iterator:
-            rejections = await self._forward(batch)
-            if rejections:
+        replies: Rejections = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read(request_iterator, replies))
+        try:
+            while (rejections := await replies.get()) is not None:
                 yield tokenizer_pb2.RejectionBatch(rejections=rejections)
+            await reader  # its failure ends the stream
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
-    async def _forward(self, batch: tokenizer_pb2.GenerateBatch) -> list[tokenizer_pb2.Rejection]:
-        requests = list(batch.requests)
+    async def _read(self, batches: AsyncIterator[tokenizer_pb2.GenerateBatch],
+                    replies: Rejections) -> None:
+        """Tokenize and forward each batch as it comes: its small prompts here, in order; its
+        big ones as a job of their own. Rejections go to `replies`, then None at the end."""
+        jobs: set[asyncio.Task[None]] = set()
+        try:
+            async for batch in batches:
+                small, big = self._by_size(list(batch.requests))
+                if big:
+                    job = asyncio.create_task(self._big_job(big, replies))
+                    jobs.add(job)
+                    job.add_done_callback(jobs.discard)
+                if small:
+                    await self._reply(small, replies)
+            await asyncio.gather(*list(jobs))  # their rejections before the stream ends
+        finally:
+            for job in jobs:
+                job.cancel()
+            replies.put_nowait(None)
+
+    def _by_size(self, requests: list[tokenizer_pb2.GenerateRequest]
+                 ) -> tuple[list[tokenizer_pb2.GenerateRequest],
+                            list[tokenizer_pb2.GenerateRequest]]:
+        """(small, big) by the characters to tokenize (n samples of a prompt stay together:
+        they have the same text)."""
+        small: list[tokenizer_pb2.GenerateRequest] = []
+        big: list[tokenizer_pb2.GenerateRequest] = []
+        for req in requests:
+            chars = len(req.text) + len(req.text_pair) if req.WhichOneof("prompt") == "text" else 0
+            (big if self.workers.is_big(chars) else small).append(req)
+        return small, big
+
+    async def _reply(self, requests: list[tokenizer_pb2.GenerateRequest],
+                     replies: Rejections) -> None:
+        rejections = await self._forward(requests)
+        if rejections:
+            replies.put_nowait(rejections)
+
+    async def _big_job(self, requests: list[tokenizer_pb2.GenerateRequest],
+                       replies: Rejections) -> None:
+        """A failure fails these requests (INTERNAL), not the stream the others share."""
+        try:
+            await self._reply(requests, replies)
+        except Exception:
+            log.exception("tokenize_failed", requests=len(requests))
+            status = common_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0],
+                                       message="the tokenizer failed on this prompt")
+            replies.put_nowait([tokenizer_pb2.Rejection(rid=r.rid, status=status)
+                                for r in requests])
+
+    async def _tokenize(self, requests: Sequence[tokenizer_pb2.GenerateRequest]
+                        ) -> list[list[int] | TooLong]:
+        """Each request's prompt ids (given, or encoded on a worker thread), or TooLong."""
+        ids: list[list[int] | TooLong] = [list(r.input_ids.ids) for r in requests]
+        text_idx = [i for i, r in enumerate(requests) if r.WhichOneof("prompt") == "text"]
+        # add_special_tokens is per request; group so each group is one encode_batch call.
+        for special in (True, False):
+            group = [i for i in text_idx if requests[i].add_special_tokens == special]
+            if not group:
+                continue
+            texts = [_text_of(requests[i]) for i in group]
+            chars = sum(len(requests[i].text) + len(requests[i].text_pair) for i in group)
+            encoded = await self.workers.run(chars, encode_prompts, self._tok, texts, special,
+                                             self._tok.max_model_len - 1)
+            for i, e in zip(group, encoded, strict=True):
+                ids[i] = e
+        return ids
+
+    async def _forward(self, requests: list[tokenizer_pb2.GenerateRequest]
+                       ) -> list[tokenizer_pb2.Rejection]:
         events = self.profiling.events
         events.record("recv", (r.rid for r in requests))
-        text_idx = [i for i, r in enumerate(requests) if r.WhichOneof("prompt") == "text"]
-        ids: list[list[int]] = [list(r.input_ids.ids) for r in requests]
-        if text_idx:
-            # add_special_tokens is per request; group so each group is one encode_batch call.
-            for special in (True, False):
-                group = [i for i in text_idx if requests[i].add_special_tokens == special]
-                if not group:
-                    continue
-                texts = [_text_of(requests[i]) for i in group]
-                if sum(len(t) + len(requests[i].text_pair)
-                       for i, t in zip(group, texts, strict=True)) < INLINE_CHARS:
-                    encoded = self._tok.encode_batch(texts, add_special_tokens=special)
-                else:
-                    encoded = await asyncio.to_thread(self._tok.encode_batch, texts, special)
-                for i, e in zip(group, encoded, strict=True):
-                    ids[i] = e
+        ids = await self._tokenize(requests)
         rejections: list[tokenizer_pb2.Rejection] = []
         by_scheduler: dict[str, list[scheduler_pb2.TokenizedRequest]] = {}
         now = time.time()
         for req, prompt in zip(requests, ids, strict=True):
+            tokens = prompt.tokens if isinstance(prompt, TooLong) else len(prompt)
             with self._tracer.start_as_current_span(
                 "tokenizer.tokenize", context=context_of(req.trace),
-                attributes={"meshlm.rid": req.rid, "meshlm.prompt_tokens": len(prompt)},
+                attributes={"meshlm.rid": req.rid, "meshlm.prompt_tokens": tokens},
             ) as span:
                 sampling = req.sampling
                 start = sampling.logprob_start_len if sampling.return_logprob else -1
-                code, problem = grpc.StatusCode.INVALID_ARGUMENT, self._tok.check_context(
-                    len(prompt), sampling.max_new_tokens, logprob_start_len=start)
+                code, problem = grpc.StatusCode.INVALID_ARGUMENT, (
+                    prompt.message(self._tok.max_model_len) if isinstance(prompt, TooLong)
+                    else self._tok.check_context(len(prompt), sampling.max_new_tokens,
+                                                 logprob_start_len=start))
                 if problem is None and deadline.passed(req.deadline, now):
                     code, problem = (grpc.StatusCode.DEADLINE_EXCEEDED,
                                      "the client's deadline passed before the request was "
                                      "tokenized")
-                if problem is not None:
+                if problem is not None or isinstance(prompt, TooLong):
                     span.set_status(trace.StatusCode.ERROR, problem)
                     rejections.append(tokenizer_pb2.Rejection(rid=req.rid, status=common_pb2.Status(
                         code=code.value[0], message=problem)))
@@ -125,13 +196,15 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
 
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
-        tokens = self._tok.encode(request.text, add_special_tokens=request.add_special_tokens)
+        tokens = await self.workers.run(len(request.text), self._tok.encode, request.text,
+                                        request.add_special_tokens)
         return tokenizer_pb2.TokenizeResponse(tokens=tokens, max_model_len=self._tok.max_model_len)
 
     async def Detokenize(self, request: tokenizer_pb2.DetokenizeRequest,
                          context: grpc.aio.ServicerContext) -> tokenizer_pb2.DetokenizeResponse:
-        text = self._tok.decode(list(request.tokens),
-                                skip_special_tokens=request.skip_special_tokens)
+        ids = list(request.tokens)
+        text = await self.workers.run(len(ids) * _CHARS_PER_ID, self._tok.decode, ids,
+                                      request.skip_special_tokens)
         return tokenizer_pb2.DetokenizeResponse(text=text)
 
     async def ApplyChatTemplate(
@@ -144,19 +217,21 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         if not isinstance(messages, list):
             raise invalid("messages", "must be a list of messages")
         try:
-            text = self._tok.apply_chat_template(messages, request.add_generation_prompt)
+            text = await self.workers.run(len(request.messages_json),
+                                          self._tok.apply_chat_template, messages,
+                                          request.add_generation_prompt)
         except ValueError as e:
             raise invalid("messages", str(e)) from None
         # Templates write their own special tokens (bos).
-        if len(text) < INLINE_CHARS:
-            tokens = self._tok.encode(text, add_special_tokens=False)
-        else:
-            tokens = await asyncio.to_thread(self._tok.encode, text, False)
+        tokens = await self.workers.run(len(text), self._tok.encode, text, False)
         return tokenizer_pb2.ChatTemplateResponse(tokens=tokens)
 
     async def GetInfo(self, request: common_pb2.GetInfoRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         return self._info
+
+
+_CHARS_PER_ID = 4  # about, to size a Detokenize job
 
 
 def _text_of(req: tokenizer_pb2.GenerateRequest) -> str | tuple[str, str]:
@@ -182,4 +257,5 @@ async def serve(config: TokenizerConfig) -> None:
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())
     await serve_until_signal(server, config, bound, metrics=servicer.metrics,
                              model_path=model_path, role="tokenizer")
+    servicer.workers.close()
     await peers.close()

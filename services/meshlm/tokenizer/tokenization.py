@@ -132,6 +132,10 @@ class TextTokenizer:
         """Token ids of one text."""
         return self.encode_batch([text], add_special_tokens)[0]
 
+    def count(self, text: str) -> int:
+        """How many tokens one text has, special tokens left out (no id list is built)."""
+        return len(self._tok.encode_batch_fast([text], add_special_tokens=False)[0])
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of a whole id sequence (for streaming, use the detokenizer's incremental one)."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

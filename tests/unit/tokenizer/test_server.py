@@ -1,0 +1,124 @@
+"""The tokenizer's Submit stream over fake schedulers: a big prompt is tokenized as a job of its
+own, so the small requests behind it on the same stream are forwarded first; one that cannot
+fit the context is refused (counted piece by piece), the others go on."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from meshlm.common.default_model import ensure_default_model
+from meshlm.tokenizer.server import TokenizerServicer
+from meshlm.tokenizer.tokenization import TextTokenizer
+from meshlm.tokenizer.workers import Workers
+from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
+
+BIG = 1000
+
+
+class _Scheduler:
+    def __init__(self) -> None:
+        self.rids: list[str] = []
+        self.arrived = asyncio.Event()
+
+    async def put(self, items: list[scheduler_pb2.TokenizedRequest]) -> None:
+        self.rids += [r.rid for r in items]
+        self.arrived.set()
+
+
+class _Schedulers:
+    def __init__(self) -> None:
+        self.one = _Scheduler()
+
+    def get(self, address: str) -> _Scheduler:
+        return self.one
+
+
+class _GatedWorkers(Workers):
+    """Big jobs wait for `release` before they start."""
+
+    def __init__(self) -> None:
+        super().__init__(big_chars=BIG)
+        self.release = asyncio.Event()
+
+    async def run(self, chars: int, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.is_big(chars):
+            await self.release.wait()
+        return await super().run(chars, fn, *args)
+
+
+@pytest.fixture(scope="module")
+def tok() -> TextTokenizer:
+    return TextTokenizer.from_pretrained(ensure_default_model())
+
+
+def _request(rid: str, text: str) -> tokenizer_pb2.GenerateRequest:
+    return tokenizer_pb2.GenerateRequest(
+        rid=rid, text=text, add_special_tokens=True,
+        sampling=common_pb2.SamplingParams(max_new_tokens=4, logprob_start_len=-1),
+        route=common_pb2.Route(scheduler="s:1"))
+
+
+async def _batches(queue: asyncio.Queue[tokenizer_pb2.GenerateBatch | None]
+                   ) -> AsyncIterator[tokenizer_pb2.GenerateBatch]:
+    while (batch := await queue.get()) is not None:
+        yield batch
+
+
+def _servicer(tok: TextTokenizer, workers: Workers) -> tuple[TokenizerServicer, _Scheduler]:
+    schedulers = _Schedulers()
+    info = common_pb2.ModelInfo(model_path=str(tok.model_path), max_model_len=tok.max_model_len)
+    servicer = TokenizerServicer(tok, schedulers, info, workers=workers)  # type: ignore[arg-type]
+    return servicer, schedulers.one
+
+
+async def test_small_requests_pass_a_big_one_on_the_same_stream(tok: TextTokenizer) -> None:
+    workers = _GatedWorkers()
+    servicer, scheduler = _servicer(tok, workers)
+    queue: asyncio.Queue[tokenizer_pb2.GenerateBatch | None] = asyncio.Queue()
+    replies = servicer.Submit(_batches(queue), None)  # type: ignore[arg-type]
+    collected = asyncio.ensure_future(_collect(replies))
+    try:
+        words = "word " * (BIG // 5)  # big, and fits the context
+        await queue.put(tokenizer_pb2.GenerateBatch(requests=[_request("big", words)]))
+        await queue.put(tokenizer_pb2.GenerateBatch(requests=[_request("small", "hi there")]))
+        await asyncio.wait_for(scheduler.arrived.wait(), 5)
+        assert scheduler.rids == ["small"]  # the big one has not even started
+        workers.release.set()
+        await queue.put(None)
+        assert await asyncio.wait_for(collected, 10) == []
+        assert scheduler.rids == ["small", "big"]
+    finally:
+        workers.release.set()
+        collected.cancel()
+        workers.close()
+
+
+async def test_a_prompt_that_cannot_fit_is_refused_the_others_go_on(tok: TextTokenizer) -> None:
+    workers = Workers(big_chars=BIG)
+    servicer, scheduler = _servicer(tok, workers)
+    queue: asyncio.Queue[tokenizer_pb2.GenerateBatch | None] = asyncio.Queue()
+    try:
+        long = "many different words here " * 20_000  # 520 k characters, far over 2048 tokens
+        await queue.put(tokenizer_pb2.GenerateBatch(requests=[
+            _request("long", long), _request("short", "hello"), _request("medium", "hi " * 400)]))
+        await queue.put(None)
+        rejections = await asyncio.wait_for(
+            _collect(servicer.Submit(_batches(queue), None)), 30)  # type: ignore[arg-type]
+        [rejection] = rejections
+        assert rejection.rid == "long"
+        assert rejection.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert rejection.status.message.startswith("text: the prompt is more than")
+        assert "context length is 2048" in rejection.status.message
+        assert sorted(scheduler.rids) == ["medium", "short"]
+    finally:
+        workers.close()
+
+
+async def _collect(replies: AsyncIterator[tokenizer_pb2.RejectionBatch]
+                   ) -> list[tokenizer_pb2.Rejection]:
+    return [r for batch in [b async for b in replies] for r in batch.rejections]

@@ -1,0 +1,58 @@
+"""The tokenizer's worker threads: work never runs on the event loop, and a big input has a
+thread of its own, so it holds up no small one."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from meshlm.tokenizer.workers import Workers, release_memory
+
+
+async def test_work_runs_off_the_event_loop() -> None:
+    workers = Workers(big_chars=100)
+    try:
+        loop_thread = threading.current_thread().name
+        small = await workers.run(10, lambda: threading.current_thread().name)
+        big = await workers.run(100, lambda: threading.current_thread().name)
+        assert small != loop_thread and small.startswith("tokenize_")
+        assert big.startswith("tokenize-big")
+    finally:
+        workers.close()
+
+
+async def test_a_big_job_holds_up_no_small_one() -> None:
+    workers = Workers(big_chars=100)
+    release = threading.Event()
+    try:
+        big = asyncio.ensure_future(workers.run(10**7, release.wait, 30))
+        for _ in range(5):  # more small jobs than small threads, one after another
+            assert await asyncio.wait_for(workers.run(10, lambda: 42), 5) == 42
+        assert not big.done()
+        release.set()
+        assert await asyncio.wait_for(big, 5) is True
+    finally:
+        release.set()
+        workers.close()
+
+
+async def test_failures_reach_the_caller() -> None:
+    workers = Workers(big_chars=100)
+
+    def fail() -> None:
+        raise ValueError("bad template")
+
+    try:
+        for chars in (1, 1000):
+            try:
+                await workers.run(chars, fail)
+            except ValueError as e:
+                assert str(e) == "bad template"
+            else:
+                raise AssertionError("no failure")
+    finally:
+        workers.close()
+
+
+def test_release_memory_is_harmless() -> None:
+    release_memory()

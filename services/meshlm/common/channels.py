@@ -1,4 +1,17 @@
-"""Client channels between mesh services: mutual TLS, keepalive, fast reconnect, one per address."""
+"""Client channels between mesh services: mutual TLS, keepalive, fast reconnect, one per address.
+
+How fast a hung peer is noticed. A replica that stops answering (SIGSTOP, a frozen VM, a lost
+host or link) is treated as down within DOWN_BOUND seconds: the caller's side of every mesh
+connection pings once it has read nothing for KEEPALIVE_TIME_MS and closes the connection when
+the answer takes longer than PING_TIMEOUT_MS, which fails every call on it (UNAVAILABLE): the
+gateway's health Watch (its requests there end, routing leaves the replica) and the batched
+streams to it (what they held is dropped). gRPC bounds every ping by
+`grpc.http2.ping_timeout_ms` (default 60 s) as well as the keepalive timeout, and a keepalive
+ping that finds another ping in flight waits for that one, so both are set. The servers'
+side (`common/server.py`) pings silent clients too, and lets the clients ping this often.
+A scheduler whose engine stops making progress is the scheduler's own watchdog's to report
+(`scheduler/watchdog.py`), within the same bound.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +19,17 @@ from typing import Any
 
 import grpc
 
+DOWN_BOUND = 5.0  # seconds from a replica hanging to its requests ending UNAVAILABLE
+KEEPALIVE_TIME_MS = 1_000  # a mesh client pings a connection silent this long
+PING_TIMEOUT_MS = 2_000  # and closes it when the ping's answer takes longer
+SERVER_KEEPALIVE_TIME_MS = 2_000  # a server pings a silent client (slower: public clients too)
+SERVER_PING_TIMEOUT_MS = 3_000
+MIN_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 2  # what a server allows (timer jitter margin)
+
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 100),

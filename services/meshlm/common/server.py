@@ -17,6 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from meshlm.common.channels import (
+    MIN_PING_INTERVAL_MS,
+    SERVER_KEEPALIVE_TIME_MS,
+    SERVER_PING_TIMEOUT_MS,
+)
 from meshlm.common.interceptors import ErrorInterceptor, TracingInterceptor
 from meshlm.common.logs import get_logger
 from meshlm.common.parsing import ParseInterceptor
@@ -29,12 +34,14 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # liveness probes, which must not restart a replica that only waits for its dependencies.
 LIVENESS = "liveness"
 
-# Keepalive: detect dead peers within seconds, allow clients' pings on idle streams.
+# Keepalive: a hung client's connection closes within seconds, and the mesh clients' pings
+# (every KEEPALIVE_TIME_MS of silence, common/channels.py) are allowed on idle streams.
 SERVER_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", SERVER_PING_TIMEOUT_MS),
+    ("grpc.http2.ping_timeout_ms", SERVER_PING_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),

@@ -22,7 +22,6 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 OpenCall = Callable[[], Any]
-FIRST_WRITE_TIMEOUT = 5.0  # seconds a new call may take to accept its first batch
 
 
 class BatchedStream(Generic[T]):
@@ -31,15 +30,23 @@ class BatchedStream(Generic[T]):
     reply stream of a bidi RPC; `ready()` (the channel's `channel_ready`) returns once the
     channel to the peer is READY.
 
-    A call is opened only on a READY channel: one opened while the channel reconnects to a
-    restarted peer could neither fail nor deliver (grpc/grpc#18309, grpc-node#80 describe the
-    same), and the requests behind it hung. Items put meanwhile wait in the queue and go out on
-    the new call; FIRST_WRITE_TIMEOUT remains as the last resort.
-
     When the call fails, what is still queued is dropped, not kept for the next connection:
     the owners of those requests learn of the dead peer from its health
     (gateway/dependencies.py) and have ended them already, so a restarted peer must not start
-    work nobody waits for. Items already handed to the failed call are lost the same way."""
+    work nobody waits for. Items already handed to the failed call are lost the same way.
+
+    So a call is opened only on a READY channel. After a peer restarts, its channel stays in
+    TRANSIENT_FAILURE for up to its reconnect backoff (1 s) although the peer serves again,
+    and a call opened then fails at once (mesh calls are not wait_for_ready): with the drop
+    above, it threw away items put after the peer was back, whose requests then waited for
+    ever (the fault tests' flake; it looked like a call that neither fails nor delivers, but
+    the call failed and took the items with it). Items put while the channel reconnects wait
+    in the queue and go out on the new call. No write needs a timer of its own: a peer that
+    stops answering has its connection closed by keepalive within `DOWN_BOUND`
+    (common/channels.py), which fails the call and every write on it.
+
+    Nothing ends the stream but `close()`: an unexpected error in one call is logged and the
+    stream reconnects, so its queue is never left without a sender."""
 
     def __init__(
         self, name: str, address: str, open_call: OpenCall,
@@ -88,7 +95,6 @@ class BatchedStream(Generic[T]):
 
     async def _send(self, call: Any, watcher: asyncio.Task[None]) -> None:
         """Write batches with `call.write` until the call ends (its error propagates)."""
-        first = True
         while not self._closed:
             if watcher.done():
                 watcher.result()  # raises the call's error, if any
@@ -101,50 +107,22 @@ class BatchedStream(Generic[T]):
             items = [self._queue.popleft() for _ in range(n)]
             if len(self._queue) < self._capacity:
                 self._has_room.set()
-            write = call.write(self._make_batch(items))
-            if first:
-                # A call opened while the channel was reconnecting can hang instead of failing
-                # (seen after a peer restart): a peer that does not take the first batch within
-                # FIRST_WRITE_TIMEOUT counts as lost, and the stream reconnects.
-                await asyncio.wait_for(write, FIRST_WRITE_TIMEOUT)
-                first = False
-            else:
-                await write
+            await call.write(self._make_batch(items))
             self.messages_sent += 1
 
     async def _run(self) -> None:
         backoff = 0.05
         while not self._closed:
             sent_before = self.messages_sent
-            if self._ready is not None:
-                await self._ready()  # waits (reconnecting with backoff) while the peer is down
-            call = self._open_call()
-            watcher = asyncio.create_task(self._watch(call))
-            watcher.add_done_callback(lambda _: self._has_items.set())
-            error = "stream ended by peer"
             try:
-                self.connected = True
-                await self._send(call, watcher)
-                if self._closed:
-                    return
+                error = await self._connection()
             except asyncio.CancelledError:
-                call.cancel()
-                watcher.cancel()
                 raise
-            except grpc.aio.AioRpcError as exc:
-                error = f"{exc.code().name}: {exc.details()}"
-            except asyncio.InvalidStateError as exc:  # wrote to a call that had just ended
-                error = str(exc)
-            except TimeoutError:
-                error = f"the first batch was not taken within {FIRST_WRITE_TIMEOUT} s"
-            finally:
-                self.connected = False
-            if watcher.done() and not watcher.cancelled():
-                failure = watcher.exception()
-                if isinstance(failure, grpc.aio.AioRpcError):
-                    error = f"{failure.code().name}: {failure.details()}"
-            call.cancel()
-            watcher.cancel()
+            except Exception as exc:  # noqa: BLE001 - no error may leave the queue unsent
+                log.exception("stream_failed", stream=self.name, peer=self.address)
+                error = f"{type(exc).__name__}: {exc}"
+            if self._closed:
+                return
             dropped = len(self._queue)
             self._queue.clear()
             self._has_room.set()
@@ -154,6 +132,32 @@ class BatchedStream(Generic[T]):
                 backoff = 0.05  # this connection worked: the next try starts quickly again
             await asyncio.sleep(backoff)  # reconnect pause, not synchronisation
             backoff = min(backoff * 2, 1.0)
+
+    async def _connection(self) -> str:
+        """One call: wait until the channel is READY, open the call, send until it ends.
+        Returns why it ended."""
+        if self._ready is not None:
+            await self._ready()  # waits (reconnecting with backoff) while the peer is down
+        call = self._open_call()
+        watcher = asyncio.create_task(self._watch(call))
+        watcher.add_done_callback(lambda _: self._has_items.set())
+        error = "stream ended by peer"
+        try:
+            self.connected = True
+            await self._send(call, watcher)
+        except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+        except asyncio.InvalidStateError as exc:  # wrote to a call that had just ended
+            error = str(exc)
+        finally:
+            self.connected = False
+            if watcher.done() and not watcher.cancelled():
+                failure = watcher.exception()
+                if isinstance(failure, grpc.aio.AioRpcError):
+                    error = f"{failure.code().name}: {failure.details()}"
+            call.cancel()
+            watcher.cancel()
+        return error
 
     async def close(self) -> None:
         self._closed = True

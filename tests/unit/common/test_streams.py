@@ -98,6 +98,34 @@ async def test_items_queued_when_the_call_fails_are_dropped_not_replayed():
     await stream.close()
 
 
+async def test_an_unexpected_error_in_one_call_does_not_end_the_stream():
+    """A bug in one batch (or in waiting for the channel) is logged; the stream reconnects and
+    what is put later is sent: a stream whose task died would queue for ever."""
+    peer = FakePeer()
+    failures = {"batch": 1, "ready": 1}
+
+    def make_batch(items: list[int]) -> list[int]:
+        if failures["batch"]:
+            failures["batch"] -= 1
+            raise ValueError("cannot build this batch")
+        return list(items)
+
+    async def ready() -> None:
+        if failures["ready"]:
+            failures["ready"] -= 1
+            raise RuntimeError("channel closed")
+
+    stream = BatchedStream("t", "peer", peer.open, make_batch, ready=ready)
+    stream.start()
+    await _until(lambda: peer.calls == 1)  # the first wait for the channel failed
+    await stream.put([1])  # its batch fails: dropped with its call
+    await _until(lambda: peer.calls == 2)
+    await stream.put([2])
+    await _until(lambda: [2] in peer.batches)
+    assert peer.batches == [[2]]
+    await stream.close()
+
+
 async def test_items_put_while_the_peer_is_down_reach_it_when_it_is_back():
     """Over real gRPC: after the peer goes away the stream opens no call until the channel is
     READY again, and what was put meanwhile is delivered to the restarted peer."""
@@ -140,8 +168,11 @@ async def test_items_put_while_the_peer_is_down_reach_it_when_it_is_back():
         await _until(lambda: channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE,
                      timeout=10)
         server, _ = await serve(port)
-        await _until(lambda: "while-down" in received, timeout=10)
-        assert received == ["before", "while-down"]
+        # Back, but the channel may wait out its reconnect backoff: a call opened now would
+        # fail at once and drop this too (the requests behind it would hang).
+        await stream.put([detokenizer_pb2.TokenOutput(rid="after-up")])
+        await _until(lambda: "after-up" in received, timeout=10)
+        assert received == ["before", "while-down", "after-up"]
     finally:
         await stream.close()
         await channel.close()

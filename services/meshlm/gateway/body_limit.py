@@ -4,7 +4,8 @@ A body over the limit is answered 413 before it is read: at once when its Conten
 so, else as soon as the chunks received (a chunked upload) pass the limit; what was received is
 dropped. A body within it is read here and handed to the app in one piece, so no route ever
 holds more than the limit. After a 413 the server reads and discards the rest of the upload
-(uvicorn does), so a client that sends its whole body first still gets the answer.
+(uvicorn does), so a client that sends its whole body first still gets the answer. Once a big
+body's request is over, its memory is reclaimed (`gateway/reclaim.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshlm.common.logs import get_logger
+from meshlm.gateway.reclaim import Reclaimer
 
 log = get_logger(__name__)
 
@@ -21,9 +23,10 @@ ENV = "MESHLM_HTTP_MAX_BODY_BYTES"
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, reclaim: Reclaimer | None = None) -> None:
         self.app = app
         self.limit = limit  # bytes; 0 or less: no limit
+        self.reclaim = reclaim or Reclaimer()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.limit <= 0:
@@ -45,13 +48,17 @@ class BodyLimit:
             if size > self.limit:
                 chunks.clear()
                 await self._refuse(scope, send, size, "received")
+                self.reclaim.after(size)
                 return
             if chunk:
                 chunks.append(chunk)
             more = message.get("more_body", False)
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         chunks.clear()
-        await self.app(scope, _replay(body, receive), send)
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.reclaim.after(size)
 
     async def _refuse(self, scope: Scope, send: Send, size: int, how: str) -> None:
         """413 with a native error body naming the limit and how to raise it."""

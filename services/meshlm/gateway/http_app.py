@@ -41,6 +41,7 @@ from meshlm.gateway.disconnect import ClientGone, unless_disconnected
 from meshlm.gateway.http_call import call_context
 from meshlm.gateway.native_routes import native_routes
 from meshlm.gateway.openai.http import openai_routes
+from meshlm.gateway.reclaim import Reclaimer
 from meshlm.gateway.sse import (
     SSE_DONE,
     NativeChoices,
@@ -57,7 +58,8 @@ JSON = "application/json"
 
 
 def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
-                   keys: ApiKeys | None = None, bounds: Bounds | None = None) -> Starlette:
+                   keys: ApiKeys | None = None, bounds: Bounds | None = None,
+                   reclaim: Reclaimer | None = None) -> Starlette:
     """The ASGI app serving `api` over HTTP (uvicorn runs it in the gateway process), with
     `metrics` at /metrics and, when `keys` holds any, every other route behind them; bodies
     and batches within `bounds` (`gateway/bounds.py`)."""
@@ -75,7 +77,7 @@ def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
     if metrics is not None:
         routes.append(Route("/metrics", partial(_metrics, metrics), methods=["GET"]))
     middleware = [Middleware(ApiKeyMiddleware, keys=keys)] if keys else []
-    middleware.append(Middleware(BodyLimit, limit=bounds.max_body_bytes))
+    middleware.append(Middleware(BodyLimit, limit=bounds.max_body_bytes, reclaim=reclaim))
     return Starlette(
         routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed},
         middleware=middleware,

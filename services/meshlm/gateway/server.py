@@ -37,6 +37,7 @@ from meshlm.gateway.http_app import build_http_app
 from meshlm.gateway.inbox import InboxServicer, RequestTable
 from meshlm.gateway.info import GatewayIdentity
 from meshlm.gateway.membership import split_entries
+from meshlm.gateway.reclaim import Reclaimer, freeze
 from meshlm.gateway.registry import RidRegistry
 from meshlm.gateway.replicas import Replicas
 from meshlm.gateway.servicer import SglangServicer
@@ -183,8 +184,9 @@ async def serve(config: GatewayConfig) -> None:
                           redis_auth=redis_auth)
 
     keys = ApiKeys(config.api_key)
+    reclaim = Reclaimer()  # memory of big requests, given back after them
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
-                                 SglangServicer(api), "sglang.runtime.v1.SglangService")],
+                                 SglangServicer(api, reclaim), "sglang.runtime.v1.SglangService")],
                         interceptors=[ApiKeyInterceptor(keys)] if keys else [],
                         max_receive_bytes=config.grpc_max_receive_bytes or None)
     public_creds = None
@@ -196,7 +198,8 @@ async def serve(config: GatewayConfig) -> None:
     http_port = http_sock.getsockname()[1]
     grpc_port = config.grpc_port or (http_port + 10000 if config.http_port else 0)
     grpc_address = await public.start(config.public_host, grpc_port, public_creds)
-    http = _http_server(config, build_http_app(api, metrics=metrics, keys=keys, bounds=bounds))
+    http = _http_server(config, build_http_app(api, metrics=metrics, keys=keys, bounds=bounds,
+                                               reclaim=reclaim))
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]), name="http")
     exporter = await start_metrics(config, metrics)
     health = await inbox.serve_health(config.host, config.health_port) \
@@ -212,6 +215,7 @@ async def serve(config: GatewayConfig) -> None:
     extra = {"metrics_address": advertised(config, exporter.address)} if exporter else {}
     if health is not None:
         extra["health_address"] = health
+    freeze()  # start-up's objects live on: collections walk only what requests make
     log.info("listening", address=inbox_address, grpc_address=grpc_address,
              http_address=f"{scheme}://{host}:{http_port}", tls=bool(config.tls_cert),
              api_keys=bool(keys), **extra)

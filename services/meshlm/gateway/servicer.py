@@ -1,6 +1,7 @@
 """The public gRPC face: sglang.runtime.v1.SglangService, delegating every RPC to GatewayAPI.
 
-RPCs the API does not implement yet keep the generated base class's UNIMPLEMENTED answer.
+RPCs the API does not implement yet keep the generated base class's UNIMPLEMENTED answer. A
+call with a big request has its memory reclaimed soon after it ends (`gateway/reclaim.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from meshlm.common.deadline import set_deadline
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api import GatewayAPI
+from meshlm.gateway.reclaim import Reclaimer
 from sglang.runtime.v1 import sglang_pb2, sglang_pb2_grpc
 
 SERVICE = sglang_pb2.DESCRIPTOR.services_by_name["SglangService"]
@@ -32,7 +34,10 @@ def call_context(context: grpc.aio.ServicerContext) -> CallContext:
 
 def _unary(name: str) -> Callable[..., Any]:
     async def method(self: SglangServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await getattr(self.api, name)(request, call_context(context))
+        try:
+            return await getattr(self.api, name)(request, call_context(context))
+        finally:
+            self.reclaim.after(request.ByteSize())
     method.__name__ = name
     return method
 
@@ -40,15 +45,19 @@ def _unary(name: str) -> Callable[..., Any]:
 def _stream(name: str) -> Callable[..., Any]:
     async def method(self: SglangServicer, request: Any,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for item in getattr(self.api, name)(request, call_context(context)):
-            yield item
+        try:
+            async for item in getattr(self.api, name)(request, call_context(context)):
+                yield item
+        finally:
+            self.reclaim.after(request.ByteSize())
     method.__name__ = name
     return method
 
 
 class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
-    def __init__(self, api: GatewayAPI) -> None:
+    def __init__(self, api: GatewayAPI, reclaim: Reclaimer | None = None) -> None:
         self.api = api
+        self.reclaim = reclaim or Reclaimer()
 
 
 def _unimplemented(name: str) -> Callable[..., Any]:

@@ -169,12 +169,31 @@ def bind_request(
     return parse_dict(doc, binding.request_cls())
 
 
+# Top-level strings of at least this many characters are set directly: json_format scans every
+# string for unpaired surrogates in Python (about 280 ms for a 10 MB prompt, on the event loop),
+# and orjson never returns one.
+DIRECT_CHARS = 4096
+
+
 def parse_dict(doc: dict[str, Any], message: _M) -> _M:
-    """json_format.ParseDict, a wrong type becoming INVALID_ARGUMENT with json_format's words."""
+    """json_format.ParseDict, a wrong type becoming INVALID_ARGUMENT with json_format's words;
+    long top-level string fields are set directly (DIRECT_CHARS)."""
+    direct = {}
+    for key, value in doc.items():
+        if isinstance(value, str) and len(value) >= DIRECT_CHARS:
+            f = _by_name(message.DESCRIPTOR, key)
+            if f is not None and f.type == FieldDescriptor.TYPE_STRING and not _is_repeated(f):
+                direct[key] = f
+    rest = {k: v for k, v in doc.items() if k not in direct} if direct else doc
     try:
-        json_format.ParseDict(doc, message, ignore_unknown_fields=False)
+        json_format.ParseDict(rest, message, ignore_unknown_fields=False)
     except json_format.ParseError as e:
         raise invalid("request body", str(e)) from None
+    for key, f in direct.items():
+        try:
+            setattr(message, f.name, doc[key])
+        except UnicodeEncodeError:
+            raise invalid(key, "is not valid Unicode text (an unpaired surrogate)") from None
     return message
 
 
@@ -205,6 +224,11 @@ def check_known_fields(doc: Any, descriptor: Descriptor, prefix: str) -> None:
 
 def _by_json_name(descriptor: Descriptor, key: str) -> FieldDescriptor | None:
     return next((f for f in descriptor.fields if f.json_name == key), None)
+
+
+def _by_name(descriptor: Descriptor, key: str) -> FieldDescriptor | None:
+    """The field a JSON key names (json_format takes the JSON name or the proto name)."""
+    return _by_json_name(descriptor, key) or descriptor.fields_by_name.get(key)
 
 
 def _is_repeated(f: FieldDescriptor) -> bool:

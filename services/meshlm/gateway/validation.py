@@ -298,14 +298,15 @@ def _validated(
 
 def validate_text_generate(req: sglang_pb2.TextGenerateRequest, limits: Limits) -> ValidatedRequest:
     """Checks all but the prompt length, which needs the token count (`check_prompt_length`)."""
-    if not req.text:
+    text = req.text  # read once: each read of a protobuf string copies it
+    if not text:
         raise invalid("text", "must not be empty")
-    check_prompt_chars(len(req.text), limits)
+    check_prompt_chars(len(text), limits)
     sampling = normalize_sampling(
         req.sampling_params if req.HasField("sampling_params") else None
     )
     check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
-    return _validated(req, sampling, text=req.text, input_ids=None)
+    return _validated(req, sampling, text=text, input_ids=None)
 
 
 def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> ValidatedRequest:
@@ -346,11 +347,12 @@ def _validated_embed(
 def validate_text_embed(req: sglang_pb2.TextEmbedRequest,
                         limits: Limits | None = None) -> ValidatedRequest:
     """The prompt's length in tokens is checked after tokenization, as for TextGenerate."""
-    if not req.text:
+    text = req.text
+    if not text:
         raise invalid("text", "must not be empty")
     if limits is not None:
-        check_prompt_chars(len(req.text), limits)
-    return _validated_embed(req, text=req.text, input_ids=None)
+        check_prompt_chars(len(text), limits)
+    return _validated_embed(req, text=text, input_ids=None)
 
 
 def validate_embed(req: sglang_pb2.EmbedRequest, limits: Limits) -> ValidatedRequest:
@@ -366,11 +368,12 @@ def validate_classify(req: sglang_pb2.ClassifyRequest, limits: Limits) -> Valida
     """Classify: text or input_ids (exactly one), run as an embedding request (a
     classifier's pooled output is its class logits)."""
     ids = list(req.input_ids)
-    if req.text and ids:
+    text = req.text
+    if text and ids:
         raise invalid("input_ids", "give text or input_ids, not both")
-    if req.text:
-        check_prompt_chars(len(req.text), limits)
-        return _validated_embed(req, text=req.text, input_ids=None)
+    if text:
+        check_prompt_chars(len(text), limits)
+        return _validated_embed(req, text=text, input_ids=None)
     if not ids:
         raise invalid("text", "give text or input_ids")
     check_token_ids(ids, limits, "input_ids")
@@ -379,10 +382,11 @@ def validate_classify(req: sglang_pb2.ClassifyRequest, limits: Limits) -> Valida
 
 
 def validate_tokenize(req: sglang_pb2.TokenizeRequest, limits: Limits | None = None) -> None:
-    if not req.text:
+    text = req.text
+    if not text:
         raise invalid("text", "must not be empty")
     if limits is not None:
-        check_prompt_chars(len(req.text), limits)
+        check_prompt_chars(len(text), limits)
 
 
 def validate_detokenize(req: sglang_pb2.DetokenizeRequest, limits: Limits) -> None:

@@ -4,6 +4,7 @@ characters and a call by its number of requests, before any work is done for the
 from __future__ import annotations
 
 import grpc
+import orjson
 import pytest
 
 from meshlm.common.errors import MeshError
@@ -97,3 +98,14 @@ def test_native_batch_is_refused_before_it_is_split() -> None:
     assert batch and len(reqs) == 10_000
     with pytest.raises(MeshError):
         transcode.native_embed_requests(b'{"text": ["a", "b", "c"]}', max_batch=2)
+
+
+def test_a_huge_prompt_is_parsed_without_json_format_scanning_it() -> None:
+    big = "word " * 200_000
+    body = orjson.dumps({"text": big, "sampling_params": {"max_new_tokens": 3}, "rid": "r1"})
+    [req], batch = transcode.native_generate_requests(body)
+    assert not batch and isinstance(req, pb.TextGenerateRequest)
+    assert req.text == big and req.sampling_params.max_new_tokens == 3 and req.rid == "r1"
+    with pytest.raises(MeshError) as err:  # orjson never yields one; a dict might
+        transcode.parse_dict({"text": "\ud800" * transcode.DIRECT_CHARS}, pb.TextGenerateRequest())
+    assert err.value.message.startswith("text: is not valid Unicode text")

@@ -1,0 +1,77 @@
+"""The memory of a big request, given back to the operating system once the request is over,
+rather than kept by the process.
+
+Two things keep it. grpc aborts a call that fails and keeps the abort's exception on the call's
+state, whose traceback holds the call's frames and so its request message: a reference cycle,
+freed only by Python's cycle collector, which runs by counts of objects, not bytes. And glibc's
+allocator keeps freed memory for reuse (after one 10 MB block is freed it serves the next ones
+from its heap, not fresh mappings). Ten-megabyte prompts refused one after another would hold
+hundreds of megabytes. So after a request of BIG_REQUEST_BYTES or more, a collection runs
+shortly after (one at a time), then malloc_trim on a worker thread. The gateway freezes the
+objects it made while starting (`freeze`), so a collection only walks what requests made: about
+a millisecond, not tens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import gc
+import time
+from collections.abc import Callable
+
+from meshlm.common.logs import get_logger
+
+log = get_logger(__name__)
+
+BIG_REQUEST_BYTES = 1 << 20
+DELAY = 0.05  # seconds: the call has been torn down by then
+
+
+class Reclaimer:
+    def __init__(self, big_bytes: int = BIG_REQUEST_BYTES, delay: float = DELAY) -> None:
+        self.big_bytes = big_bytes
+        self.delay = delay
+        self.collections = 0
+        self._pending: asyncio.TimerHandle | None = None
+
+    def after(self, request_bytes: int) -> None:
+        """A request of this size is over (answered or refused): reclaim soon if it was big."""
+        if request_bytes < self.big_bytes or self._pending is not None:
+            return
+        self._pending = asyncio.get_running_loop().call_later(self.delay, self._collect)
+
+    def _collect(self) -> None:
+        self._pending = None
+        started = time.perf_counter()
+        found = gc.collect()
+        self.collections += 1
+        asyncio.get_running_loop().run_in_executor(None, release_memory)
+        log.debug("memory_reclaimed", objects=found,
+                  ms=round((time.perf_counter() - started) * 1000, 2))
+
+
+def freeze() -> None:
+    """Move every object made so far out of the collector's reach (they live as long as the
+    process): later collections only walk newer objects."""
+    gc.collect()
+    gc.freeze()
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc
+        return None
+    return trim  # type: ignore[no-any-return]
+
+
+_TRIM = _malloc_trim()
+
+
+def release_memory() -> None:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim; elsewhere a no-op)."""
+    if _TRIM is not None:
+        _TRIM(0)

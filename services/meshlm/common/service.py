@@ -157,10 +157,12 @@ async def start_metrics(config: ServiceConfig, metrics: ServiceMetrics) -> Metri
 async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: str,
                              watch: asyncio.Task[Any] | None = None,
                              metrics: ServiceMetrics | None = None, *, role: str = "",
+                             on_stop: Callable[[], None] | None = None,
                              **fields: Any) -> None:
     """Serve `metrics` on --metrics-port (if set), mark SERVING, log `listening`, announce this
     `role` replica in Redis (with --announce-redis-url), run until SIGTERM/SIGINT (or until
-    `watch` ends), then leave Redis, NOT_SERVING and a graceful stop."""
+    `watch` ends), then call `on_stop` (whatever else sets health stops: e.g. the scheduler's
+    watchdog), leave Redis, NOT_SERVING and a graceful stop."""
     exporter = await start_metrics(config, metrics) if metrics is not None else None
     if exporter is not None:
         fields["metrics_address"] = advertised(config, exporter.address)
@@ -179,6 +181,8 @@ async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: s
     if watch is not None and watch in done:
         log.error("task_stopped", task=watch.get_name(), error=repr(watch.exception()))
     waiter.cancel()
+    if on_stop is not None:
+        on_stop()
     if announcer is not None:
         await announcer.leave()  # gateways drop it before it stops serving
     await server.set_serving(False)

@@ -43,6 +43,7 @@ from meshlm.common.tracing import carrier_of, context_of, tracer
 from meshlm.scheduler.control import ControlRPCs
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams, StepOutput
 from meshlm.scheduler.torch_trace import EngineTorchTrace
+from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT, EngineWatchdog
 from meshlm.scheduler.wire import engine_params, fill_logprobs, has_logprobs
 from meshlm.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
@@ -78,6 +79,12 @@ class SchedulerConfig(ServiceConfig):
     num_threads: int = cfg.field(0, "torch CPU threads; 0 = torch's default")
     max_queued: int = cfg.field(1024, "requests waiting for a running slot; beyond it a new "
                                       "request ends at once with RESOURCE_EXHAUSTED")
+    stall_timeout: float = cfg.field(DEFAULT_STALL_TIMEOUT,
+                                     "seconds one engine step may run before the scheduler "
+                                     "counts as stalled (NOT_SERVING, its requests end "
+                                     "UNAVAILABLE) until the step returns; must exceed the "
+                                     "longest step (a --max-batched-tokens prompt chunk; large "
+                                     "models on CPU need more); 0 = off")
 
 
 @dataclass
@@ -100,6 +107,7 @@ class Tracked:
     error_code: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
     deadline: float = 0.0  # unix seconds the client waits until; 0 = none
     expired: bool = False  # aborted because the deadline passed: ends DEADLINE_EXCEEDED
+    forfeit: str = ""  # given up by the watchdog (why): ends UNAVAILABLE
 
 
 @dataclass
@@ -111,7 +119,8 @@ class SchedulerState:
 class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor,
                  outputs: StreamPool[detokenizer_pb2.TokenOutput],
-                 info: common_pb2.ModelInfo, address: str, max_queued: int = 1024) -> None:
+                 info: common_pb2.ModelInfo, address: str, max_queued: int = 1024,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
         self.engine = engine
         self.max_queued = max_queued
         self.outputs = outputs
@@ -128,6 +137,8 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
         self._controls: list[tuple[Callable[[], Awaitable[Any]], asyncio.Future[Any]]] = []
         self._updating = asyncio.Lock()  # one weight update at a time, in arrival order
         self._next_expiry_check = 0.0  # time.time() of the next deadline scan
+        # Stalled engine or frozen process: requests forfeited; `report` set by serve().
+        self.watchdog = EngineWatchdog(stall_timeout, self.forfeit)
 
     # -- requests in -------------------------------------------------------------------------
 
@@ -159,7 +170,12 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
             tracked.error_code = grpc.StatusCode.FAILED_PRECONDITION
         if req.rid in self.state.tracked:
             span.end()
-            self._refuse_duplicate(req, tracked)
+            self._refuse_now(req, tracked, grpc.StatusCode.ALREADY_EXISTS,
+                             f"rid {req.rid!r} is already running on this scheduler")
+            return
+        if self.watchdog.stalled:  # NOT_SERVING: only a request already on its way gets here
+            span.end()
+            self._refuse_now(req, tracked, grpc.StatusCode.UNAVAILABLE, self.watchdog.reason)
             return
         self.state.tracked[req.rid] = tracked
         if self.state.pre_aborted.pop(req.rid, None) is not None:
@@ -213,12 +229,27 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
                 soonest = tracked.deadline
         return None if soonest is None else max(soonest - now, EXPIRY_CHECK)
 
-    def _refuse_duplicate(self, req: scheduler_pb2.TokenizedRequest, tracked: Tracked) -> None:
-        # The running request keeps the rid; the duplicate is answered on its own route.
-        out = _to_pb(_final(req.rid, len(req.input_ids), "error",
-                            f"rid {req.rid!r} is already running on this scheduler"), tracked)
-        out.error.code = grpc.StatusCode.ALREADY_EXISTS.value[0]
+    def _refuse_now(self, req: scheduler_pb2.TokenizedRequest, tracked: Tracked,
+                    code: grpc.StatusCode, message: str) -> None:
+        """Answer an untracked request on its own route at once, not from the engine loop: a
+        duplicate (the running request keeps the rid), or one that reaches a stalled engine."""
+        out = _to_pb(_final(req.rid, len(req.input_ids), "error", message), tracked)
+        out.error.code = code.value[0]
         self.outputs.get(tracked.route.detokenizer).put_nowait([out])
+
+    def forfeit(self, reason: str) -> int:
+        """Give up every live request (the watchdog's answer to a stall or a freeze): each is
+        aborted in the engine and ends with an UNAVAILABLE error saying `reason`. Returns how
+        many."""
+        count = 0
+        for rid, tracked in self.state.tracked.items():
+            if tracked.forfeit or tracked.silent or tracked.expired:
+                continue
+            tracked.forfeit = reason
+            self.engine.abort(rid)
+            count += 1
+        self.wake.set()
+        return count
 
     # -- control -----------------------------------------------------------------------------
 
@@ -279,7 +310,9 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
             plan = self.engine.schedule()
             result = None
             if plan is not None:
+                self.watchdog.step_started()
                 result = await loop.run_in_executor(self._executor, self.engine.execute, plan)
+                await self.watchdog.step_finished()
             # 3. fold results back, then send this step's outputs
             outputs = self._pending + self.engine.postprocess(plan, result)
             self._pending = []
@@ -304,6 +337,11 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
                 tracked.error_code = grpc.StatusCode.DEADLINE_EXCEEDED
                 out = dataclasses.replace(out, finish_reason="error", error=(
                     f"the client's deadline passed after {out.completion_tokens} tokens"))
+            elif tracked.forfeit and not out.finished:
+                continue  # nobody waits for its tokens: only its end is sent
+            elif tracked.forfeit and out.finish_reason == "abort":
+                tracked.error_code = grpc.StatusCode.UNAVAILABLE
+                out = dataclasses.replace(out, finish_reason="error", error=tracked.forfeit)
             if out.finished:
                 events.record("finish", out.rid)
                 del self.state.tracked[out.rid]
@@ -317,6 +355,7 @@ class SchedulerServicer(ControlRPCs, pb_grpc.SchedulerServicer):
             await self.outputs.get(address).put(items)
 
     def close(self) -> None:
+        self.watchdog.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -395,16 +434,20 @@ async def serve(config: SchedulerConfig) -> None:
         json_info=model_info_json(model_path, {"device": str(engine.device),
                                                "max_running": config.max_running}),
     )
-    servicer = SchedulerServicer(engine, executor, outputs, info, "", config.max_queued)
+    servicer = SchedulerServicer(engine, executor, outputs, info, "", config.max_queued,
+                                 config.stall_timeout)
     server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
                                  "meshlm.v1.Scheduler"), profiler_binding(servicer.profiling)])
     bound = await server.start(config.host, config.port, peers.tls.server_credentials())
     servicer.address = advertised(config, bound)
+    servicer.watchdog.report = server.set_serving
     engine_task = asyncio.create_task(servicer.run_engine(), name="engine")
     metrics = SchedulerMetrics(Path(model_path).name, engine.stats)
     await serve_until_signal(server, config, bound, watch=engine_task, metrics=metrics,
+                             on_stop=servicer.watchdog.stop,
                              model_path=model_path, device=str(engine.device),
-                             max_running=config.max_running, role="scheduler")
+                             max_running=config.max_running, stall_timeout=config.stall_timeout,
+                             role="scheduler")
     engine_task.cancel()
     servicer.close()
     await peers.close()

@@ -1,0 +1,197 @@
+"""The engine watchdog: the stall and freeze rule over timestamps, and a scheduler over a real tiny
+engine whose engine thread is held (a stall) or whose event loop is blocked (a freeze): its
+requests end UNAVAILABLE, it reports NOT_SERVING while stalled and SERVING once the step
+returns."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+
+from meshlm.scheduler.server import SchedulerServicer
+from meshlm.scheduler.watchdog import StallDetector, Verdict
+from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
+
+TIMEOUT = 1.0  # the stall timeout of the scheduler under test, seconds
+
+# -- the rule --------------------------------------------------------------------------------
+
+
+def test_no_step_in_flight_is_never_a_stall():
+    d = StallDetector(timeout=4.0)
+    assert [d.check(t) for t in (0.0, 0.25, 0.5, 0.75)] == [None] * 4
+
+
+def test_a_step_past_the_timeout_is_a_stall_once_until_it_returns():
+    d = StallDetector(timeout=4.0)
+    d.check(0.0)
+    d.step_started(0.0)
+    verdicts = [d.check(t / 4) for t in range(1, 18)]  # every 0.25 s up to 4.25 s
+    assert verdicts[:-1] == [None] * 16 and verdicts[-1] is Verdict.STALLED and d.stalled
+    assert d.check(4.5) is None  # declared once
+    assert d.step_finished(5.0) == (5.0, True) and not d.stalled
+    d.step_started(5.0)
+    assert d.step_finished(5.5) == (0.5, False)
+    assert d.slowest == 5.0
+
+
+def test_a_step_within_the_timeout_is_no_stall():
+    d = StallDetector(timeout=4.0)
+    for start in (0.0, 4.0, 8.0):
+        d.check(start)
+        d.step_started(start)
+        assert d.check(start + 3.9) is None
+        assert d.step_finished(start + 3.95) == pytest.approx((3.95, False))
+
+
+def test_a_gap_between_checks_is_a_freeze_and_restarts_the_steps_clock():
+    d = StallDetector(timeout=4.0)
+    d.check(0.0)
+    d.step_started(0.0)
+    assert d.check(10.0) is Verdict.FROZEN and d.gap == 10.0
+    assert not d.stalled
+    verdicts = [d.check(10.0 + t / 4) for t in range(1, 18)]  # the step did not run while
+    assert verdicts[:-1] == [None] * 16  # frozen: its 4 s start again at 10 s
+    assert verdicts[-1] is Verdict.STALLED
+
+
+# -- the scheduler ---------------------------------------------------------------------------
+
+
+class Outputs:
+    """Stands in for the stream pool to the detokenizers: collects every output."""
+
+    def __init__(self) -> None:
+        self.items: list[detokenizer_pb2.TokenOutput] = []
+        self.news = asyncio.Event()
+
+    def get(self, address: str) -> Outputs:
+        return self
+
+    async def put(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
+        self.put_nowait(items)
+
+    def put_nowait(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
+        self.items.extend(items)
+        self.news.set()
+
+    def of(self, rid: str) -> list[detokenizer_pb2.TokenOutput]:
+        return [o for o in self.items if o.rid == rid]
+
+    async def until(self, predicate: Any, timeout: float = 30) -> None:
+        async def wait() -> None:
+            while not predicate():
+                self.news.clear()
+                await self.news.wait()
+        await asyncio.wait_for(wait(), timeout)
+
+
+class Health:
+    """Records what the watchdog reports."""
+
+    def __init__(self) -> None:
+        self.reports: list[bool] = []
+        self.changed = asyncio.Event()
+
+    async def report(self, serving: bool) -> None:
+        self.reports.append(serving)
+        self.changed.set()
+
+    async def until(self, reports: list[bool], timeout: float = 30) -> None:
+        async def wait() -> None:
+            while self.reports != reports:
+                self.changed.clear()
+                await self.changed.wait()
+        await asyncio.wait_for(wait(), timeout)
+
+
+@pytest.fixture
+async def scheduler(make_engine: Any) -> AsyncIterator[tuple[SchedulerServicer, Outputs, Health,
+                                                             ThreadPoolExecutor]]:
+    engine = make_engine(max_running=8, block_size=16)
+    outputs, health = Outputs(), Health()
+    executor = ThreadPoolExecutor(1)  # the engine thread
+    servicer = SchedulerServicer(engine, executor, outputs, common_pb2.ModelInfo(), "s",
+                                 stall_timeout=TIMEOUT)
+    servicer.watchdog.report = health.report
+    servicer.watchdog.interval = 0.05
+    loop = asyncio.create_task(servicer.run_engine())
+    yield servicer, outputs, health, executor
+    loop.cancel()
+    servicer.close()
+
+
+def _request(rid: str, max_new_tokens: int) -> scheduler_pb2.TokenizedRequest:
+    sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1,
+                                         repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+                                         ignore_eos=True, logprob_start_len=-1)
+    return scheduler_pb2.TokenizedRequest(rid=rid, input_ids=[(7 * i + 3) % 500 for i in range(20)],
+                                          sampling=sampling,
+                                          route=common_pb2.Route(detokenizer="d"))
+
+
+async def _submit(servicer: SchedulerServicer, *reqs: scheduler_pb2.TokenizedRequest) -> None:
+    async def batches() -> AsyncIterator[scheduler_pb2.TokenizedBatch]:
+        yield scheduler_pb2.TokenizedBatch(requests=reqs)
+
+    await servicer.Submit(batches(), None)
+
+
+def _final(outputs: Outputs, rid: str) -> detokenizer_pb2.TokenOutput | None:
+    return next((o for o in outputs.of(rid) if o.finished), None)
+
+
+async def test_a_stalled_engine_is_not_serving_and_its_requests_end_unavailable(scheduler):
+    servicer, outputs, health, engine_thread = scheduler
+    await _submit(servicer, _request("long", 200))
+    await outputs.until(lambda: len(outputs.of("long")) >= 2)
+    held = threading.Event()
+    engine_thread.submit(held.wait, 60)  # the engine thread is stuck: the next step cannot run
+    try:
+        await health.until([False])
+        assert servicer.watchdog.stalled
+        # A request already on its way when the scheduler went NOT_SERVING is refused at once.
+        await _submit(servicer, _request("late", 4))
+        late = _final(outputs, "late")
+        assert late is not None and late.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "stalled" in late.error.message and late.HasField("header")
+        assert _final(outputs, "long") is None  # its end comes with the stuck step
+    finally:
+        held.set()
+    await health.until([False, True])
+    await outputs.until(lambda: _final(outputs, "long") is not None)
+    final = _final(outputs, "long")
+    assert final is not None and final.finish_reason == "error"
+    assert final.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert servicer.engine.stats()["running"] == 0 and not servicer.state.tracked
+    # Serving again: a new request runs to its end.
+    await _submit(servicer, _request("after", 4))
+    await outputs.until(lambda: _final(outputs, "after") is not None)
+    assert _final(outputs, "after").finish_reason == "length"  # type: ignore[union-attr]
+
+
+async def test_a_frozen_loop_forfeits_its_requests_without_going_out_of_service(scheduler):
+    servicer, outputs, health, _ = scheduler
+    await _submit(servicer, _request("long", 400))
+    await outputs.until(lambda: len(outputs.of("long")) >= 2)
+    time.sleep(TIMEOUT * 2)  # the fault: the event loop does not run (as under SIGSTOP)
+    await outputs.until(lambda: _final(outputs, "long") is not None)
+    final = _final(outputs, "long")
+    assert final is not None and final.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "did not run" in final.error.message
+    assert health.reports == [] and not servicer.watchdog.stalled
+
+
+async def test_steps_within_the_timeout_forfeit_nothing(scheduler):
+    servicer, outputs, health, _ = scheduler
+    await _submit(servicer, *(_request(f"r{i}", 24) for i in range(4)))
+    await outputs.until(lambda: all(_final(outputs, f"r{i}") for i in range(4)))
+    assert {_final(outputs, f"r{i}").finish_reason for i in range(4)} == {"length"}  # type: ignore[union-attr]
+    assert health.reports == []

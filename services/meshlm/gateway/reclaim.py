@@ -7,9 +7,11 @@ freed only by Python's cycle collector, which runs by counts of objects, not byt
 allocator keeps freed memory for reuse (after one 10 MB block is freed it serves the next ones
 from its heap, not fresh mappings). Ten-megabyte prompts refused one after another would hold
 hundreds of megabytes. So after a request of BIG_REQUEST_BYTES or more, a collection runs
-shortly after (one at a time), then malloc_trim on a worker thread. The gateway freezes the
-objects it made while starting (`freeze`), so a collection only walks what requests made: about
-a millisecond, not tens.
+shortly after (one at a time), and malloc_trim on a worker thread at most every TRIM_INTERVAL
+(pages handed back must be faulted in again by the next big request: trimming after each one of
+a stream of them would cost each a few more milliseconds of the event loop). The gateway
+freezes the objects it made while starting (`freeze`), so a collection only walks what requests
+made: about a millisecond, not tens.
 """
 
 from __future__ import annotations
@@ -27,14 +29,20 @@ log = get_logger(__name__)
 
 BIG_REQUEST_BYTES = 1 << 20
 DELAY = 0.05  # seconds: the call has been torn down by then
+TRIM_INTERVAL = 1.0  # seconds between two malloc_trims
 
 
 class Reclaimer:
-    def __init__(self, big_bytes: int = BIG_REQUEST_BYTES, delay: float = DELAY) -> None:
+    def __init__(self, big_bytes: int = BIG_REQUEST_BYTES, delay: float = DELAY,
+                 trim_interval: float = TRIM_INTERVAL) -> None:
         self.big_bytes = big_bytes
         self.delay = delay
+        self.trim_interval = trim_interval
         self.collections = 0
+        self.trims = 0
         self._pending: asyncio.TimerHandle | None = None
+        self._trim_pending: asyncio.TimerHandle | None = None
+        self._last_trim = -trim_interval
 
     def after(self, request_bytes: int) -> None:
         """A request of this size is over (answered or refused): reclaim soon if it was big."""
@@ -47,9 +55,19 @@ class Reclaimer:
         started = time.perf_counter()
         found = gc.collect()
         self.collections += 1
-        asyncio.get_running_loop().run_in_executor(None, release_memory)
         log.debug("memory_reclaimed", objects=found,
                   ms=round((time.perf_counter() - started) * 1000, 2))
+        if self._trim_pending is None:
+            loop = asyncio.get_running_loop()
+            wait = max(0.0, self._last_trim + self.trim_interval - loop.time())
+            self._trim_pending = loop.call_later(wait, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_pending = None
+        loop = asyncio.get_running_loop()
+        self._last_trim = loop.time()
+        self.trims += 1
+        loop.run_in_executor(None, release_memory)
 
 
 def freeze() -> None:

@@ -1,5 +1,5 @@
 """Reclaiming a big request's memory: a collection soon after a big request (one at a time),
-none after small ones."""
+none after small ones; malloc_trim at most once per interval."""
 
 from __future__ import annotations
 
@@ -46,6 +46,18 @@ async def test_a_cycle_holding_a_big_payload_is_freed() -> None:
         assert alive() is None
     finally:
         gc.enable()
+
+
+async def test_trims_are_spaced_out() -> None:
+    reclaim = Reclaimer(big_bytes=1, delay=0.01, trim_interval=0.2)
+    reclaim.after(1)
+    await _settle(reclaim)
+    assert (reclaim.collections, reclaim.trims) == (1, 1)  # the first at once
+    reclaim.after(1)
+    await _settle(reclaim)
+    assert (reclaim.collections, reclaim.trims) == (2, 1)  # the next one waits its turn
+    await asyncio.sleep(0.2)
+    assert reclaim.trims == 2
 
 
 def test_release_memory_is_harmless() -> None:

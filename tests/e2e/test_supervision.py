@@ -188,12 +188,17 @@ def test_a_killed_service_is_restarted_while_the_others_serve(
     address = launcher.address(victim)
     prober = Prober(stub)
     mark = len(launcher.events)
-    killed_at = time.monotonic()
+    killed_at, killed_wall = time.monotonic(), time.time()
     os.kill(launcher.pid(victim), signal.SIGKILL)
 
     # Back on its address and used again: a request that must (or happens to) go to it.
     launcher.event("service_restarted", victim, after=mark, timeout=BACK_BOUND)
-    used_at = _used_again(stub, registry, role, rank, address)
+    try:
+        used_at = _used_again(stub, registry, role, rank, address)
+    except AssertionError as e:
+        seen = [(ev["event"], round(ev["ts"] - killed_wall, 3)) for ev in launcher.events[mark:]
+                if ev.get("name") == victim]
+        raise AssertionError(f"{e}; {victim}'s events (s after the kill): {seen}") from None
     probes = prober.stop()
 
     for s in streams:

@@ -1,0 +1,227 @@
+"""Hung replicas: a scheduler, detokenizer or tokenizer stopped with SIGSTOP (its process does
+not run, its sockets stay open, so no connection breaks by itself) is treated as down within
+DOWN_BOUND (common/channels.py: keepalive closes its connections): the requests that need it
+end UNAVAILABLE, the others finish, new requests go to the other replica, and after SIGCONT it
+is used again. A resumed scheduler drops the requests it held (its watchdog saw the freeze), so
+none goes on generating for nobody."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import pytest
+import redis
+from helpers import collect_text, mesh_credentials, mesh_redis, own_mesh, text_request, wait_until
+
+from meshlm.common.channels import DOWN_BOUND
+from meshlm.gateway.registry import key
+from meshlm.launch.mesh import Mesh
+from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
+from sglang.runtime.v1 import sglang_pb2 as pb
+from sglang.runtime.v1 import sglang_pb2_grpc
+
+LONG = 1900  # tokens: far more than a test waits for
+
+
+@pytest.fixture(scope="module")
+def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    replicas = {"tokenizer": 2, "scheduler": 2, "detokenizer": 2}
+    with own_mesh(tmp_path_factory.mktemp("hung"), replicas=replicas) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def stub(mesh2: Mesh) -> Iterator[sglang_pb2_grpc.SglangServiceStub]:
+    with grpc.insecure_channel(mesh2.addresses.gateway_grpc) as ch:
+        yield sglang_pb2_grpc.SglangServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def registry(mesh2: Mesh) -> Iterator[redis.Redis]:
+    client = mesh_redis(mesh2)
+    yield client
+    client.close()
+
+
+class Stream:
+    """A streaming request drained in a thread; records how and when it ended."""
+
+    def __init__(self, stub, text: str, *, dp_rank: int | None = None,
+                 max_new_tokens: int = LONG) -> None:
+        self.rid = f"h-{uuid.uuid4().hex[:10]}"
+        req = text_request(text, rid=self.rid, max_new_tokens=max_new_tokens, ignore_eos=True)
+        if dp_rank is not None:
+            req.routed_dp_rank = dp_rank
+        self.call = stub.TextGenerate(req, timeout=120)
+        self.messages: list[pb.TextGenerateResponse] = []
+        self.error: grpc.RpcError | None = None
+        self.ended_at = 0.0
+        self.started = threading.Event()  # its first message arrived (or it ended)
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        try:
+            for message in self.call:
+                self.messages.append(message)
+                self.started.set()
+        except grpc.RpcError as e:
+            self.error = e
+        self.ended_at = time.monotonic()
+        self.started.set()
+
+    def running(self) -> Stream:
+        """Wait for its first message: it is past the tokenizer and being generated."""
+        assert self.started.wait(60), f"{self.rid}: no first message"
+        assert self.error is None, (self.rid, self.error)
+        return self
+
+    def join(self, timeout: float = 60) -> Stream:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"{self.rid}: the stream is hanging"
+        return self
+
+    @property
+    def finished(self) -> bool:
+        return self.error is None and bool(self.messages) and self.messages[-1].finished
+
+    def code(self) -> grpc.StatusCode | None:
+        return self.error.code() if self.error is not None else None
+
+
+@contextmanager
+def stopped(mesh2: Mesh, name: str) -> Iterator[float]:
+    """SIGSTOP a service for the block (yields when); SIGCONT however the block ends."""
+    proc = mesh2.service(name)
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield time.monotonic()
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+def assert_ended_unavailable_in_time(streams: list[Stream], stopped_at: float,
+                                     what: str) -> None:
+    for s in streams:
+        s.join()
+        assert s.code() == grpc.StatusCode.UNAVAILABLE, (s.rid, s.code(), s.messages[-1:])
+    took = [round(s.ended_at - stopped_at, 2) for s in streams]
+    print(f"\n{what}: requests ended UNAVAILABLE {took} s after SIGSTOP (bound {DOWN_BOUND} s)")
+    assert max(took) <= DOWN_BOUND, took
+
+
+def record(registry: redis.Redis, rid: str) -> dict[str, str]:
+    wait_until(lambda: registry.hget(key(rid), "detokenizer") is not None,
+               what=f"{rid}'s record")
+    return registry.hgetall(key(rid))
+
+
+def dependencies(stub) -> dict[str, dict[str, bool]]:
+    info = json.loads(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).json_info)
+    return info["dependencies"]
+
+
+def serves(stub, **fields: object) -> bool:
+    req = text_request("are you there", max_new_tokens=2)
+    for name, value in fields.items():
+        setattr(req, name, value)
+    try:
+        _, msgs = collect_text(stub, req)
+    except grpc.RpcError:
+        return False
+    return msgs[-1].finished
+
+
+def busy(mesh2: Mesh, address: str) -> int:
+    """Requests the scheduler at `address` runs or queues."""
+    with grpc.secure_channel(address, mesh_credentials(mesh2)) as ch:
+        load = scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(scheduler_pb2.GetLoadRequest(),
+                                                            timeout=10)
+    return load.running + load.waiting
+
+
+def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
+    victim, other = mesh2.replicas("scheduler")
+    doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0).running() for i in range(3)]
+    spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300).running()
+              for i in range(2)]
+    with stopped(mesh2, victim.name) as stopped_at:
+        assert_ended_unavailable_in_time(doomed, stopped_at, "scheduler")
+        for s in spared:
+            assert s.join().finished, (s.rid, s.error)
+            assert s.messages[-1].meta_info["completion_tokens"] == "300"
+        for s in doomed:
+            wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "error",
+                       what=f"{s.rid} recorded as failed")
+        # New requests go to the scheduler that answers, unless they insist on the stopped one.
+        for i in range(4):
+            rid = f"h-after-{uuid.uuid4().hex[:8]}"
+            _, msgs = collect_text(stub, text_request(f"after the stop {i}", rid=rid,
+                                                      max_new_tokens=3))
+            assert msgs[-1].finished
+            assert record(registry, rid)["scheduler"] == other.address
+        pinned = text_request("to the stopped one", max_new_tokens=2)
+        pinned.routed_dp_rank = 0
+        with pytest.raises(grpc.RpcError) as err:
+            collect_text(stub, pinned)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    # It answers again: used again, and what it held when it stopped is gone, not generated
+    # for nobody (1900 tokens each would take far longer than this wait).
+    wait_until(lambda: serves(stub, routed_dp_rank=0), timeout=60,
+               what="a request pinned to the resumed scheduler to succeed")
+    wait_until(lambda: busy(mesh2, victim.address) == 0, timeout=10,
+               what="the resumed scheduler to drop the requests it held")
+
+
+def test_detokenizer_stopped_mid_stream(mesh2, stub, registry):
+    streams = [Stream(stub, f"detok {i} {uuid.uuid4().hex}").running() for i in range(6)]
+    victim = mesh2.replicas("detokenizer")[0]
+    by_route = {s.rid: record(registry, s.rid)["detokenizer"] for s in streams}
+    doomed = [s for s in streams if by_route[s.rid] == victim.address]
+    spared = [s for s in streams if by_route[s.rid] != victim.address]
+    assert doomed and spared, by_route
+    with stopped(mesh2, victim.name) as stopped_at:
+        assert_ended_unavailable_in_time(doomed, stopped_at, "detokenizer")
+        for s in spared:  # still streaming: end them by abort, they end cleanly
+            assert s.thread.is_alive(), (s.rid, s.error)
+            stub.Abort(pb.AbortRequest(rid=s.rid), timeout=10)
+            assert s.join().finished and s.messages[-1].meta_info["finish_reason"] == "abort"
+        for i in range(4):
+            _, msgs = collect_text(stub, text_request(f"after detok stop {i}", max_new_tokens=3))
+            assert msgs[-1].finished
+        # The schedulers stopped the doomed requests too (nobody is left to read them).
+        wait_until(lambda: all(busy(mesh2, s.address) == 0
+                               for s in mesh2.replicas("scheduler")),
+                   what="every scheduler to be idle")
+    wait_until(lambda: all(dependencies(stub)["detokenizer"].values()), timeout=30,
+               what="the detokenizer to serve again")
+    after = [Stream(stub, f"detok back {i}", max_new_tokens=3) for i in range(4)]
+    assert {record(registry, s.rid)["detokenizer"] for s in after} >= {victim.address}
+    for s in after:
+        assert s.join().finished, (s.rid, s.error)
+
+
+def test_tokenizer_stopped(mesh2, stub, registry):
+    running_streams = [Stream(stub, f"tok {i}", max_new_tokens=200).running() for i in range(4)]
+    victim = mesh2.replicas("tokenizer")[0]
+    with stopped(mesh2, victim.name) as stopped_at:
+        # Round robin over both tokenizers: one of two new requests waits in the stopped one.
+        fresh = [Stream(stub, f"tok new {i}", max_new_tokens=3) for i in range(2)]
+        stuck = [s for s in fresh if record(registry, s.rid)["tokenizer"] == victim.address]
+        assert len(stuck) == 1, [record(registry, s.rid) for s in fresh]
+        assert_ended_unavailable_in_time(stuck, stopped_at, "tokenizer")
+        # Requests past their tokenizer do not need it any more.
+        for s in running_streams + [s for s in fresh if s not in stuck]:
+            assert s.join().finished, (s.rid, s.error)
+        for i in range(4):
+            _, msgs = collect_text(stub, text_request(f"after tok stop {i}", max_new_tokens=2))
+            assert msgs[-1].finished
+    wait_until(lambda: all(dependencies(stub)["tokenizer"].values()), timeout=30,
+               what="the tokenizer to serve again")

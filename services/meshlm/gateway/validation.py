@@ -310,15 +310,15 @@ def validate_text_generate(req: sglang_pb2.TextGenerateRequest, limits: Limits) 
 
 
 def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> ValidatedRequest:
-    ids = list(req.input_ids)
-    if not ids:
+    if not req.input_ids:
         raise invalid("input_ids", "must not be empty")
-    check_token_ids(ids, limits, "input_ids")
     sampling = normalize_sampling(
         req.sampling_params if req.HasField("sampling_params") else None
     )
+    check_prompt_length(len(req.input_ids), sampling.max_new_tokens, limits)  # before each id
+    ids = list(req.input_ids)
+    check_token_ids(ids, limits, "input_ids")
     check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
-    check_prompt_length(len(ids), sampling.max_new_tokens, limits)
     return _validated(req, sampling, text=None, input_ids=ids)
 
 
@@ -356,11 +356,11 @@ def validate_text_embed(req: sglang_pb2.TextEmbedRequest,
 
 
 def validate_embed(req: sglang_pb2.EmbedRequest, limits: Limits) -> ValidatedRequest:
-    ids = list(req.input_ids)
-    if not ids:
+    if not req.input_ids:
         raise invalid("input_ids", "must not be empty")
+    check_prompt_length(len(req.input_ids), 0, limits)  # before each id is looked at
+    ids = list(req.input_ids)
     check_token_ids(ids, limits, "input_ids")
-    check_prompt_length(len(ids), 0, limits)
     return _validated_embed(req, text=None, input_ids=ids)
 
 
@@ -376,8 +376,8 @@ def validate_classify(req: sglang_pb2.ClassifyRequest, limits: Limits) -> Valida
         return _validated_embed(req, text=text, input_ids=None)
     if not ids:
         raise invalid("text", "give text or input_ids")
-    check_token_ids(ids, limits, "input_ids")
     check_prompt_length(len(ids), 0, limits)
+    check_token_ids(ids, limits, "input_ids")
     return _validated_embed(req, text=None, input_ids=ids)
 
 

@@ -10,11 +10,14 @@ import pytest
 from meshlm.common.errors import MeshError
 from meshlm.gateway import transcode
 from meshlm.gateway.bounds import PROMPT_CHARS_PER_TOKEN, Bounds, text_chars
+from meshlm.gateway.openai.protocol import MAX_PROMPT_IDS, parse_completion
+from meshlm.gateway.openai.scoring_protocol import parse_score
 from meshlm.gateway.validation import (
     Limits,
     check_batch,
     check_prompt_chars,
     validate_classify,
+    validate_generate,
     validate_text_embed,
     validate_text_generate,
     validate_tokenize,
@@ -109,3 +112,27 @@ def test_a_huge_prompt_is_parsed_without_json_format_scanning_it() -> None:
     with pytest.raises(MeshError) as err:  # orjson never yields one; a dict might
         transcode.parse_dict({"text": "\ud800" * transcode.DIRECT_CHARS}, pb.TextGenerateRequest())
     assert err.value.message.startswith("text: is not valid Unicode text")
+
+
+def test_long_token_id_lists_are_bounded_before_each_id_is_looked_at() -> None:
+    ids = [1] * (transcode.DIRECT_ITEMS + 10)
+    [req], _ = transcode.native_generate_requests(orjson.dumps({"input_ids": ids}))
+    assert list(req.input_ids) == ids
+    with pytest.raises(MeshError) as err:
+        transcode.native_generate_requests(orjson.dumps({"input_ids": [*ids, True]}))
+    assert err.value.message.startswith("input_ids: must be a list of integers")
+    # the length is checked before the ids: an id out of range is not what is reported
+    long = pb.GenerateRequest(input_ids=[*ids, 10**6])
+    with pytest.raises(MeshError) as err:
+        validate_generate(long, LIMITS)
+    assert err.value.message.startswith(f"input_ids: prompt is {len(ids) + 1} tokens")
+
+
+def test_openai_prompts_have_a_bounded_number_of_ids() -> None:
+    with pytest.raises(MeshError) as err:
+        parse_completion(orjson.dumps({"prompt": [1] * (MAX_PROMPT_IDS + 1)}))
+    assert err.value.message == (f"prompt: has {MAX_PROMPT_IDS + 1} entries; a prompt has at "
+                                 f"most {MAX_PROMPT_IDS} token ids")
+    with pytest.raises(MeshError):
+        parse_score(orjson.dumps({"query": [1] * (MAX_PROMPT_IDS + 1), "items": [[1]],
+                                  "label_token_ids": [1]}))

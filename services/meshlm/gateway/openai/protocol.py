@@ -25,6 +25,9 @@ from meshlm.gateway.validation import MAX_N, MAX_TOP_LOGPROBS
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings request
+# Token ids in one prompt: more than any served context length. A longer list is refused
+# before its ids are looked at one by one (a 16 MiB body holds 8 M of them).
+MAX_PROMPT_IDS = 1 << 20
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _INT32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -127,6 +130,16 @@ class _Body:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ids(value: Any, key: str) -> bool:
+    """Whether `value` is a list of token ids; one longer than MAX_PROMPT_IDS is refused first."""
+    if not isinstance(value, list):
+        return False
+    if len(value) > MAX_PROMPT_IDS:
+        raise invalid(key, f"has {len(value)} entries; a prompt has at most {MAX_PROMPT_IDS} "
+                           "token ids")
+    return all(_is_int(t) for t in value)
 
 
 def _show(value: Any) -> str:
@@ -306,7 +319,7 @@ def _prompts(value: Any, key: str) -> tuple[list[Prompt], bool]:
     returns the prompts and whether it was a list of them."""
     if isinstance(value, str):
         return [value], False
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+    if isinstance(value, list) and value and _is_ids(value, key):
         return [_ids(value, key)], False
     if not isinstance(value, list) or not value:
         raise invalid(key, "must be a string, a list of strings, a list of token ids or a "
@@ -317,7 +330,7 @@ def _prompts(value: Any, key: str) -> tuple[list[Prompt], bool]:
     for i, item in enumerate(value):
         if isinstance(item, str):
             prompts.append(item)
-        elif isinstance(item, list) and all(_is_int(t) for t in item):
+        elif _is_ids(item, f"{key}[{i}]"):
             prompts.append(_ids(item, f"{key}[{i}]"))
         else:
             raise invalid(f"{key}[{i}]", "must be a string or a list of token ids")

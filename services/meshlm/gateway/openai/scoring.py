@@ -113,17 +113,20 @@ async def score_response(gw: ScoringGateway, req: ScoreRequest) -> bytes:
     model = _served(gw, req.model)
     labels = req.label_token_ids
     check_token_ids(labels, limits, "label_token_ids")
+    check_batch(len(req.items), limits.max_batch, "items")
+    for i, item in enumerate(req.items):  # sizes first, before any query + item is built
+        if isinstance(item, list):
+            check_prompt_length(len(req.query) + len(item), 1, limits, field_path=f"items[{i}]")
+        else:
+            check_prompt_chars(len(req.query) + len(item), limits, f"items[{i}]")
     if isinstance(req.query, list) and req.query:
         check_token_ids(req.query, limits, "query")
-    check_batch(len(req.items), limits.max_batch, "items")
     runs = []
     for i in range(len(req.items)):
         key = f"items[{i}]"
         item = req.items[i]
         if isinstance(item, list):
             check_token_ids(item, limits, key)
-        else:  # before query + item is built
-            check_prompt_chars(len(req.query) + len(item), limits, key)
         runs.append((_label_request(req.prompt(i), labels, limits, key), {"text": key,
                                                                           "input_ids": key}))
     results = await _all([_renaming(_final(gw, v), names) for v, names in runs])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.common.errors import invalid
-from meshlm.gateway.openai.protocol import Prompt, _Body, _ids, _is_int, _prompts
+from meshlm.gateway.openai.protocol import Prompt, _Body, _ids, _is_ids, _is_int, _prompts
 
 MAX_ITEMS = 256   # items of one score request, documents of one rerank request
 MAX_LABELS = 128  # label_token_ids of one score request
@@ -77,8 +77,8 @@ def parse_score(body: bytes) -> ScoreRequest:
     b.check_unknown()
     req = ScoreRequest(model=model, query=query, items=items, label_token_ids=labels,
                        apply_softmax=apply_softmax, item_first=item_first)
-    for i in range(len(items)):
-        if not req.prompt(i):
+    for i, item in enumerate(items):  # not query + item: that is built later, within bounds
+        if not query and not item:
             raise invalid(f"items[{i}]", "query + item is empty")
     return req
 
@@ -96,7 +96,7 @@ def _items(value: Any) -> list[Prompt]:
     for i, item in enumerate(value):
         if text and isinstance(item, str):
             items.append(item)
-        elif not text and isinstance(item, list) and all(_is_int(t) for t in item):
+        elif not text and _is_ids(item, f"items[{i}]"):
             items.append(_ids(item, f"items[{i}]"))
         else:
             kind = "a string" if text else "a list of token ids"
@@ -110,7 +110,7 @@ def _query(value: Any, *, text: bool) -> Prompt:
         return "" if text else []
     if text and isinstance(value, str):
         return value
-    if not text and isinstance(value, list) and all(_is_int(t) for t in value):
+    if not text and _is_ids(value, "query"):
         return _ids(value, "query")
     kind = "a string, as the items are text" if text else "a list of token ids, as the items are"
     raise invalid("query", f"must be {kind}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -140,6 +141,41 @@ def test_a_small_request_keeps_its_latency_while_huge_prompts_arrive(mesh, stub)
           f"beside 10 MB prompts ({refused} refused meanwhile), ratio {loaded / unloaded:.2f}")
     assert refused["http"] and refused["grpc"]
     assert loaded <= max(2 * unloaded, unloaded + LATENCY_FLOOR), (loaded, unloaded)
+
+
+@pytest.fixture
+def wide_stub(mesh) -> Iterator[pb_grpc.SglangServiceStub]:
+    """A gateway of the mesh that lets 10 MB prompts through to the tokenizer."""
+    name = f"gateway-wide-{uuid.uuid4().hex[:6]}"
+    proc = mesh.start_gateway(name, max_prompt_chars=20_000_000)
+    try:
+        with grpc.insecure_channel(proc.grpc_address) as channel:
+            yield pb_grpc.SglangServiceStub(channel)
+    finally:
+        proc.stop(10)
+        del mesh.services[name]
+
+
+def test_the_tokenizer_refuses_a_huge_prompt_without_encoding_it_all(mesh, wide_stub) -> None:
+    """Past a gateway that lets it through, the tokenizer counts the prompt piece by piece and
+    refuses it once the count passes the context; its memory goes back to its baseline."""
+    before = _rss_mb(mesh.service("tokenizer").pid)
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as err:
+            list(wide_stub.TextGenerate(text_request(BIG), timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert err.value.details().startswith("text: the prompt is more than")
+        assert "10000000 characters" in err.value.details()
+        assert f"context length is {CONTEXT}" in err.value.details()
+    grown: list[float] = []
+
+    def settled() -> bool:
+        grown.append(round(_rss_mb(mesh.service("tokenizer").pid) - before, 1))
+        return grown[-1] < RSS_SLACK_MB
+
+    wait_until(settled, timeout=10, what="the tokenizer's RSS back near its baseline")
+    print(f"\ntokenizer RSS {before:.1f} MB, growth after 3 refused 10 MB prompts {grown[-1]} MB")
+    assert _small(wide_stub) < 60
 
 
 def test_bodies_and_messages_over_the_size_limits_are_refused_unread(mesh, stub) -> None:

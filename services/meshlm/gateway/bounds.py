@@ -11,9 +11,13 @@ Each bound is a gateway flag (and MESHLM_* variable), on by default:
 - requests of one call, `--max-batch` (`--max-inflight`): prompts x n samples past it are
   INVALID_ARGUMENT / 400 before any enters the mesh.
 
-A prompt longer than the context length times PROMPT_CHARS_PER_TOKEN characters cannot fit,
-whatever its tokens: no real vocabulary averages 32 characters a token. A call whose prompts x n
-samples exceed what this gateway admits at once (`--max-inflight`) could never be admitted.
+A prompt longer than the context length times PROMPT_CHARS_PER_TOKEN characters will not fit:
+real text averages 2 to 6 characters a token, and even long runs of spaces or symbols stay far
+below 32 (a prompt built to average more is refused; raise the flag to serve it). A call whose
+prompts x n samples exceed what this gateway admits at once (`--max-inflight`) could never be
+admitted. The 10 MB prompts the bounds were made for are refused in about 20 ms of the event
+loop; the tokenizer, past a gateway with a higher bound, refuses them by a piecewise count
+(`tokenizer/long_prompts.py`).
 """
 
 from __future__ import annotations

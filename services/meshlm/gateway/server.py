@@ -90,11 +90,13 @@ class GatewayConfig(ServiceConfig):
                                                              "(0 = no limit)")
     grpc_max_receive_bytes: int = cfg.field(DEFAULT_GRPC_RECEIVE_BYTES, "largest public gRPC "
                                             "request message; past it grpc answers "
-                                            "RESOURCE_EXHAUSTED (internal ports take 64 MiB)")
+                                            "RESOURCE_EXHAUSTED (0 = 64 MiB, what the "
+                                            "internal ports take)")
     max_prompt_chars: int = cfg.field(0, "characters of a text prompt (a chat: of its "
                                          "messages) checked before tokenization; past it "
                                          "INVALID_ARGUMENT / 400; 0 = the model's context "
-                                         "length x 32, which no prompt that fits can exceed")
+                                         "length x 32 (characters a token: more than any "
+                                         "prompt that fits averages)")
     max_batch: int = cfg.field(0, "requests one call may put into the mesh (prompts x n); "
                                   "past it INVALID_ARGUMENT / 400 before any is sent; 0 = "
                                   "--max-inflight (never more than that)")

@@ -1,0 +1,117 @@
+"""Keepalive between mesh peers: a peer that stops answering while its connection stays open (as
+under SIGSTOP) is noticed within DOWN_BOUND, and an idle stream with the mesh's pings is not
+refused by a mesh server's ping policy. Real gRPC over mTLS through a TCP relay that can stop
+passing bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from meshlm.common.channels import (
+    DOWN_BOUND,
+    KEEPALIVE_TIME_MS,
+    MIN_PING_INTERVAL_MS,
+    PING_TIMEOUT_MS,
+    ChannelPool,
+)
+from meshlm.common.server import SERVER_OPTIONS
+from meshlm.launch.certs import ensure_dev_certs
+
+
+def test_the_bound_covers_a_ping_and_its_timeout_and_servers_allow_the_pings():
+    assert (KEEPALIVE_TIME_MS + PING_TIMEOUT_MS) / 1000 < DOWN_BOUND
+    assert MIN_PING_INTERVAL_MS < KEEPALIVE_TIME_MS
+    options = dict(SERVER_OPTIONS)
+    assert options["grpc.http2.min_ping_interval_without_data_ms"] <= KEEPALIVE_TIME_MS
+    assert options["grpc.keepalive_permit_without_calls"] == 1
+
+
+class Relay:
+    """Passes TCP bytes between clients and `target` until `freeze()`: then it holds them, both
+    ways, and keeps every connection open, like a peer that stopped running."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.passing = asyncio.Event()
+        self.passing.set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._connect, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    def freeze(self) -> None:
+        self.passing.clear()
+
+    async def _connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        for source, sink in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pipe(source, sink))
+            self._tasks.add(task)
+
+    async def _pipe(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await source.read(65536):
+                await self.passing.wait()
+                sink.write(data)
+                await sink.drain()
+        sink.close()
+
+    async def close(self) -> None:
+        self.server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+@pytest.fixture
+async def relayed(tmp_path: Path) -> AsyncIterator[tuple[Relay, grpc.aio.Channel]]:
+    """A mesh server (SERVER_OPTIONS) behind a relay, and a mesh channel to it through the
+    relay (CHANNEL_OPTIONS)."""
+    tls = ensure_dev_certs(tmp_path).mesh_tls()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+    await server.start()
+    relay = Relay(port)
+    pool = ChannelPool(tls.channel_credentials())
+    channel = pool.get(f"127.0.0.1:{await relay.start()}")
+    yield relay, channel
+    await pool.close()
+    await relay.close()
+    await server.stop(None)
+
+
+async def _watch(channel: grpc.aio.Channel, replies: asyncio.Queue[int]) -> grpc.StatusCode:
+    call = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+    try:
+        async for reply in call:
+            replies.put_nowait(reply.status)
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+async def test_an_idle_stream_lives_and_a_silent_peer_ends_it_within_the_bound(relayed):
+    relay, channel = relayed
+    replies: asyncio.Queue[int] = asyncio.Queue()
+    watch = asyncio.create_task(_watch(channel, replies))
+    assert await asyncio.wait_for(replies.get(), 10) == health_pb2.HealthCheckResponse.SERVING
+    # Idle for four keepalive periods: the client's pings are allowed (a server refusing them
+    # would end the call with GOAWAY "too_many_pings" after its third strike).
+    done, _ = await asyncio.wait({watch}, timeout=4 * KEEPALIVE_TIME_MS / 1000)
+    assert not done, watch.result()
+    relay.freeze()
+    frozen_at = time.monotonic()
+    code = await asyncio.wait_for(watch, DOWN_BOUND + 1)
+    took = time.monotonic() - frozen_at
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert took <= DOWN_BOUND, took

@@ -15,13 +15,25 @@ from typing import Any
 import grpc
 import pytest
 
+from meshlm.common.channels import DOWN_BOUND
 from meshlm.scheduler.server import SchedulerServicer
-from meshlm.scheduler.watchdog import FREEZE_LIMIT, PauseClock, StallDetector, Verdict
+from meshlm.scheduler.watchdog import (
+    CHECK_INTERVAL,
+    DEFAULT_STALL_TIMEOUT,
+    FREEZE_LIMIT,
+    PauseClock,
+    StallDetector,
+    Verdict,
+)
 from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 TIMEOUT = 1.0  # the stall timeout of the scheduler under test, seconds
 
 # -- the rule --------------------------------------------------------------------------------
+
+
+def test_the_default_stall_is_reported_within_the_bound():
+    assert DEFAULT_STALL_TIMEOUT + CHECK_INTERVAL < DOWN_BOUND
 
 
 def test_no_step_in_flight_is_never_a_stall():

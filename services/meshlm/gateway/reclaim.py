@@ -17,13 +17,11 @@ made: about a millisecond, not tens.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import gc
 import time
-from collections.abc import Callable
 
 from meshlm.common.logs import get_logger
+from meshlm.common.memory import release_memory
 
 log = get_logger(__name__)
 
@@ -40,9 +38,26 @@ class Reclaimer:
         self.trim_interval = trim_interval
         self.collections = 0
         self.trims = 0
+        self.trimmed_at: list[float] = []  # loop times of the last trims (a few)
         self._pending: asyncio.TimerHandle | None = None
         self._trim_pending: asyncio.TimerHandle | None = None
         self._last_trim = -trim_interval
+        self._changed = asyncio.Event()
+
+    @property
+    def scheduled(self) -> bool:
+        """A collection or a trim is waiting to run."""
+        return self._pending is not None or self._trim_pending is not None
+
+    def trim_due(self) -> float | None:
+        """The loop time the waiting trim runs at; None if none waits."""
+        return self._trim_pending.when() if self._trim_pending is not None else None
+
+    async def reached(self, collections: int = 0, trims: int = 0) -> None:
+        """Return once at least this many collections and trims have run."""
+        while self.collections < collections or self.trims < trims:
+            self._changed.clear()
+            await self._changed.wait()
 
     def after(self, request_bytes: int) -> None:
         """A request of this size is over (answered or refused): reclaim soon if it was big."""
@@ -61,13 +76,16 @@ class Reclaimer:
             loop = asyncio.get_running_loop()
             wait = max(0.0, self._last_trim + self.trim_interval - loop.time())
             self._trim_pending = loop.call_later(wait, self._trim)
+        self._changed.set()
 
     def _trim(self) -> None:
         self._trim_pending = None
         loop = asyncio.get_running_loop()
         self._last_trim = loop.time()
         self.trims += 1
+        self.trimmed_at = [*self.trimmed_at[-3:], self._last_trim]
         loop.run_in_executor(None, release_memory)
+        self._changed.set()
 
 
 def freeze() -> None:
@@ -75,21 +93,3 @@ def freeze() -> None:
     process): later collections only walk newer objects."""
     gc.collect()
     gc.freeze()
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        return None
-    return trim  # type: ignore[no-any-return]
-
-
-_TRIM = _malloc_trim()
-
-
-def release_memory() -> None:
-    """Give the heap's free pages back to the OS (glibc's malloc_trim; elsewhere a no-op)."""
-    if _TRIM is not None:
-        _TRIM(0)

@@ -10,12 +10,12 @@ scratch memory is large, and the allocator would otherwise keep it for the proce
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from meshlm.common.memory import release_memory
 
 T = TypeVar("T")
 
@@ -49,21 +49,3 @@ def _trimmed(fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     finally:
         release_memory()
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc
-        return None
-    return trim  # type: ignore[no-any-return]
-
-
-_TRIM = _malloc_trim()
-
-
-def release_memory() -> None:
-    """Give the heap's free pages back to the OS (glibc; elsewhere a no-op)."""
-    if _TRIM is not None:
-        _TRIM(0)

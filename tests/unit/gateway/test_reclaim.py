@@ -3,26 +3,19 @@ none after small ones; malloc_trim at most once per interval."""
 
 from __future__ import annotations
 
-import asyncio
-
-from meshlm.gateway.reclaim import Reclaimer, release_memory
-
-
-async def _settle(reclaim: Reclaimer) -> None:
-    await asyncio.sleep(reclaim.delay * 3)
+from meshlm.gateway.reclaim import Reclaimer
 
 
 async def test_a_big_request_is_followed_by_one_collection() -> None:
-    reclaim = Reclaimer(big_bytes=1000, delay=0.01)
+    reclaim = Reclaimer(big_bytes=1000, delay=0.01, trim_interval=60)
     reclaim.after(999)
-    await _settle(reclaim)
-    assert reclaim.collections == 0
+    assert not reclaim.scheduled  # small: nothing to do
     for _ in range(5):  # several at once: one collection
         reclaim.after(1000)
-    await _settle(reclaim)
-    assert reclaim.collections == 1
+    await reclaim.reached(collections=1, trims=1)
+    assert reclaim.collections == 1 and not reclaim.scheduled
     reclaim.after(10**7)
-    await _settle(reclaim)
+    await reclaim.reached(collections=2)
     assert reclaim.collections == 2
 
 
@@ -42,23 +35,28 @@ async def test_a_cycle_holding_a_big_payload_is_freed() -> None:
     try:
         reclaim = Reclaimer(big_bytes=1, delay=0.01)
         reclaim.after(10**6)
-        await _settle(reclaim)
+        await reclaim.reached(collections=1)
         assert alive() is None
     finally:
         gc.enable()
 
 
 async def test_trims_are_spaced_out() -> None:
-    reclaim = Reclaimer(big_bytes=1, delay=0.01, trim_interval=0.2)
+    reclaim = Reclaimer(big_bytes=1, delay=0.01, trim_interval=60)
     reclaim.after(1)
-    await _settle(reclaim)
-    assert (reclaim.collections, reclaim.trims) == (1, 1)  # the first at once
+    await reclaim.reached(collections=1, trims=1)  # the first trim at once
     reclaim.after(1)
-    await _settle(reclaim)
-    assert (reclaim.collections, reclaim.trims) == (2, 1)  # the next one waits its turn
-    await asyncio.sleep(0.2)
-    assert reclaim.trims == 2
+    await reclaim.reached(collections=2)
+    assert reclaim.trims == 1  # the next one waits its turn, a whole interval after the first
+    due = reclaim.trim_due()
+    assert due is not None and due >= reclaim.trimmed_at[0] + 60
 
 
-def test_release_memory_is_harmless() -> None:
-    release_memory()
+async def test_a_waiting_trim_runs_once_its_interval_has_passed() -> None:
+    reclaim = Reclaimer(big_bytes=1, delay=0.01, trim_interval=0.05)
+    reclaim.after(1)
+    await reclaim.reached(collections=1, trims=1)
+    reclaim.after(1)
+    await reclaim.reached(collections=2, trims=2)
+    first, second = reclaim.trimmed_at
+    assert second - first >= 0.05

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from meshlm.tokenizer.workers import Workers, release_memory
+from meshlm.tokenizer.workers import Workers
 
 
 async def test_work_runs_off_the_event_loop() -> None:
@@ -52,7 +52,3 @@ async def test_failures_reach_the_caller() -> None:
                 raise AssertionError("no failure")
     finally:
         workers.close()
-
-
-def test_release_memory_is_harmless() -> None:
-    release_memory()

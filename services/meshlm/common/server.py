@@ -48,6 +48,23 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.so_reuseport", 0),
 ]
 
+# A public port's clients are on networks of any quality and hold idle connections for long:
+# ping them after 30 s of silence and give the answer 10 s (they may ping as the mesh does).
+PUBLIC_KEEPALIVE: dict[str, Any] = {
+    "grpc.keepalive_time_ms": 30_000,
+    "grpc.keepalive_timeout_ms": 10_000,
+    "grpc.http2.ping_timeout_ms": 10_000,
+}
+
+
+def server_options(public: bool = False, max_receive_bytes: int | None = None,
+                   ) -> list[tuple[str, Any]]:
+    """SERVER_OPTIONS, with PUBLIC_KEEPALIVE for a public port and its message limit."""
+    overrides: dict[str, Any] = {**PUBLIC_KEEPALIVE} if public else {}
+    if max_receive_bytes is not None:
+        overrides["grpc.max_receive_message_length"] = max_receive_bytes
+    return [(k, overrides.get(k, v)) for k, v in SERVER_OPTIONS]
+
 
 @dataclass
 class Binding:
@@ -62,16 +79,14 @@ class Binding:
 class GrpcServer:
     """A grpc.aio server with health (Check/Watch for "" and each service) and reflection.
     `interceptors` run before the tracing and error ones (the gateway's API-key check);
-    `max_receive_bytes` overrides the 64 MiB message limit (RESOURCE_EXHAUSTED past it);
-    requests are parsed innermost, so a malformed one is INVALID_ARGUMENT (common/parsing.py)."""
+    `public` is the gateway's public port: `max_receive_bytes` instead of the mesh's 64 MiB
+    message limit (RESOURCE_EXHAUSTED past it) and PUBLIC_KEEPALIVE; requests are parsed
+    innermost, so a malformed one is INVALID_ARGUMENT (common/parsing.py)."""
 
     def __init__(self, bindings: Sequence[Binding],
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 max_receive_bytes: int | None = None) -> None:
-        options = SERVER_OPTIONS
-        if max_receive_bytes is not None:  # a public port: grpc refuses bigger messages
-            options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
-            options.append(("grpc.max_receive_message_length", max_receive_bytes))
+                 public: bool = False, max_receive_bytes: int | None = None) -> None:
+        options = server_options(public, max_receive_bytes)
         self.server = grpc.aio.server(
             interceptors=[*interceptors, TracingInterceptor(), ErrorInterceptor(),
                           ParseInterceptor()],

@@ -190,7 +190,7 @@ async def serve(config: GatewayConfig) -> None:
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
                                  SglangServicer(api, reclaim), "sglang.runtime.v1.SglangService")],
                         interceptors=[ApiKeyInterceptor(keys)] if keys else [],
-                        max_receive_bytes=config.grpc_max_receive_bytes or None)
+                        public=True, max_receive_bytes=config.grpc_max_receive_bytes or None)
     public_creds = None
     if config.tls_cert:
         public_creds = server_credentials(config.tls_cert, config.tls_key,

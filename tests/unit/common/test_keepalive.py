@@ -22,7 +22,7 @@ from meshlm.common.channels import (
     PING_TIMEOUT_MS,
     ChannelPool,
 )
-from meshlm.common.server import SERVER_OPTIONS
+from meshlm.common.server import SERVER_OPTIONS, server_options
 from meshlm.launch.certs import ensure_dev_certs
 
 
@@ -115,3 +115,15 @@ async def test_an_idle_stream_lives_and_a_silent_peer_ends_it_within_the_bound(r
     took = time.monotonic() - frozen_at
     assert code == grpc.StatusCode.UNAVAILABLE
     assert took <= DOWN_BOUND, took
+
+
+def test_the_public_port_pings_its_clients_gently_and_keeps_its_own_message_limit() -> None:
+    mesh = dict(server_options())
+    public = dict(server_options(public=True, max_receive_bytes=1 << 20))
+    assert mesh["grpc.keepalive_time_ms"] <= 2_000 < public["grpc.keepalive_time_ms"]
+    assert public["grpc.keepalive_timeout_ms"] == public["grpc.http2.ping_timeout_ms"] == 10_000
+    assert public["grpc.max_receive_message_length"] == 1 << 20
+    assert mesh["grpc.max_receive_message_length"] == 64 << 20
+    # what the clients may do is the same on both: the mesh's 1 s pings are allowed anywhere
+    allowed = "grpc.http2.min_ping_interval_without_data_ms"
+    assert public[allowed] == mesh[allowed] and public.keys() == mesh.keys()

@@ -8,13 +8,13 @@ from __future__ import annotations
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 
 import grpc
 import httpx
 import pytest
 import redis
-from helpers import Stream, collect_text, mesh_redis, own_mesh, text_request, wait_until
+from helpers import Stream, collect_text, text_request, wait_until
+from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 
 from meshlm.gateway.registry import key
 from meshlm.launch.mesh import Mesh
@@ -22,26 +22,6 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 FAULT_BOUND = 2.0  # seconds from a kill to the end of the requests it held
-
-
-@pytest.fixture(scope="module")
-def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    replicas = {"tokenizer": 2, "scheduler": 2, "detokenizer": 2}
-    with own_mesh(tmp_path_factory.mktemp("faults"), replicas=replicas) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def stub(mesh2: Mesh) -> Iterator[sglang_pb2_grpc.SglangServiceStub]:
-    with grpc.insecure_channel(mesh2.addresses.gateway_grpc) as ch:
-        yield sglang_pb2_grpc.SglangServiceStub(ch)
-
-
-@pytest.fixture(scope="module")
-def registry(mesh2: Mesh) -> Iterator[redis.Redis]:
-    client = mesh_redis(mesh2)
-    yield client
-    client.close()
 
 
 def replica(mesh2: Mesh, role: str, index: int) -> str:

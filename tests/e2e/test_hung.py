@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,82 +17,20 @@ from contextlib import contextmanager
 import grpc
 import pytest
 import redis
-from helpers import collect_text, mesh_credentials, mesh_redis, own_mesh, text_request, wait_until
+from helpers import (
+    Stream,
+    collect_text,
+    mesh_credentials,
+    text_request,
+    wait_until,
+)
+from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 
 from meshlm.common.channels import DOWN_BOUND
 from meshlm.gateway.registry import key
 from meshlm.launch.mesh import Mesh
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
-from sglang.runtime.v1 import sglang_pb2_grpc
-
-LONG = 1900  # tokens: far more than a test waits for
-
-
-@pytest.fixture(scope="module")
-def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
-    replicas = {"tokenizer": 2, "scheduler": 2, "detokenizer": 2}
-    with own_mesh(tmp_path_factory.mktemp("hung"), replicas=replicas) as m:
-        yield m
-
-
-@pytest.fixture(scope="module")
-def stub(mesh2: Mesh) -> Iterator[sglang_pb2_grpc.SglangServiceStub]:
-    with grpc.insecure_channel(mesh2.addresses.gateway_grpc) as ch:
-        yield sglang_pb2_grpc.SglangServiceStub(ch)
-
-
-@pytest.fixture(scope="module")
-def registry(mesh2: Mesh) -> Iterator[redis.Redis]:
-    client = mesh_redis(mesh2)
-    yield client
-    client.close()
-
-
-class Stream:
-    """A streaming request drained in a thread; records how and when it ended."""
-
-    def __init__(self, stub, text: str, *, dp_rank: int | None = None,
-                 max_new_tokens: int = LONG) -> None:
-        self.rid = f"h-{uuid.uuid4().hex[:10]}"
-        req = text_request(text, rid=self.rid, max_new_tokens=max_new_tokens, ignore_eos=True)
-        if dp_rank is not None:
-            req.routed_dp_rank = dp_rank
-        self.call = stub.TextGenerate(req, timeout=120)
-        self.messages: list[pb.TextGenerateResponse] = []
-        self.error: grpc.RpcError | None = None
-        self.ended_at = 0.0
-        self.started = threading.Event()  # its first message arrived (or it ended)
-        self.thread = threading.Thread(target=self._drain, daemon=True)
-        self.thread.start()
-
-    def _drain(self) -> None:
-        try:
-            for message in self.call:
-                self.messages.append(message)
-                self.started.set()
-        except grpc.RpcError as e:
-            self.error = e
-        self.ended_at = time.monotonic()
-        self.started.set()
-
-    def running(self) -> Stream:
-        """Wait for its first message: it is past the tokenizer and being generated."""
-        assert self.started.wait(60), f"{self.rid}: no first message"
-        assert self.error is None, (self.rid, self.error)
-        return self
-
-    def join(self, timeout: float = 60) -> Stream:
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), f"{self.rid}: the stream is hanging"
-        return self
-
-    @property
-    def finished(self) -> bool:
-        return self.error is None and bool(self.messages) and self.messages[-1].finished
-
-    def code(self) -> grpc.StatusCode | None:
-        return self.error.code() if self.error is not None else None
 
 
 @contextmanager
@@ -149,8 +86,8 @@ def busy(mesh2: Mesh, address: str) -> int:
 
 def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
     victim, other = mesh2.replicas("scheduler")
-    doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0).running() for i in range(3)]
-    spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300).running()
+    doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0) for i in range(3)]
+    spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300)
               for i in range(2)]
     with stopped(mesh2, victim.name) as stopped_at:
         assert_ended_unavailable_in_time(doomed, stopped_at, "scheduler")
@@ -181,7 +118,7 @@ def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
 
 
 def test_detokenizer_stopped_mid_stream(mesh2, stub, registry):
-    streams = [Stream(stub, f"detok {i} {uuid.uuid4().hex}").running() for i in range(6)]
+    streams = [Stream(stub, f"detok {i} {uuid.uuid4().hex}") for i in range(6)]
     victim = mesh2.replicas("detokenizer")[0]
     by_route = {s.rid: record(registry, s.rid)["detokenizer"] for s in streams}
     doomed = [s for s in streams if by_route[s.rid] == victim.address]
@@ -209,7 +146,7 @@ def test_detokenizer_stopped_mid_stream(mesh2, stub, registry):
 
 
 def test_tokenizer_stopped(mesh2, stub, registry):
-    running_streams = [Stream(stub, f"tok {i}", max_new_tokens=200).running() for i in range(4)]
+    running_streams = [Stream(stub, f"tok {i}", max_new_tokens=200) for i in range(4)]
     victim = mesh2.replicas("tokenizer")[0]
     with stopped(mesh2, victim.name) as stopped_at:
         # Round robin over both tokenizers: one of two new requests waits in the stopped one.

@@ -67,7 +67,9 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, unary: UnaryWrapper,
     )
 
 
-class _WrappingInterceptor(grpc.aio.ServerInterceptor):
+class HandlerInterceptor(grpc.aio.ServerInterceptor):
+    """An interceptor that hands every method's handler to `rewrap` (None: no such method)."""
+
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
@@ -75,7 +77,15 @@ class _WrappingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        return _wrap(handler, handler_call_details.method, self.unary, self.stream)
+        return self.rewrap(handler, handler_call_details.method)
+
+    def rewrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+
+class _WrappingInterceptor(HandlerInterceptor):
+    def rewrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return _wrap(handler, method, self.unary, self.stream)
 
     async def unary(self, method: str, behavior: Behavior, request: Any,
                     context: grpc.aio.ServicerContext) -> Any:

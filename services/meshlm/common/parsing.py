@@ -12,13 +12,13 @@ turn into the status, like any other refusal. Each refused message logs one line
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
 
 from meshlm.common.errors import MeshError
-from meshlm.common.interceptors import FACTORIES, behavior_of
+from meshlm.common.interceptors import FACTORIES, HandlerInterceptor, behavior_of
 from meshlm.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -101,14 +101,8 @@ def parsing_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMeth
     )
 
 
-class ParseInterceptor(grpc.aio.ServerInterceptor):
+class ParseInterceptor(HandlerInterceptor):
     """Install last (innermost), after the ErrorInterceptor that maps its MeshError."""
 
-    async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        return parsing_handler(handler, handler_call_details.method)
+    def rewrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        return parsing_handler(handler, method)

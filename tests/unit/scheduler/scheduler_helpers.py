@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
+from meshlm.v1 import detokenizer_pb2
 
 EOS = 2
 
@@ -111,3 +113,40 @@ def reference_greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
         out.append(token)
         ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
     return out
+
+
+class Outputs:
+    """Stands in for the scheduler's stream pool to the detokenizers: collects every output."""
+
+    def __init__(self) -> None:
+        self.items: list[detokenizer_pb2.TokenOutput] = []
+        self.news = asyncio.Event()
+
+    def get(self, address: str) -> Outputs:
+        return self
+
+    async def put(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
+        self.put_nowait(items)
+
+    def put_nowait(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
+        self.items.extend(items)
+        self.news.set()
+
+    def of(self, rid: str) -> list[detokenizer_pb2.TokenOutput]:
+        return [o for o in self.items if o.rid == rid]
+
+    async def until(self, predicate: Callable[[], bool], timeout: float = 30) -> None:
+        """Wait until `predicate()` holds, checked after every put."""
+        async def wait() -> None:
+            while not predicate():
+                self.news.clear()
+                await self.news.wait()
+        await asyncio.wait_for(wait(), timeout)
+
+    async def finished(self, rids: set[str]) -> dict[str, list[detokenizer_pb2.TokenOutput]]:
+        """Wait until every rid has finished; its outputs by rid."""
+        await self.until(lambda: rids <= {o.rid for o in self.items if o.finished})
+        by_rid: dict[str, list[detokenizer_pb2.TokenOutput]] = {}
+        for o in self.items:
+            by_rid.setdefault(o.rid, []).append(o)
+        return by_rid

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from scheduler_helpers import run_all
+from scheduler_helpers import Outputs, run_all
 from scheduler_helpers import tokens_of as engine_tokens
 from test_policy import FakeRunner, PolicyMachine, make, params, prompt, shape, tokens_of
-from test_server import Outputs, _prompt, _request, _submit
+from test_server import _prompt, _request, _submit
 
 from meshlm.common.errors import MeshError
 from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput

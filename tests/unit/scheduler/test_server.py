@@ -12,38 +12,10 @@ from typing import Any
 
 import grpc
 import pytest
-from scheduler_helpers import write_checkpoint
+from scheduler_helpers import Outputs, write_checkpoint
 
 from meshlm.scheduler.server import SchedulerServicer
-from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
-
-
-class Outputs:
-    """Stands in for the stream pool to the detokenizers: collects every output."""
-
-    def __init__(self) -> None:
-        self.items: list[detokenizer_pb2.TokenOutput] = []
-        self.news = asyncio.Event()
-
-    def get(self, address: str) -> Outputs:
-        return self
-
-    async def put(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
-        self.put_nowait(items)
-
-    def put_nowait(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
-        self.items.extend(items)
-        self.news.set()
-
-    async def finished(self, rids: set[str]) -> dict[str, list[detokenizer_pb2.TokenOutput]]:
-        """Wait until every rid has finished; its outputs by rid."""
-        while not rids <= {o.rid for o in self.items if o.finished}:
-            self.news.clear()
-            await asyncio.wait_for(self.news.wait(), 30)
-        by_rid: dict[str, list[detokenizer_pb2.TokenOutput]] = {}
-        for o in self.items:
-            by_rid.setdefault(o.rid, []).append(o)
-        return by_rid
+from meshlm.v1 import common_pb2, scheduler_pb2
 
 
 @pytest.fixture

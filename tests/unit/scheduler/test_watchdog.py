@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from scheduler_helpers import Outputs
 
 from meshlm.common.channels import DOWN_BOUND
 from meshlm.scheduler.server import SchedulerServicer
@@ -86,34 +87,6 @@ def test_the_pause_clock_reports_the_longest_gap_between_its_ticks_once():
 
 
 # -- the scheduler ---------------------------------------------------------------------------
-
-
-class Outputs:
-    """Stands in for the stream pool to the detokenizers: collects every output."""
-
-    def __init__(self) -> None:
-        self.items: list[detokenizer_pb2.TokenOutput] = []
-        self.news = asyncio.Event()
-
-    def get(self, address: str) -> Outputs:
-        return self
-
-    async def put(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
-        self.put_nowait(items)
-
-    def put_nowait(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
-        self.items.extend(items)
-        self.news.set()
-
-    def of(self, rid: str) -> list[detokenizer_pb2.TokenOutput]:
-        return [o for o in self.items if o.rid == rid]
-
-    async def until(self, predicate: Any, timeout: float = 30) -> None:
-        async def wait() -> None:
-            while not predicate():
-                self.news.clear()
-                await self.news.wait()
-        await asyncio.wait_for(wait(), timeout)
 
 
 class Health:

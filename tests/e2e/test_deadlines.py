@@ -12,7 +12,7 @@ import httpx
 import pytest
 from helpers import mesh_credentials, mesh_redis, scheduler_load, text_request, wait_until
 
-from meshlm.gateway.registry import key
+from meshlm.gateway.mesh.registry import key
 
 LONG = {"max_new_tokens": 1900, "ignore_eos": True}  # far longer than any deadline below
 

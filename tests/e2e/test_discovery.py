@@ -16,7 +16,7 @@ import redis
 from helpers import collect_text, mesh_redis, own_mesh, text_request, wait_until
 
 from meshlm.common.announce import members_key
-from meshlm.gateway.registry import key
+from meshlm.gateway.mesh.registry import key
 from meshlm.launch.dns_server import LoopbackDns
 from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb

@@ -16,7 +16,7 @@ import redis
 from helpers import Stream, collect_text, text_request, wait_until
 from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 
-from meshlm.gateway.registry import key
+from meshlm.gateway.mesh.registry import key
 from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc

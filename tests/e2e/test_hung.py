@@ -27,7 +27,7 @@ from helpers import (
 from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 
 from meshlm.common.channels import DOWN_BOUND
-from meshlm.gateway.registry import key
+from meshlm.gateway.mesh.registry import key
 from meshlm.launch.mesh import Mesh
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb

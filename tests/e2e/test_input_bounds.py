@@ -19,7 +19,7 @@ import orjson
 import pytest
 from helpers import mesh_credentials, scheduler_load, text_request, wait_until
 
-from meshlm.gateway.bounds import DEFAULT_BODY_BYTES, PROMPT_CHARS_PER_TOKEN
+from meshlm.gateway.protocol.bounds import DEFAULT_BODY_BYTES, PROMPT_CHARS_PER_TOKEN
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc as pb_grpc
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from helpers import TWO_OF_EACH, mesh_redis, own_mesh, text_request, wait_until
 
-from meshlm.gateway.registry import KEY_PREFIX
+from meshlm.gateway.mesh.registry import KEY_PREFIX
 from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2_grpc
 

@@ -22,7 +22,7 @@ from helpers import (
     wait_until,
 )
 
-from meshlm.gateway.registry import key
+from meshlm.gateway.mesh.registry import key
 from meshlm.launch.mesh import Mesh
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb

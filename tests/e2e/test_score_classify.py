@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from meshlm.common.default_model import PAD_TOKEN, ensure_default_model
-from meshlm.gateway.openai.scoring import RERANK_PROMPT
+from meshlm.gateway.api.scoring import RERANK_PROMPT
 from meshlm.launch.mesh import Mesh, MeshOptions
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc

@@ -26,7 +26,7 @@ import redis
 from helpers import Stream, collect_text, text_request, wait_until
 
 from meshlm.common.default_model import ensure_default_model
-from meshlm.gateway.registry import key
+from meshlm.gateway.mesh.registry import key
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 FAULT_BOUND = 2.0    # seconds from a kill to the end of the requests the victim held

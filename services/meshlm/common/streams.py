@@ -32,7 +32,7 @@ class BatchedStream(Generic[T]):
 
     When the call fails, what is still queued is dropped, not kept for the next connection:
     the owners of those requests learn of the dead peer from its health
-    (gateway/dependencies.py) and have ended them already, so a restarted peer must not start
+    (gateway/mesh/dependencies.py) and have ended them already, so a restarted peer must not start
     work nobody waits for. Items already handed to the failed call are lost the same way.
 
     So a call is opened only on a READY channel. After a peer restarts, its channel stays in

@@ -28,20 +28,20 @@ from meshlm.common.service import ServiceConfig, advertised, start_metrics
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import Periodic
 from meshlm.common.tls import MeshTLS, server_credentials
-from meshlm.gateway.api import GatewayAPI
-from meshlm.gateway.auth import ApiKeyInterceptor, ApiKeys
-from meshlm.gateway.bounds import DEFAULT_BODY_BYTES, DEFAULT_GRPC_RECEIVE_BYTES, Bounds
-from meshlm.gateway.dependencies import ROLES, Dependencies
-from meshlm.gateway.discovery import Discovery
-from meshlm.gateway.http_app import build_http_app
-from meshlm.gateway.inbox import InboxServicer, RequestTable
-from meshlm.gateway.info import GatewayIdentity
-from meshlm.gateway.membership import split_entries
-from meshlm.gateway.reclaim import Reclaimer, freeze
-from meshlm.gateway.registry import RidRegistry
-from meshlm.gateway.replicas import Replicas
-from meshlm.gateway.servicer import SglangServicer
-from meshlm.gateway.weights import FOLLOW_INTERVAL
+from meshlm.gateway.api.generation import GatewayAPI
+from meshlm.gateway.api.info import GatewayIdentity
+from meshlm.gateway.api.weights import FOLLOW_INTERVAL
+from meshlm.gateway.front.auth import ApiKeyInterceptor, ApiKeys
+from meshlm.gateway.front.http_app import build_http_app
+from meshlm.gateway.front.reclaim import Reclaimer, freeze
+from meshlm.gateway.front.servicer import SglangServicer
+from meshlm.gateway.mesh.dependencies import ROLES, Dependencies
+from meshlm.gateway.mesh.discovery import Discovery
+from meshlm.gateway.mesh.inbox import InboxServicer, RequestTable
+from meshlm.gateway.mesh.membership import split_entries
+from meshlm.gateway.mesh.registry import RidRegistry
+from meshlm.gateway.mesh.replicas import Replicas
+from meshlm.gateway.protocol.bounds import DEFAULT_BODY_BYTES, DEFAULT_GRPC_RECEIVE_BYTES, Bounds
 from meshlm.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2_grpc
 

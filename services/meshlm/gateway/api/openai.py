@@ -1,0 +1,299 @@
+"""The OpenAI-shaped SglangService RPCs, mixed into GatewayAPI, and the one implementation
+that they and the HTTP routes (`front/openai_routes.py`) share.
+
+`chat_chunks`, `completion_chunks` and `embedding_response` take a parsed request
+(`protocol/openai.py`), turn each prompt into a public Generate/TextGenerate/TextEmbed request
+checked by the gateway's own validation, run it through the gateway's generation path
+(`GatewayAPI._generate`: n > 1 fan-out, logprobs, abort when the caller goes away) and fold
+the updates into OpenAI's shapes (`protocol/openai_responses.py`). A chat conversation is
+rendered to token ids by a tokenizer (`Tokenizer.ApplyChatTemplate`, the checkpoint's template); the gateway never
+renders templates itself.
+
+Streams of OpenAIStreamChunk: not streaming, one chunk holding the whole response; streaming,
+one chunk per OpenAI stream chunk. The last chunk has `finished` set. Errors are MeshErrors whose
+messages name the fields as the client wrote them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import orjson
+
+from meshlm.common import deadline
+from meshlm.common.errors import MeshError
+from meshlm.common.rpc import CallContext
+from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.protocol.bounds import text_chars
+from meshlm.gateway.protocol.openai import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+    public_request,
+)
+from meshlm.gateway.protocol.openai_errors import model_not_found, renamed
+from meshlm.gateway.protocol.openai_logprobs import dumps
+from meshlm.gateway.protocol.openai_responses import (
+    Answer,
+    ChatAnswer,
+    CompletionAnswer,
+    embedding_body,
+)
+from meshlm.gateway.protocol.validation import (
+    Limits,
+    ValidatedRequest,
+    check_batch,
+    check_prompt_chars,
+    validate_embed,
+    validate_generate,
+    validate_text_embed,
+    validate_text_generate,
+)
+from meshlm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+if TYPE_CHECKING:
+    from meshlm.gateway.api.info import GatewayIdentity
+
+R = TypeVar("R")
+T = TypeVar("T")
+Generation = tuple[Update, dict[str, str]]
+Chunks = AsyncGenerator[pb.OpenAIStreamChunk, None]
+
+
+
+class Gateway(Protocol):
+    """What the OpenAI layer uses of GatewayAPI."""
+
+    @property
+    def identity(self) -> GatewayIdentity: ...
+
+    async def _limits(self) -> Limits: ...
+
+    def _generate(self, v: ValidatedRequest) -> AsyncIterator[Generation]: ...
+
+    async def _embed(self, v: ValidatedRequest) -> Generation: ...
+
+    def _tokenizer_stub(self) -> tokenizer_pb2_grpc.TokenizerStub: ...
+
+    async def _call(self, call: Awaitable[R]) -> R: ...
+
+
+class OpenAIRPCs:
+    """ChatComplete, Complete, OpenAIEmbed: OpenAI JSON in `json_body`, answered in OpenAI's
+    shapes (streamed as OpenAIStreamChunk)."""
+
+    async def ChatComplete(self: Gateway, req: pb.OpenAIRequest,
+                           ctx: CallContext) -> AsyncIterator[pb.OpenAIStreamChunk]:
+        async for chunk in chat_chunks(self, parse_chat(req.json_body)):
+            yield chunk
+
+    async def Complete(self: Gateway, req: pb.OpenAIRequest,
+                       ctx: CallContext) -> AsyncIterator[pb.OpenAIStreamChunk]:
+        async for chunk in completion_chunks(self, parse_completion(req.json_body)):
+            yield chunk
+
+    async def OpenAIEmbed(self: Gateway, req: pb.OpenAIRequest,
+                          ctx: CallContext) -> pb.OpenAIResponse:
+        """status_code is the HTTP status of the same request on /v1/embeddings (200: failures
+        are the call's gRPC status)."""
+        body = await embedding_response(self, parse_embedding(req.json_body))
+        return pb.OpenAIResponse(json_body=body, status_code=200)
+
+
+# ---- the shared implementation ---------------------------------------------------------------
+
+
+async def chat_chunks(gw: Gateway, req: ChatRequest) -> Chunks:
+    limits = await gw._limits()
+    model = _served(gw, req.model)
+    check_batch(req.n, limits.max_batch, "n")
+    # The conversation's text, before a tokenizer renders and encodes it.
+    check_prompt_chars(text_chars(req.messages), limits, "messages")
+    reply = await gw._call(gw._tokenizer_stub().ApplyChatTemplate(
+        tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(req.messages).decode(),
+                                          add_generation_prompt=True),
+        timeout=deadline.timeout()))
+    tokens = list(reply.tokens)
+    # OpenAI's default: whatever room the context leaves.
+    room = max(limits.max_model_len - len(tokens), 1)
+    v = _validated(public_request(req, tokens, max_new_tokens=room), limits, req.names)
+    answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
+                        stream=req.stream, include_usage=req.include_usage,
+                        top_logprobs=req.top_logprobs)
+    async for chunk in _answer(gw, req, [(v, req.names)], answer):
+        yield chunk
+
+
+async def completion_chunks(gw: Gateway, req: CompletionRequest) -> Chunks:
+    limits = await gw._limits()
+    model = _served(gw, req.model)
+    check_batch(len(req.prompts) * req.n, limits.max_batch, "prompt")
+    runs = []
+    for i, prompt in enumerate(req.prompts):
+        key = f"prompt[{i}]" if req.batch else "prompt"
+        names = {**req.names, "text": key, "input_ids": key, "logprob_start_len": key}
+        runs.append((_validated(public_request(req, prompt), limits, names), names))
+    echo = None
+    if req.echo:
+        echo = await asyncio.gather(*(_prompt_text(gw, p) for p in req.prompts))
+    answer = CompletionAnswer(model=model, created=int(time.time()), n=req.n,
+                              prompts=len(runs), stream=req.stream,
+                              include_usage=req.include_usage, top_logprobs=req.top_logprobs,
+                              echo=echo)
+    async for chunk in _answer(gw, req, runs, answer):
+        yield chunk
+
+
+async def embedding_response(gw: Gateway, req: EmbeddingRequest) -> bytes:
+    limits = await gw._limits()
+    model = _served(gw, req.model)
+    check_batch(len(req.inputs), limits.max_batch, "input")
+    runs = []
+    for i, item in enumerate(req.inputs):
+        key = f"input[{i}]" if len(req.inputs) > 1 else "input"
+        names = {"text": key, "input_ids": key}
+        try:
+            v = (validate_text_embed(pb.TextEmbedRequest(text=item), limits)
+                 if isinstance(item, str)
+                 else validate_embed(pb.EmbedRequest(input_ids=item), limits))
+        except MeshError as e:
+            raise renamed(e, names) from None
+        runs.append((v, names))
+    results = await _all([_renaming(gw._embed(v), names) for v, names in runs])
+    vectors = [update.embedding or [] for update, _ in results]
+    prompt_tokens = sum(update.prompt_tokens for update, _ in results)
+    return dumps(embedding_body(model, vectors, prompt_tokens, base64=req.base64))
+
+
+def _served(gw: Gateway, model: str | None) -> str:
+    """The served model's name; NOT_FOUND for any other."""
+    served = gw.identity.served_model_name
+    if model is not None and model != served:
+        raise model_not_found(model, served)
+    return served
+
+
+def _validated(public: pb.TextGenerateRequest | pb.GenerateRequest, limits: Limits,
+               names: dict[str, str]) -> ValidatedRequest:
+    """The gateway's validation of one prompt's public request; always answering with text."""
+    try:
+        if isinstance(public, pb.TextGenerateRequest):
+            return validate_text_generate(public, limits)
+        v = validate_generate(public, limits)
+    except MeshError as e:
+        raise renamed(e, names) from None
+    v.return_text = True
+    return v
+
+
+async def _prompt_text(gw: Gateway, prompt: str | list[int]) -> str:
+    """A prompt as text (echo): token ids are decoded, special tokens kept."""
+    if isinstance(prompt, str):
+        return prompt
+    reply = await gw._call(gw._tokenizer_stub().Detokenize(
+        tokenizer_pb2.DetokenizeRequest(tokens=prompt, skip_special_tokens=False),
+        timeout=deadline.timeout()))
+    return reply.text
+
+
+async def _answer(gw: Gateway, req: GenerationRequest,
+                  runs: list[tuple[ValidatedRequest, dict[str, str]]],
+                  answer: Answer) -> Chunks:
+    """Run every prompt through the gateway and fold their updates into `answer`'s chunks."""
+    streams = [_renaming_stream(gw._generate(v), names) for v, names in runs]
+    async for prompt, (update, meta) in _merged(streams):
+        chunks = answer.add(prompt, update, meta)
+        for i, chunk in enumerate(chunks):
+            last = answer.done and i == len(chunks) - 1 and not req.include_usage
+            yield pb.OpenAIStreamChunk(json_chunk=dumps(chunk), finished=last)
+    if not req.stream:
+        yield pb.OpenAIStreamChunk(json_chunk=dumps(answer.response()), finished=True)
+    elif req.include_usage:
+        yield pb.OpenAIStreamChunk(json_chunk=dumps(answer.usage_chunk()), finished=True)
+
+
+# ---- streams ---------------------------------------------------------------------------------
+
+
+async def _renaming(call: Awaitable[R], names: dict[str, str]) -> R:
+    try:
+        return await call
+    except MeshError as e:
+        raise renamed(e, names) from None
+
+
+async def _renaming_stream(stream: AsyncIterator[T], names: dict[str, str]) -> AsyncIterator[T]:
+    """`stream` with its failure in the client's field names (e.g. the tokenizer's context
+    check); closing this closes `stream`, which ends its request in the mesh."""
+    try:
+        async for item in stream:
+            yield item
+    except MeshError as e:
+        raise renamed(e, names) from None
+    finally:
+        await _close(stream)
+
+
+async def _close(stream: AsyncIterator[Any]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def _merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as they come, each with its stream's position. The first
+    failure ends it; ending it early (or failing) cancels the other streams, which aborts
+    their requests."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await _close(streams[0])
+        return
+    queue: asyncio.Queue[tuple[int, T] | Exception | None] = asyncio.Queue(len(streams))
+
+    async def pump(position: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((position, item))
+        except Exception as e:
+            await queue.put(e)
+        else:
+            await queue.put(None)
+        finally:
+            await _close(stream)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            got = await queue.get()
+            if got is None:
+                running -= 1
+            elif isinstance(got, Exception):
+                raise got
+            else:
+                yield got
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _all(calls: list[Coroutine[Any, Any, R]]) -> list[R]:
+    """Every call's result, run concurrently; the first failure cancels the rest."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()

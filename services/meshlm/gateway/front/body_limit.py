@@ -1,0 +1,97 @@
+"""The HTTP body bound (`--http-max-body-bytes`): an ASGI middleware in front of every route.
+
+A body over the limit is answered 413 before it is read: at once when its Content-Length says
+so, else as soon as the chunks received (a chunked upload) pass the limit; what was received is
+dropped. A body within it is read here and handed to the app in one piece, so no route ever
+holds more than the limit. After a 413 the server reads and discards the rest of the upload
+(uvicorn does), so a client that sends its whole body first still gets the answer. Once a big
+body's request is over, its memory is reclaimed (`front/reclaim.py`).
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from meshlm.common.logs import get_logger
+from meshlm.gateway.front.reclaim import Reclaimer
+
+log = get_logger(__name__)
+
+FLAG = "--http-max-body-bytes"
+ENV = "MESHLM_HTTP_MAX_BODY_BYTES"
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, limit: int, reclaim: Reclaimer | None = None) -> None:
+        self.app = app
+        self.limit = limit  # bytes; 0 or less: no limit
+        self.reclaim = reclaim or Reclaimer()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.limit <= 0:
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.limit:
+            await self._refuse(scope, send, declared, "content-length")
+            return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees it
+                await self.app(scope, _replay(message, receive), send)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                chunks.clear()
+                await self._refuse(scope, send, size, "received")
+                self.reclaim.after(size)
+                return
+            if chunk:
+                chunks.append(chunk)
+            more = message.get("more_body", False)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        chunks.clear()
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.reclaim.after(size)
+
+    async def _refuse(self, scope: Scope, send: Send, size: int, how: str) -> None:
+        """413 with a native error body naming the limit and how to raise it."""
+        log.info("http_body_too_large", path=scope.get("path", ""), limit=self.limit,
+                 bytes=size, by=how)
+        message = (f"request body: {'declared ' if how == 'content-length' else 'over '}"
+                   f"{size} bytes, more than this gateway's limit of {self.limit} bytes "
+                   f"(raise it with {FLAG} or {ENV})")
+        payload = orjson.dumps({"error": {"message": message, "code": 413,
+                                          "type": "RESOURCE_EXHAUSTED"}})
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the server's parser refuses it; count what arrives instead
+    return None
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """A receive that gives `first`, then what the server gives (a disconnect, later)."""
+    pending: list[Message] = [first]
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replayed

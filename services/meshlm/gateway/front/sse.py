@@ -1,0 +1,159 @@
+"""SGLang-native /generate and /encode output: api messages folded into SGLang's JSON, and SSE
+framing.
+
+SGLang's /generate answers {"text", "output_ids", "meta_info"}; when streaming, every
+Server-Sent Event carries the same shape with the text and ids so far (cumulative), and the
+stream ends with `data: [DONE]`. The api streams deltas (TextGenerateResponse.text,
+GenerateResponse.output_ids) with meta_info as strings; `NativeOutput` accumulates them, the
+logprob lists included (real JSON arrays here, cumulative like the text). With n > 1 samples
+(`NativeChoices`) each sample is one such object with an "index": a JSON list of n of them, or
+events for each sample in turn as its news arrives. A batch of prompts answers the same way,
+the prompts' samples numbered one after another. /encode answers {"embedding", "meta_info"}.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from meshlm.common.errors import MeshError
+from meshlm.gateway.protocol.logprob_meta import LOGPROB_KEYS
+from sglang.runtime.v1 import sglang_pb2
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+_COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+_CONSUMED = {"id", "index", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency",
+             *_COUNTS, *LOGPROB_KEYS}
+
+GenerateMessage = sglang_pb2.TextGenerateResponse | sglang_pb2.GenerateResponse
+EmbedMessage = sglang_pb2.TextEmbedResponse | sglang_pb2.EmbedResponse
+
+
+def sse_event(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def native_error(err: MeshError) -> dict[str, Any]:
+    """SGLang/OpenAI-style error body: {"error": {"message", "code": <HTTP>, "type": <gRPC>}}."""
+    return {"error": {"message": err.message, "code": err.http_status, "type": err.code.name}}
+
+
+class NativeOutput:
+    """Accumulates one request's response stream into SGLang's /generate shape.
+
+    Text is reported for text requests only. Ids are reported when the response type carries
+    them (GenerateResponse; TextGenerateResponse has no output_ids field in the public proto).
+    """
+
+    def __init__(self, *, return_text: bool, max_new_tokens: int, started: float,
+                 index: int | None = None) -> None:
+        self.index = index  # the sample's index when the request asked for n > 1
+        self.return_text = return_text
+        self.max_new_tokens = max_new_tokens
+        self.started = started  # time.monotonic() when the HTTP request arrived
+        self.text = ""
+        self.output_ids: list[int] | None = None
+        self.meta: dict[str, str] = {}
+        self.logprobs: dict[str, list[Any]] = {}
+        self.finished = False
+
+    def add(self, message: GenerateMessage) -> None:
+        if isinstance(message, sglang_pb2.TextGenerateResponse):
+            self.text += message.text
+        ids = getattr(message, "output_ids", None)  # absent from TextGenerateResponse
+        if ids is not None:
+            if self.output_ids is None:
+                self.output_ids = []
+            self.output_ids.extend(ids)
+        self.meta.update(message.meta_info)
+        for key in LOGPROB_KEYS:
+            if key in message.meta_info:
+                self.logprobs.setdefault(key, []).extend(orjson.loads(message.meta_info[key]))
+        self.finished = self.finished or message.finished
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.return_text:
+            out["text"] = self.text
+        if self.output_ids is not None:
+            out["output_ids"] = self.output_ids
+        out["meta_info"] = self._meta_info()
+        if self.index is not None:
+            out["index"] = self.index
+        return out
+
+    def _meta_info(self) -> dict[str, Any]:
+        meta = self.meta
+        info: dict[str, Any] = {"id": meta.get("id", "")}
+        info["finish_reason"] = self._finish_reason() if self.finished else None
+        for key in _COUNTS:
+            info[key] = _int(meta.get(key, "0"))
+        info["e2e_latency"] = round(time.monotonic() - self.started, 6)
+        for key, value in meta.items():
+            if key not in _CONSUMED:
+                info[key] = value
+        info.update(self.logprobs)
+        return info
+
+    def _finish_reason(self) -> dict[str, Any] | None:
+        kind = self.meta.get("finish_reason")
+        if not kind:
+            return None
+        reason: dict[str, Any] = {"type": kind}
+        matched = self.meta.get("matched_stop")
+        if matched is not None:
+            token = self.meta.get("matched_stop_type") == "token"
+            reason["matched"] = _int(matched) if token else matched
+        if kind == "length":
+            reason["length"] = self.max_new_tokens
+        return reason
+
+
+class NativeChoices:
+    """The n samples of one /generate prompt, each a NativeOutput, found by the messages'
+    meta_info["index"]. n == 1 outside a batch: one object without an index, as SGLang
+    answers; otherwise each sample carries "index" = `offset` + its sample number (a batch's
+    prompts take consecutive ranges of indices)."""
+
+    def __init__(self, n: int, *, return_text: bool, max_new_tokens: int,
+                 started: float, offset: int = 0, indexed: bool = False) -> None:
+        self.indexed = indexed or n > 1
+        self.outputs = [NativeOutput(return_text=return_text, max_new_tokens=max_new_tokens,
+                                     started=started,
+                                     index=offset + i if self.indexed else None)
+                        for i in range(n)]
+
+    def add(self, message: GenerateMessage) -> NativeOutput:
+        """Fold in one message; returns the sample it belongs to."""
+        index = _int(message.meta_info.get("index", "0"))
+        out = self.outputs[index if isinstance(index, int) else 0]
+        out.add(message)
+        return out
+
+    def dicts(self) -> list[dict[str, Any]]:
+        return [out.to_dict() for out in self.outputs]
+
+    def to_json(self) -> Any:
+        if not self.indexed:
+            return self.outputs[0].to_dict()
+        return self.dicts()
+
+
+def native_embedding(message: EmbedMessage, started: float) -> dict[str, Any]:
+    """An Embed/TextEmbed reply in /encode's shape."""
+    meta = message.meta_info
+    info: dict[str, Any] = {"id": meta.get("id", ""), "finish_reason": {"type": "stop"}}
+    for key in ("prompt_tokens", "cached_tokens"):
+        info[key] = _int(meta.get(key, "0"))
+    info["e2e_latency"] = round(time.monotonic() - started, 6)
+    return {"embedding": list(message.embedding), "meta_info": info}
+
+
+def _int(value: str) -> int | str:
+    try:
+        return int(value)
+    except ValueError:
+        return value

@@ -1,0 +1,59 @@
+"""Where a replica joins and leaves this gateway, in one place: its health watcher
+(`Dependencies`), its channel, and for a tokenizer the Submit stream that requests go out on
+(kept in the dict that `GatewayAPI.submit` is, so the API sees streams come and go)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from meshlm.common.channels import ChannelPool
+from meshlm.common.streams import BatchedStream
+from meshlm.gateway.mesh.dependencies import Dependencies
+from meshlm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+SubmitStreams = dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]]
+
+
+class Replicas:
+    def __init__(self, deps: Dependencies, channels: ChannelPool, submit: SubmitStreams,
+                 on_rejections: Callable[[tokenizer_pb2.RejectionBatch], None]) -> None:
+        self.deps = deps
+        self._channels = channels
+        self._submit = submit
+        self._on_rejections = on_rejections
+
+    def open_submit(self, address: str) -> None:
+        """Start the gateway->tokenizer Submit stream to `address` (its channel must carry its
+        server name already: `ChannelPool.get(address, name)`)."""
+        channel = self._channels.get(address)
+        stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+        stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
+            "gateway->tokenizer", address, stub.Submit,
+            lambda items: tokenizer_pb2.GenerateBatch(requests=items),
+            on_reply=self._on_rejections, ready=channel.channel_ready)
+        stream.start()
+        self._submit[address] = stream
+
+    def discovered(self, role: str) -> list[str]:
+        return self.deps.discovered(role)
+
+    async def add(self, role: str, address: str, server_name: str | None) -> None:
+        """A discovered replica joins. A tokenizer gets its stream before it can be picked."""
+        if not self.deps.add(role, address, server_name):  # also names its channel
+            return
+        if role == "tokenizer" and address not in self._submit:
+            self.open_submit(address)  # before its health watch can report it SERVING
+
+    async def remove(self, role: str, address: str) -> None:
+        """A discovered replica leaves: its requests end UNAVAILABLE (`Dependencies.remove`),
+        then its stream and channel close."""
+        if not self.deps.remove(role, address):
+            return
+        stream = self._submit.pop(address, None) if role == "tokenizer" else None
+        if stream is not None:
+            await stream.close()
+        await self._channels.discard(address)
+
+    async def close(self) -> None:
+        for stream in list(self._submit.values()):
+            await stream.close()

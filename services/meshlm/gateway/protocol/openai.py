@@ -1,0 +1,384 @@
+"""OpenAI request bodies -> what the gateway runs. Pure: no I/O.
+
+`parse_chat`, `parse_completion` and `parse_embedding` check an OpenAI JSON body field by field
+(types, OpenAI's ranges, options meshlm does not serve) and raise INVALID_ARGUMENT naming the
+field as the client wrote it. A generation request becomes public SglangService requests
+(`public_request`: TextGenerateRequest for a text prompt, GenerateRequest for token ids), so
+the gateway's own validation (`protocol/validation.py`) checks the rest exactly as for SGLang's
+API; its messages are put back into OpenAI's names with `names`.
+
+Accepted beside OpenAI's fields (as SGLang and vLLM accept them): top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids and rid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from meshlm.common.errors import invalid
+from meshlm.gateway.protocol.openai_errors import MAX_NEW_TOKENS
+from meshlm.gateway.protocol.transcode import parse_json_body
+from meshlm.gateway.protocol.validation import MAX_N, MAX_TOP_LOGPROBS
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings request
+# Token ids in one prompt: more than any served context length. A longer list is refused
+# before its ids are looked at one by one (a 16 MiB body holds 8 M of them).
+MAX_PROMPT_IDS = 1 << 20
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_INT32 = 2**31 - 1
+_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
+
+Prompt = str | list[int]
+
+
+@dataclass
+class GenerationRequest:
+    """A chat or completions request in the gateway's terms."""
+
+    model: str | None
+    sampling: pb.SamplingParams  # public params; max_new_tokens unset when the client gave none
+    stream: bool
+    include_usage: bool
+    top_logprobs: int | None  # None: no logprobs; else alternatives per token (0 = none)
+    rid: str | None
+    names: dict[str, str] = field(default_factory=dict)  # gateway field -> the client's
+
+    @property
+    def n(self) -> int:
+        return self.sampling.n if self.sampling.HasField("n") else 1
+
+
+@dataclass
+class ChatRequest(GenerationRequest):
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class CompletionRequest(GenerationRequest):
+    prompts: list[Prompt] = field(default_factory=list)
+    batch: bool = False  # the prompt was a list of prompts
+    echo: bool = False
+
+
+@dataclass
+class EmbeddingRequest:
+    model: str | None
+    inputs: list[Prompt]
+    base64: bool  # encoding_format "base64": little-endian float32 bytes
+
+
+class _Body:
+    """Typed reads of a JSON object's fields (None: absent or null); errors name the field."""
+
+    def __init__(self, body: bytes) -> None:
+        doc = parse_json_body(body)
+        if not isinstance(doc, dict):
+            raise invalid("body", "must be a JSON object")
+        self.doc: dict[str, Any] = doc
+        self.read: set[str] = set()
+
+    def get(self, key: str) -> Any:
+        self.read.add(key)
+        return self.doc.get(key)
+
+    def boolean(self, key: str) -> bool | None:
+        value = self.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise invalid(key, f"must be true or false, got {_show(value)}")
+        return value
+
+    def integer(self, key: str, lo: int, hi: int) -> int | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if not _is_int(value):
+            raise invalid(key, f"must be an integer, got {_show(value)}")
+        if not lo <= value <= hi:
+            raise invalid(key, f"must be in [{lo}, {hi}], got {value}")
+        return int(value)
+
+    def number(self, key: str) -> float | None:
+        value = self.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise invalid(key, f"must be a number, got {_show(value)}")
+        return float(value)
+
+    def string(self, key: str) -> str | None:
+        value = self.get(key)
+        if value is not None and not isinstance(value, str):
+            raise invalid(key, f"must be a string, got {_show(value)}")
+        return value
+
+    def unsupported(self, key: str, why: str = "", allowed: tuple[Any, ...] = ()) -> None:
+        """Refuse an option meshlm does not serve, unless absent, empty or `allowed`."""
+        value = self.get(key)
+        if value is not None and value not in allowed and value != {} and value != []:
+            raise invalid(key, f"is not supported{why}")
+
+    def check_unknown(self) -> None:
+        for key in self.doc:
+            if key not in self.read and key not in _IGNORED:
+                raise invalid(key, "unknown field")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ids(value: Any, key: str) -> bool:
+    """Whether `value` is a list of token ids; one longer than MAX_PROMPT_IDS is refused first."""
+    if not isinstance(value, list):
+        return False
+    if len(value) > MAX_PROMPT_IDS:
+        raise invalid(key, f"has {len(value)} entries; a prompt has at most {MAX_PROMPT_IDS} "
+                           "token ids")
+    return all(_is_int(t) for t in value)
+
+
+def _show(value: Any) -> str:
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# ---- generation ------------------------------------------------------------------------------
+
+
+def _sampling(body: _Body, max_tokens_key: str) -> tuple[pb.SamplingParams, dict[str, str]]:
+    """The sampling fields shared by chat and completions, as public SamplingParams (ranges
+    beyond OpenAI's own are left to the gateway's validation), and the client's field names."""
+    p = pb.SamplingParams()
+    names: dict[str, str] = {}
+    temperature = body.number("temperature")
+    if temperature is not None:
+        if not 0 <= temperature <= 2:
+            raise invalid("temperature", f"must be in [0, 2], got {temperature:g}")
+        p.temperature = temperature
+    for key in ("top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        value = body.number(key)
+        if value is not None:
+            setattr(p, key, value)
+    top_k = body.integer("top_k", -1, _INT32)
+    if top_k is not None:
+        p.top_k = top_k
+    max_tokens = body.integer(max_tokens_key, 1, _INT32)
+    if max_tokens is not None:
+        p.max_new_tokens = max_tokens
+    names[MAX_NEW_TOKENS] = max_tokens_key
+    min_tokens = body.integer("min_tokens", 0, _INT32)
+    if min_tokens is not None:
+        p.min_new_tokens = min_tokens
+        names["sampling_params.min_new_tokens"] = "min_tokens"
+    n = body.integer("n", 1, MAX_N)
+    if n is not None:
+        p.n = n
+    seed = body.integer("seed", 0, 2**63 - 1)
+    if seed is not None:
+        p.seed = seed
+    p.stop.extend(_stop(body.get("stop")))
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= _INT32
+                                                     for t in stop_ids):
+            raise invalid("stop_token_ids", "must be a list of token ids")
+        p.stop_token_ids.extend(stop_ids)
+    for key in ("ignore_eos", "skip_special_tokens"):
+        flag = body.boolean(key)
+        if flag is not None:
+            setattr(p, key, flag)
+    body.unsupported("logit_bias")
+    return p, names
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise invalid("stop", "must be a string or a list of strings")
+
+
+def _stream(body: _Body) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = bool(body.boolean("stream"))
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "must be an object")
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool):
+        raise invalid("stream_options.include_usage", "must be true or false")
+    return stream, usage
+
+
+def parse_chat(body: bytes) -> ChatRequest:
+    b = _Body(body)
+    model = b.string("model")
+    messages = _messages(b.get("messages"))
+    # max_completion_tokens is the current name, max_tokens the deprecated one (ignored when
+    # both are given).
+    given = b.doc.get("max_completion_tokens") is not None
+    key = "max_completion_tokens" if given else "max_tokens"
+    b.read.update(("max_tokens", "max_completion_tokens"))
+    sampling, names = _sampling(b, key)
+    stream, include_usage = _stream(b)
+    logprobs = b.boolean("logprobs")
+    top = b.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise invalid("top_logprobs", "needs logprobs: true")
+    names.update({"top_logprobs_num": "top_logprobs", "input_ids": "messages"})
+    no_tools = " (no function calling)"
+    b.unsupported("tools", no_tools)
+    b.unsupported("functions", no_tools)
+    b.unsupported("tool_choice", no_tools, ("none", "auto"))
+    b.unsupported("function_call", no_tools, ("none", "auto"))
+    fmt = b.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise invalid("response_format", "only {\"type\": \"text\"} is supported")
+    b.unsupported("modalities", " (text only)", (["text"],))
+    rid = b.string("rid")
+    b.check_unknown()
+    return ChatRequest(model=model, sampling=sampling, stream=stream,
+                       include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
+                       rid=rid, names=names, messages=messages)
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI messages with their content flattened to text (what chat templates expect)."""
+    if not isinstance(value, list) or not value:
+        raise invalid("messages", "must be a non-empty list of messages")
+    out = []
+    for i, message in enumerate(value):
+        path = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise invalid(path, "must be an object with a role and content")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise invalid(f"{path}.role", f"must be one of {', '.join(_ROLES)}; got {_show(role)}")
+        flat = {**message, "role": role,
+                "content": _content(message.get("content"), f"{path}.content")}
+        out.append(flat)
+    return out
+
+
+def _content(content: Any, path: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(path, "must be a string or a list of content parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise invalid(f"{path}[{j}]", "only text parts ({\"type\": \"text\"}) are supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{path}[{j}].text", "must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    b = _Body(body)
+    model = b.string("model")
+    prompts, batch = _prompts(b.get("prompt"), "prompt")
+    sampling, names = _sampling(b, "max_tokens")
+    if not sampling.HasField("max_new_tokens"):
+        sampling.max_new_tokens = COMPLETION_MAX_TOKENS
+    stream, include_usage = _stream(b)
+    logprobs = b.integer("logprobs", 0, MAX_TOP_LOGPROBS)
+    names["top_logprobs_num"] = "logprobs"
+    echo = bool(b.boolean("echo"))
+    best_of = b.integer("best_of", 1, MAX_N)
+    if best_of is not None and best_of != (sampling.n if sampling.HasField("n") else 1):
+        raise invalid("best_of", "only best_of == n is supported")
+    b.unsupported("suffix", "", ("",))
+    rid = b.string("rid")
+    if rid is not None and batch:
+        raise invalid("rid", "give a rid only with a single prompt")
+    b.check_unknown()
+    return CompletionRequest(model=model, sampling=sampling, stream=stream,
+                             include_usage=include_usage, top_logprobs=logprobs, rid=rid,
+                             names=names, prompts=prompts, batch=batch, echo=echo)
+
+
+def _prompts(value: Any, key: str) -> tuple[list[Prompt], bool]:
+    """A prompt or input: a string, a list of strings, token ids, or a list of token id lists;
+    returns the prompts and whether it was a list of them."""
+    if isinstance(value, str):
+        return [value], False
+    if isinstance(value, list) and value and _is_ids(value, key):
+        return [_ids(value, key)], False
+    if not isinstance(value, list) or not value:
+        raise invalid(key, "must be a string, a list of strings, a list of token ids or a "
+                           "list of token id lists, and not empty")
+    if len(value) > MAX_PROMPTS:
+        raise invalid(key, f"at most {MAX_PROMPTS} prompts in one request, got {len(value)}")
+    prompts: list[Prompt] = []
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            prompts.append(item)
+        elif _is_ids(item, f"{key}[{i}]"):
+            prompts.append(_ids(item, f"{key}[{i}]"))
+        else:
+            raise invalid(f"{key}[{i}]", "must be a string or a list of token ids")
+    return prompts, True
+
+
+def _ids(ids: list[int], key: str) -> list[int]:
+    if not all(0 <= t <= _INT32 for t in ids):
+        raise invalid(key, "token ids must be in [0, 2**31)")
+    return ids
+
+
+def public_request(
+    req: GenerationRequest, prompt: Prompt, max_new_tokens: int | None = None,
+) -> pb.TextGenerateRequest | pb.GenerateRequest:
+    """The public request for one prompt: its sampling params (with `max_new_tokens` when the
+    client gave none), logprob options (the tokens' texts included; prompt logprobs from
+    position 0 for an echoed completion) and rid."""
+    sampling = pb.SamplingParams()
+    sampling.CopyFrom(req.sampling)
+    if max_new_tokens is not None and not sampling.HasField("max_new_tokens"):
+        sampling.max_new_tokens = max_new_tokens
+    out: pb.TextGenerateRequest | pb.GenerateRequest
+    if isinstance(prompt, str):
+        out = pb.TextGenerateRequest(text=prompt, sampling_params=sampling, stream=req.stream)
+    else:
+        out = pb.GenerateRequest(input_ids=prompt, sampling_params=sampling, stream=req.stream)
+    if req.top_logprobs is not None:
+        out.return_logprob = True
+        out.top_logprobs_num = req.top_logprobs
+        out.return_text_in_logprobs = True
+        if isinstance(req, CompletionRequest) and req.echo:
+            out.logprob_start_len = 0
+    if req.rid is not None:
+        out.rid = req.rid
+    return out
+
+
+# ---- embeddings ------------------------------------------------------------------------------
+
+
+def parse_embedding(body: bytes) -> EmbeddingRequest:
+    b = _Body(body)
+    model = b.string("model")
+    inputs, _ = _prompts(b.get("input"), "input")
+    fmt = b.string("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise invalid("encoding_format", f"must be \"float\" or \"base64\", got {_show(fmt)}")
+    b.unsupported("dimensions", " (embeddings have the model's size)")
+    b.check_unknown()
+    return EmbeddingRequest(model=model, inputs=inputs, base64=fmt == "base64")

@@ -1,0 +1,214 @@
+"""OpenAI's response and stream-chunk shapes for chat and completions, folded from the
+gateway's updates. Pure: no I/O.
+
+An `Answer` is one request's answer: choice i * n + j is sample j of prompt i (chat has one
+prompt). Not streaming, each choice gets one merged update and `response()` is the whole reply:
+
+    {"id", "object": "chat.completion" | "text_completion", "created", "model",
+     "choices": [{"index", "message": {"role", "content"} | "text", "logprobs",
+                  "finish_reason"}], "usage"}
+
+Streaming, `add` returns the chunks due for each update ("object": "chat.completion.chunk" |
+"text_completion"): chat starts every choice with a chunk whose delta is only
+{"role": "assistant"}; then content deltas (with their tokens' logprobs); a choice ends with
+a chunk carrying its finish_reason and an empty delta (text ""). With include_usage every
+chunk has "usage": null and `usage_chunk()` (no choices) ends the stream.
+
+The id is the request's rid ("chatcmpl-<rid>", "cmpl-<rid>"); usage counts each prompt once
+(its first sample's cached_tokens) and every sample's completion tokens.
+
+Embeddings: {"object": "list", "data": [{"object": "embedding", "index", "embedding"}],
+"model", "usage": {"prompt_tokens", "total_tokens"}}.
+"""
+
+from __future__ import annotations
+
+from base64 import b64encode
+from typing import Any
+
+import numpy as np
+
+from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.protocol.openai_logprobs import CompletionLogprobs, chat_logprobs
+
+Chunk = dict[str, Any]
+
+
+def parent_rid(meta: dict[str, str]) -> str:
+    """The request's rid from a message's meta_info (n > 1: a child's id is "<rid>-<index>")."""
+    rid = meta.get("id", "")
+    return rid.rsplit("-", 1)[0] if "index" in meta else rid
+
+
+class Answer:
+    object = ""
+    chunk_object = ""
+    id_prefix = ""
+
+    def __init__(self, *, model: str, created: int, n: int, prompts: int, stream: bool,
+                 include_usage: bool, top_logprobs: int | None) -> None:
+        self.model = model
+        self.created = created
+        self.n = n
+        self.stream = stream
+        self.include_usage = include_usage
+        self.top_logprobs = top_logprobs
+        self.id = ""
+        count = n * prompts
+        self.updates: list[Update | None] = [None] * count  # not streaming: merged, final
+        self.finish: list[str | None] = [None] * count
+        self._started = [False] * count
+        self._completion_tokens = [0] * count
+        self._prompt_tokens = [0] * prompts
+        self._cached_tokens = [0] * prompts
+
+    @property
+    def done(self) -> bool:
+        return all(f is not None for f in self.finish)
+
+    def add(self, prompt: int, update: Update, meta: dict[str, str]) -> list[Chunk]:
+        """Take one update of prompt `prompt`'s stream; returns the chunks due (streaming)."""
+        sample = int(meta.get("index", "0"))
+        index = prompt * self.n + sample
+        if not self.id:
+            self.id = self.id_prefix + parent_rid(meta)
+        if sample == 0:
+            self._prompt_tokens[prompt] = update.prompt_tokens
+            self._cached_tokens[prompt] = update.cached_tokens
+        self._completion_tokens[index] = update.completion_tokens
+        if update.final is not None:
+            self.finish[index] = update.final.finish_reason
+        if not self.stream:
+            self.updates[index] = update
+            return []
+        chunks = []
+        if not self._started[index]:
+            self._started[index] = True
+            chunks += [self._chunk(c) for c in self._first_choices(index)]
+        delta = self._delta(index, update)
+        if delta is not None:
+            chunks.append(self._chunk(delta))
+        reason = self.finish[index]
+        if reason is not None:
+            chunks.append(self._chunk(self._finish_choice(index, reason)))
+        return chunks
+
+    def response(self) -> Chunk:
+        """The whole reply (not streaming), once every choice has finished."""
+        choices = [self._full_choice(i, u) for i, u in enumerate(self.updates) if u is not None]
+        return {"id": self.id, "object": self.object, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+    def usage(self) -> dict[str, Any]:
+        prompt, completion = sum(self._prompt_tokens), sum(self._completion_tokens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens)}}
+
+    def usage_chunk(self) -> Chunk:
+        return {"id": self.id, "object": self.chunk_object, "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}
+
+    def _chunk(self, choice: Chunk) -> Chunk:
+        chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
+                 "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    # -- per kind ----------------------------------------------------------------------------
+
+    def _first_choices(self, index: int) -> list[Chunk]:
+        """Choices of the chunks that open choice `index`'s stream."""
+        return []
+
+    def _delta(self, index: int, update: Update) -> Chunk | None:
+        raise NotImplementedError
+
+    def _finish_choice(self, index: int, reason: str) -> Chunk:
+        raise NotImplementedError
+
+    def _full_choice(self, index: int, update: Update) -> Chunk:
+        raise NotImplementedError
+
+
+class ChatAnswer(Answer):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def _logprobs(self, update: Update) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        return chat_logprobs(update.logprobs, self.top_logprobs)
+
+    def _first_choices(self, index: int) -> list[Chunk]:
+        return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None,
+                 "finish_reason": None}]
+
+    def _delta(self, index: int, update: Update) -> Chunk | None:
+        logprobs = self._logprobs(update)
+        if not update.text and not (logprobs and logprobs["content"]):
+            return None
+        return {"index": index, "delta": {"content": update.text}, "logprobs": logprobs,
+                "finish_reason": None}
+
+    def _finish_choice(self, index: int, reason: str) -> Chunk:
+        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+
+    def _full_choice(self, index: int, update: Update) -> Chunk:
+        return {"index": index, "message": {"role": "assistant", "content": update.text},
+                "logprobs": self._logprobs(update), "finish_reason": self.finish[index]}
+
+
+class CompletionAnswer(Answer):
+    """`echo`: each prompt's text when the client asked for it back (prefixed to its choices'
+    text; with logprobs, the prompt's tokens lead the choice's entries)."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, *, echo: list[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.echo = echo
+        top = self.top_logprobs
+        self._logprobs = [CompletionLogprobs(top) if top is not None else None
+                          for _ in self.updates]
+        self._echoed = [False] * len(self.updates)
+
+    def _text_and_logprobs(self, index: int, update: Update) -> tuple[str, dict[str, Any] | None]:
+        text = update.text
+        echo = self.echo is not None and not self._echoed[index]
+        if echo and self.echo is not None:
+            self._echoed[index] = True
+            text = self.echo[index // self.n] + text
+        builder = self._logprobs[index]
+        logprobs = builder.add(update.logprobs, echo) if builder is not None else None
+        return text, logprobs
+
+    def _delta(self, index: int, update: Update) -> Chunk | None:
+        text, logprobs = self._text_and_logprobs(index, update)
+        if not text and not (logprobs and logprobs["tokens"]):
+            return None
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+
+    def _finish_choice(self, index: int, reason: str) -> Chunk:
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+
+    def _full_choice(self, index: int, update: Update) -> Chunk:
+        text, logprobs = self._text_and_logprobs(index, update)
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": self.finish[index]}
+
+
+def embedding_body(model: str, vectors: list[list[float]], prompt_tokens: int, *,
+                   base64: bool) -> dict[str, Any]:
+    """OpenAI's embeddings reply; `base64`: each vector as base64 of little-endian float32."""
+    data = []
+    for i, vector in enumerate(vectors):
+        array = np.asarray(vector, dtype="<f4")
+        value: Any = b64encode(array.tobytes()).decode() if base64 else array
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

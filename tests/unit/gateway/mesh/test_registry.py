@@ -1,0 +1,122 @@
+"""The RID registry against a real Redis server, and its fail-open behaviour."""
+
+import pytest
+import redis
+
+from meshlm.gateway.mesh.registry import RidRegistry, key
+from meshlm.launch.redis_server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with RedisServer() as server:
+        yield server
+
+
+async def test_create_is_exclusive_and_finish_sets_short_ttl(redis_server):
+    reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=5)
+    reg.start()
+    try:
+        assert await reg.create("r1", {"gateway": "g", "scheduler": "s"})
+        assert not await reg.create("r1", {"gateway": "other"})
+        record = await reg.get("r1")
+        assert record["gateway"] == "g" and record["state"] == "queued"
+        sync = redis.Redis.from_url(redis_server.url)
+        assert 95 <= sync.ttl(key("r1")) <= 100
+        reg.finish("r1", "finished", finish_reason="length")
+        await reg.flush()
+        assert (await reg.get("r1"))["state"] == "finished"
+        assert 0 < sync.ttl(key("r1")) <= 5
+    finally:
+        await reg.close()
+
+
+async def test_background_writes_keep_their_order(redis_server):
+    reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=5)
+    reg.start()
+    try:
+        reg.create_later("r2", {"gateway": "g"})
+        reg.update("r2", state="running")
+        reg.finish("r2", "finished", finish_reason="stop")
+        await reg.flush()
+        record = await reg.get("r2")
+        assert record["gateway"] == "g" and record["state"] == "finished"
+        assert record["finish_reason"] == "stop"
+    finally:
+        await reg.close()
+
+
+async def test_unreachable_redis_fails_open():
+    reg = RidRegistry("redis://127.0.0.1:1/0", ttl=10, finished_ttl=1)
+    try:
+        assert await reg.create("r", {"gateway": "g"})
+        assert reg.degraded
+        assert await reg.get("r") is None
+    finally:
+        await reg.close()
+
+
+async def _wait(predicate, what: str, timeout: float = 10.0) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_records_are_written_back_after_redis_restarts_empty():
+    """Redis away, then back empty: the live records and the final states of requests that
+    ended meanwhile are all written back."""
+    with RedisServer() as server:
+        reg = RidRegistry(server.url, ttl=100, finished_ttl=50)
+        reg.start()
+        try:
+            assert await reg.create("live", {"gateway": "g", "scheduler": "s"})
+            assert await reg.create("ends", {"gateway": "g", "scheduler": "s"})
+            reg.update("live", state="running")
+            await reg.flush()
+            server.kill()
+            reg.finish("ends", "finished", finish_reason="length")
+            reg.update("live", completion_tokens=7)
+            assert await reg.create("new", {"gateway": "g"})  # fail-open while away
+            assert reg.degraded
+            await reg.flush()
+            server.restart()
+
+            async def consistent() -> bool:
+                live, ends, new = [await reg.get(r) for r in ("live", "ends", "new")]
+                return bool(live and ends and new and ends["state"] == "finished")
+
+            await _wait(consistent, "the records to be written back")
+            live = await reg.get("live")
+            assert live["state"] == "running" and live["completion_tokens"] == "7"
+            assert live["scheduler"] == "s"
+            assert (await reg.get("new"))["state"] == "queued"
+            assert not reg.degraded
+            sync = redis.Redis.from_url(server.url)
+            assert 0 < sync.ttl(key("ends")) <= 50
+        finally:
+            await reg.close()
+
+
+async def test_a_restart_between_writes_is_noticed_by_its_new_run_id():
+    with RedisServer() as server:
+        reg = RidRegistry(server.url, ttl=100, finished_ttl=50)
+        reg.start()
+        try:
+            assert await reg.create("kept", {"gateway": "g"})
+            await _wait(lambda: _true(reg._run_id is not None), "the first probe")
+            server.restart()  # back before any write notices
+
+            async def rewritten() -> bool:
+                return await reg.get("kept") is not None
+
+            await _wait(rewritten, "the live record to be rewritten")
+        finally:
+            await reg.close()
+
+
+async def _true(value: bool) -> bool:
+    return value

@@ -1,0 +1,236 @@
+"""OpenAI request bodies -> the gateway's public requests: field by field, the gateway's own
+validation behind them, and every refusal naming the field as the client wrote it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshlm.common.errors import MeshError
+from meshlm.gateway.protocol.openai import (
+    COMPLETION_MAX_TOKENS,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+    public_request,
+)
+from meshlm.gateway.protocol.openai_errors import error_body, renamed
+from meshlm.gateway.protocol.validation import Limits, validate_generate, validate_text_generate
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+LIMITS = Limits(max_model_len=64, vocab_size=100)
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _body(doc: Any) -> bytes:
+    return orjson.dumps(doc)
+
+
+def _refusal(parse: Any, doc: Any) -> MeshError:
+    with pytest.raises(MeshError) as info:
+        parse(_body(doc))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value
+
+
+def test_chat_fields_become_sampling_params() -> None:
+    req = parse_chat(_body({
+        "model": "m", "messages": USER, "max_completion_tokens": 7, "temperature": 0.5,
+        "top_p": 0.9, "n": 3, "stop": "\n", "seed": 11, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "stream": True, "stream_options": {"include_usage": True},
+        "logprobs": True, "top_logprobs": 2, "user": "u1", "top_k": 5, "min_tokens": 1,
+        "rid": "chat-1",
+    }))
+    p = req.sampling
+    assert req.model == "m" and req.messages == USER and req.rid == "chat-1"
+    assert (p.max_new_tokens, p.n, p.seed, list(p.stop), p.top_k, p.min_new_tokens) == (
+        7, 3, 11, ["\n"], 5, 1)
+    assert p.temperature == 0.5 and p.presence_penalty == 0.5 and p.frequency_penalty == -0.5
+    assert abs(p.top_p - 0.9) < 1e-6
+    assert req.stream and req.include_usage and req.top_logprobs == 2 and req.n == 3
+    assert req.names["sampling_params.max_new_tokens"] == "max_completion_tokens"
+
+
+def test_chat_defaults() -> None:
+    req = parse_chat(_body({"messages": USER}))
+    assert req.model is None and not req.stream and not req.include_usage
+    assert req.top_logprobs is None and req.n == 1
+    assert not req.sampling.HasField("max_new_tokens")  # the context's room, decided later
+    assert parse_chat(_body({"messages": USER, "logprobs": True})).top_logprobs == 0
+    assert parse_chat(_body({"messages": USER, "max_tokens": 5})).names[
+        "sampling_params.max_new_tokens"] == "max_tokens"
+
+
+def test_chat_content_parts_are_flattened_and_other_keys_kept() -> None:
+    req = parse_chat(_body({"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "a"},
+                                       {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "name": "bot"},
+        {"role": "user", "content": "c"},
+    ]}))
+    assert req.messages == [{"role": "system", "content": "a\nb"},
+                            {"role": "assistant", "content": "", "name": "bot"},
+                            {"role": "user", "content": "c"}]
+
+
+@pytest.mark.parametrize(("doc", "start"), [
+    ({}, "messages: must be a non-empty list"),
+    ({"messages": []}, "messages: must be a non-empty list"),
+    ({"messages": ["hi"]}, "messages[0]: must be an object"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role: must be one of"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content: must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content[0]: only text parts"),
+    ({"messages": USER, "model": 3}, "model: must be a string"),
+    ({"messages": USER, "temperature": 2.5}, "temperature: must be in [0, 2]"),
+    ({"messages": USER, "temperature": "hot"}, "temperature: must be a number"),
+    ({"messages": USER, "max_tokens": 0}, "max_tokens: must be in [1, "),
+    ({"messages": USER, "max_completion_tokens": 2.5}, "max_completion_tokens: must be an int"),
+    ({"messages": USER, "n": 17}, "n: must be in [1, 16]"),
+    ({"messages": USER, "n": True}, "n: must be an integer"),
+    ({"messages": USER, "seed": -1}, "seed: must be in [0, "),
+    ({"messages": USER, "stop": [1]}, "stop: must be a string or a list of strings"),
+    ({"messages": USER, "stream": "yes"}, "stream: must be true or false"),
+    ({"messages": USER, "stream_options": {"include_usage": True}},
+     "stream_options: is only allowed when stream is true"),
+    ({"messages": USER, "top_logprobs": 2}, "top_logprobs: needs logprobs: true"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs: must be in [0, 20]"),
+    ({"messages": USER, "logprobs": 1}, "logprobs: must be true or false"),
+    ({"messages": USER, "tools": [{"type": "function"}]}, "tools: is not supported (no function"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format: only"),
+    ({"messages": USER, "logit_bias": {"5": 1}}, "logit_bias: is not supported"),
+    ({"messages": USER, "best_of": 2}, "best_of: unknown field"),
+    ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids: must be a list of token ids"),
+])
+def test_chat_refusals_name_the_field(doc: dict[str, Any], start: str) -> None:
+    err = _refusal(parse_chat, doc)
+    assert err.message.startswith(start), err.message
+
+
+def test_accepted_and_ignored_fields() -> None:
+    parse_chat(_body({"messages": USER, "user": "x", "store": False, "metadata": {},
+                      "parallel_tool_calls": True, "tool_choice": "none", "logit_bias": {},
+                      "response_format": {"type": "text"}, "stream": True,
+                      "stream_options": {}}))
+
+
+def test_completion_prompts() -> None:
+    one = parse_completion(_body({"prompt": "hello"}))
+    assert one.prompts == ["hello"] and not one.batch
+    assert one.sampling.max_new_tokens == COMPLETION_MAX_TOKENS  # OpenAI's default
+    ids = parse_completion(_body({"prompt": [1, 2, 3], "max_tokens": 4}))
+    assert ids.prompts == [[1, 2, 3]] and not ids.batch and ids.sampling.max_new_tokens == 4
+    batch = parse_completion(_body({"prompt": ["a", [4, 5]], "logprobs": 3, "echo": True,
+                                    "best_of": 1}))
+    assert batch.prompts == ["a", [4, 5]] and batch.batch
+    assert batch.top_logprobs == 3 and batch.echo
+    assert batch.names["top_logprobs_num"] == "logprobs"
+
+
+@pytest.mark.parametrize(("doc", "start"), [
+    ({}, "prompt: must be a string, a list"),
+    ({"prompt": []}, "prompt: must be a string, a list"),
+    ({"prompt": ["a", 3]}, "prompt[1]: must be a string or a list of token ids"),
+    ({"prompt": [1, -2]}, "prompt: token ids must be in [0, 2**31)"),
+    ({"prompt": ["a"] * 65}, "prompt: at most 64 prompts"),
+    ({"prompt": "a", "logprobs": True}, "logprobs: must be an integer"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs: must be in [0, 20]"),
+    ({"prompt": "a", "best_of": 3}, "best_of: only best_of == n"),
+    ({"prompt": "a", "suffix": "z"}, "suffix: is not supported"),
+    ({"prompt": ["a", "b"], "rid": "r"}, "rid: give a rid only with a single prompt"),
+    ({"prompt": "a", "messages": USER}, "messages: unknown field"),
+    ([1, 2], "body: must be a JSON object"),
+])
+def test_completion_refusals(doc: Any, start: str) -> None:
+    err = _refusal(parse_completion, doc)
+    assert err.message.startswith(start), err.message
+
+
+def test_embedding_requests() -> None:
+    req = parse_embedding(_body({"model": "m", "input": ["a", [1, 2]],
+                                 "encoding_format": "base64", "user": "u"}))
+    assert req.inputs == ["a", [1, 2]] and req.base64 and req.model == "m"
+    assert not parse_embedding(_body({"input": "x"})).base64
+    assert _refusal(parse_embedding, {"input": "x", "dimensions": 8}).message.startswith(
+        "dimensions: ")
+    assert _refusal(parse_embedding, {"input": "x", "encoding_format": "hex"}).message \
+        .startswith("encoding_format: must be")
+    assert _refusal(parse_embedding, {"input": 5}).message.startswith("input: must be")
+
+
+def test_public_requests_carry_prompt_sampling_and_logprob_options() -> None:
+    chat = parse_chat(_body({"messages": USER, "logprobs": True, "top_logprobs": 2,
+                             "stream": True, "rid": "r1"}))
+    req = public_request(chat, [5, 6, 7], max_new_tokens=9)
+    assert isinstance(req, pb.GenerateRequest) and list(req.input_ids) == [5, 6, 7]
+    assert req.sampling_params.max_new_tokens == 9 and req.stream and req.rid == "r1"
+    assert req.return_logprob and req.top_logprobs_num == 2 and req.return_text_in_logprobs
+    assert not req.HasField("logprob_start_len")
+    given_max = parse_chat(_body({"messages": USER, "max_tokens": 3}))
+    assert public_request(given_max, [1], max_new_tokens=9).sampling_params.max_new_tokens == 3
+    echo = parse_completion(_body({"prompt": "hi", "logprobs": 0, "echo": True}))
+    text = public_request(echo, "hi")
+    assert isinstance(text, pb.TextGenerateRequest) and text.text == "hi"
+    assert text.return_logprob and text.top_logprobs_num == 0 and text.logprob_start_len == 0
+    plain = public_request(parse_completion(_body({"prompt": "hi"})), "hi")
+    assert not plain.return_logprob and not plain.HasField("rid")
+
+
+def _validation_error(doc: dict[str, Any], prompt: Any = "hi") -> MeshError:
+    req = parse_completion(_body(doc))
+    public = public_request(req, prompt)
+    names = {**req.names, "text": "prompt", "input_ids": "prompt"}
+    with pytest.raises(MeshError) as info:
+        if isinstance(public, pb.TextGenerateRequest):
+            validate_text_generate(public, LIMITS)
+        else:
+            validate_generate(public, LIMITS)
+    return renamed(info.value, names)
+
+
+@pytest.mark.parametrize(("doc", "prompt", "message"), [
+    ({"prompt": "hi", "top_p": 1.5}, "hi", "top_p: must be in (0, 1], got 1.5"),
+    ({"prompt": "hi", "presence_penalty": 3}, "hi", "presence_penalty: must be in [-2, 2]"),
+    ({"prompt": "hi", "min_tokens": 20, "max_tokens": 5}, "hi",
+     "min_tokens: must be in [0, max_new_tokens=5], got 20"),
+    ({"prompt": "", "max_tokens": 5}, "", "prompt: must not be empty"),
+    ({"prompt": [1], "max_tokens": 64}, [1],
+     "max_tokens: prompt (1 tokens) + max_tokens (64) exceeds the model's context length 64"),
+    ({"prompt": [500]}, [500], "prompt[0]: token id 500 is out of range [0, 100)"),
+    ({"prompt": "hi", "stop_token_ids": [100]}, "hi", "stop_token_ids[0]: token id 100"),
+    ({"prompt": "hi", "rid": "a b"}, "hi", "rid: must be 1 to 128 characters"),
+])
+def test_gateway_validation_speaks_openai_names(doc: dict[str, Any], prompt: Any,
+                                                 message: str) -> None:
+    err = _validation_error(doc, prompt)
+    assert err.message.startswith(message), err.message
+    body = error_body(err)["error"]
+    assert body["param"] == message.split(":")[0] and body["type"] == "invalid_request_error"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+        st.sampled_from(["messages", "prompt", "input", "role", "content", "n", "max_tokens",
+                         "temperature", "stop", "logprobs", "top_logprobs", "stream",
+                         "stream_options", "include_usage", "seed", "type", "text", "echo"]),
+        inner, max_size=5),
+    max_leaves=12))
+def test_any_json_parses_or_is_refused_by_name(doc: Any) -> None:
+    """Random bodies: a request, or INVALID_ARGUMENT; never another exception."""
+    for parse in (parse_chat, parse_completion, parse_embedding):
+        try:
+            req = parse(json.dumps(doc).encode())  # big ints included
+        except MeshError as e:
+            assert e.code == grpc.StatusCode.INVALID_ARGUMENT
+            continue
+        if parse is parse_completion:
+            for prompt in req.prompts:  # type: ignore[union-attr]
+                public_request(req, prompt)  # type: ignore[arg-type]

@@ -1,0 +1,170 @@
+"""OpenAI's response shapes folded from gateway updates: whole replies, stream chunks (role
+first, content deltas, finish, usage), n > 1 and batch indices, logprobs, embeddings."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+import orjson
+
+from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.protocol.openai_logprobs import CompletionLogprobs, chat_logprobs, dumps
+from meshlm.gateway.protocol.openai_responses import (
+    ChatAnswer,
+    CompletionAnswer,
+    embedding_body,
+    parent_rid,
+)
+from meshlm.v1 import common_pb2, gateway_pb2
+
+
+def _update(text: str, ids: list[int], *, done: str | None = None, completion: int = 0,
+            prompt: int = 4, cached: int = 0, logprobs: common_pb2.Logprobs | None = None
+            ) -> Update:
+    final = gateway_pb2.TextOutput(finished=True, finish_reason=done) if done else None
+    return Update(text=text, token_ids=ids, final=final, error=None, prompt_tokens=prompt,
+                  completion_tokens=completion, cached_tokens=cached, logprobs=logprobs)
+
+
+def _json(value: Any) -> Any:
+    return orjson.loads(dumps(value))  # float32 values as the client reads them
+
+
+def _answer(cls: Any = ChatAnswer, **kwargs: Any) -> Any:
+    options = {"model": "m", "created": 7, "n": 1, "prompts": 1, "stream": False,
+               "include_usage": False, "top_logprobs": None, **kwargs}
+    return cls(**options)
+
+
+def test_parent_rid() -> None:
+    assert parent_rid({"id": "abc"}) == "abc"
+    assert parent_rid({"id": "a-b-3", "index": "3"}) == "a-b"
+
+
+def test_chat_reply() -> None:
+    answer = _answer()
+    assert answer.add(0, _update("Hello", [1, 2], done="stop", completion=2, cached=3),
+                      {"id": "r1"}) == []
+    assert answer.done
+    assert answer.response() == {
+        "id": "chatcmpl-r1", "object": "chat.completion", "created": 7, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
+                     "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                  "prompt_tokens_details": {"cached_tokens": 3}},
+    }
+
+
+def test_chat_stream_role_content_finish_usage() -> None:
+    answer = _answer(stream=True, include_usage=True)
+    first = answer.add(0, _update("He", [1], completion=1), {"id": "r1"})
+    assert [c["choices"][0]["delta"] for c in first] == [{"role": "assistant"},
+                                                          {"content": "He"}]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-r1"
+               and c["usage"] is None for c in first)
+    assert answer.add(0, _update("", [], completion=1), {"id": "r1"}) == []  # nothing new
+    last = answer.add(0, _update("llo", [2], done="length", completion=2), {"id": "r1"})
+    assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in last] == [
+        ({"content": "llo"}, None), ({}, "length")]
+    assert answer.done
+    usage = answer.usage_chunk()
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+    no_usage = _answer(stream=True)
+    assert "usage" not in no_usage.add(0, _update("a", [1]), {"id": "r"})[0]
+
+
+def test_n_samples_are_indexed_and_counted() -> None:
+    answer = _answer(n=2, stream=True)
+    chunks = answer.add(0, _update("b", [1], completion=1, cached=4),
+                        {"id": "r-1", "index": "1"})
+    assert [c["choices"][0]["index"] for c in chunks] == [1, 1] and chunks[0]["id"] == "chatcmpl-r"
+    chunks += answer.add(0, _update("a", [2], done="stop", completion=1),
+                         {"id": "r-0", "index": "0"})
+    assert not answer.done
+    chunks += answer.add(0, _update("", [], done="stop", completion=3, cached=4),
+                         {"id": "r-1", "index": "1"})
+    assert answer.done
+    assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks] == [
+        (1, None), (1, None), (0, None), (0, None), (0, "stop"), (1, "stop")]
+    # The prompt counts once, with its first sample's cache hit; every sample's tokens count.
+    assert answer.usage() == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def _lp(texts: list[str], values: list[float], tops: list[list[tuple[str, float]]],
+        **prompt: Any) -> common_pb2.Logprobs:
+    lp = common_pb2.Logprobs(output_texts=texts, output_logprobs=values, **prompt)
+    for top in tops:
+        lp.output_top.add(texts=[t for t, _ in top], logprobs=[v for _, v in top],
+                          token_ids=list(range(len(top))))
+    return lp
+
+
+def test_chat_logprobs() -> None:
+    lp = _lp(["Hé", "!"], [-0.5, -0.25], [[("Hé", -0.5), ("x", -2.0)], [("!", -0.25), ("?", -3)]])
+    assert _json(chat_logprobs(lp, 2)) == {"refusal": None, "content": [
+        {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169], "top_logprobs": [
+            {"token": "Hé", "logprob": -0.5, "bytes": [72, 195, 169]},
+            {"token": "x", "logprob": -2.0, "bytes": [120]}]},
+        {"token": "!", "logprob": -0.25, "bytes": [33], "top_logprobs": [
+            {"token": "!", "logprob": -0.25, "bytes": [33]},
+            {"token": "?", "logprob": -3.0, "bytes": [63]}]},
+    ]}
+    assert [e["top_logprobs"] for e in chat_logprobs(lp, 0)["content"]] == [[], []]
+    assert _json(chat_logprobs(_lp(["a"], [-0.1], []), 0))["content"][0]["logprob"] == -0.1
+    answer = _answer(top_logprobs=1)
+    answer.add(0, _update("Hé!", [1, 2], done="stop", logprobs=lp), {"id": "r"})
+    choice = _json(answer.response())["choices"][0]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["Hé", "!"]
+
+
+def test_completion_logprobs_run_on_across_chunks_and_lead_with_the_echoed_prompt() -> None:
+    builder = CompletionLogprobs(top=1)
+    prompt = {"input_start": 0, "input_texts": ["<s>", "Hi"],
+              "input_logprobs": [float("nan"), -4.0]}
+    lp = _lp(["a", "bc"], [-1.0, -2.0], [[("a", -1.0)], [("bc", -2.0)]], **prompt)
+    lp.input_top.add()  # position 0 has none
+    lp.input_top.add(texts=["Hi"], logprobs=[-4.0], token_ids=[9])
+    first = _json(builder.add(lp, echo=True))
+    assert first == {"tokens": ["<s>", "Hi", "a", "bc"],
+                     "token_logprobs": [None, -4.0, -1.0, -2.0],
+                     "top_logprobs": [None, {"Hi": -4.0}, {"a": -1.0}, {"bc": -2.0}],
+                     "text_offset": [0, 3, 5, 6]}
+    later = _json(builder.add(_lp(["d"], [-0.5], [[("d", -0.5)]]), echo=True))
+    assert later["text_offset"] == [8] and later["tokens"] == ["d"]
+    no_top = CompletionLogprobs(top=0).add(_lp(["a"], [-1.0], []), echo=False)
+    assert no_top["top_logprobs"] is None and no_top["tokens"] == ["a"]
+
+
+def test_completion_reply_batch_echo_and_stream() -> None:
+    answer = _answer(CompletionAnswer, n=2, prompts=2, echo=["P0 ", "P1 "])
+    for prompt in (0, 1):
+        for sample in (0, 1):
+            answer.add(prompt, _update(f"t{prompt}{sample}", [1], done="length", completion=1,
+                                       prompt=3 + prompt),
+                       {"id": f"r{prompt}-{sample}", "index": str(sample)})
+    body = answer.response()
+    assert body["id"] == "cmpl-r0" and body["object"] == "text_completion"
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "P0 t00", "length"), (1, "P0 t01", "length"), (2, "P1 t10", "length"),
+        (3, "P1 t11", "length")]
+    assert body["usage"]["prompt_tokens"] == 7 and body["usage"]["completion_tokens"] == 4
+    stream = _answer(CompletionAnswer, stream=True, echo=["Hi"])
+    chunks = stream.add(0, _update(" there", [1], completion=1), {"id": "r"})
+    chunks += stream.add(0, _update("!", [2], done="stop", completion=2), {"id": "r"})
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
+        ("Hi there", None), ("!", None), ("", "stop")]
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_embedding_body_float_and_base64() -> None:
+    vectors = [[0.5, -0.25], [1.0, 0.0]]
+    body = _json(embedding_body("m", vectors, 5, base64=False))
+    assert body == {"object": "list", "model": "m",
+                    "data": [{"object": "embedding", "index": 0, "embedding": [0.5, -0.25]},
+                             {"object": "embedding", "index": 1, "embedding": [1.0, 0.0]}],
+                    "usage": {"prompt_tokens": 5, "total_tokens": 5}}
+    encoded = embedding_body("m", vectors, 5, base64=True)["data"][1]["embedding"]
+    assert np.frombuffer(base64.b64decode(encoded), dtype="<f4").tolist() == [1.0, 0.0]

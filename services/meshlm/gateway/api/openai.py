@@ -6,8 +6,8 @@ that they and the HTTP routes (`front/openai_routes.py`) share.
 checked by the gateway's own validation, run it through the gateway's generation path
 (`GatewayAPI._generate`: n > 1 fan-out, logprobs, abort when the caller goes away) and fold
 the updates into OpenAI's shapes (`protocol/openai_responses.py`). A chat conversation is
-rendered to token ids by a tokenizer (`Tokenizer.ApplyChatTemplate`, the checkpoint's template); the gateway never
-renders templates itself.
+rendered to token ids by a tokenizer (`Tokenizer.ApplyChatTemplate`, the checkpoint's
+template); the gateway never renders templates itself.
 
 Streams of OpenAIStreamChunk: not streaming, one chunk holding the whole response; streaming,
 one chunk per OpenAI stream chunk. The last chunk has `finished` set. Errors are MeshErrors whose

@@ -1,28 +1,31 @@
-"""The public gRPC face: sglang.runtime.v1.SglangService, delegating every RPC to GatewayAPI.
+"""The public gRPC face: sglang.runtime.v1.SglangService, one method per RPC, each handing the
+request and the call's facts (metadata, peer, deadline) to the api layer.
 
-RPCs the API does not implement yet keep the generated base class's UNIMPLEMENTED answer. A
-call with a big request has its memory reclaimed soon after it ends (`front/reclaim.py`).
+Errors are not handled here: the api raises MeshError and the server's error interceptor turns
+it into the status (`common/interceptors.py`). A call with a big request has its memory
+reclaimed soon after it ends (`front/reclaim.py`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 
 from meshlm.common.deadline import set_deadline
-from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.generation import GatewayAPI
 from meshlm.gateway.front.reclaim import Reclaimer
-from sglang.runtime.v1 import sglang_pb2, sglang_pb2_grpc
+from sglang.runtime.v1 import sglang_pb2 as pb
+from sglang.runtime.v1 import sglang_pb2_grpc
 
-SERVICE = sglang_pb2.DESCRIPTOR.services_by_name["SglangService"]
+Context: TypeAlias = grpc.aio.ServicerContext
+R = TypeVar("R")
 
 
-def call_context(context: grpc.aio.ServicerContext) -> CallContext:
+def call_context(context: Context) -> CallContext:
     """The call's facts; its deadline also becomes the current one (`common/deadline.py`)."""
     metadata = {k.lower(): v for k, v in (context.invocation_metadata() or ())
                 if isinstance(v, str)}
@@ -32,45 +35,111 @@ def call_context(context: grpc.aio.ServicerContext) -> CallContext:
     return CallContext(metadata=metadata, peer=context.peer() or "", deadline=deadline)
 
 
-def _unary(name: str) -> Callable[..., Any]:
-    async def method(self: SglangServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await getattr(self.api, name)(request, call_context(context))
-        finally:
-            self.reclaim.after(request.ByteSize())
-    method.__name__ = name
-    return method
-
-
-def _stream(name: str) -> Callable[..., Any]:
-    async def method(self: SglangServicer, request: Any,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for item in getattr(self.api, name)(request, call_context(context)):
-                yield item
-        finally:
-            self.reclaim.after(request.ByteSize())
-    method.__name__ = name
-    return method
-
-
 class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
     def __init__(self, api: GatewayAPI, reclaim: Reclaimer | None = None) -> None:
         self.api = api
         self.reclaim = reclaim or Reclaimer()
 
+    async def TextGenerate(self, req: pb.TextGenerateRequest,
+                           ctx: Context) -> AsyncIterator[pb.TextGenerateResponse]:
+        async for item in self._stream(self.api.TextGenerate, req, ctx):
+            yield item
 
-def _unimplemented(name: str) -> Callable[..., Any]:
-    async def method(self: SglangServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        raise MeshError(grpc.StatusCode.UNIMPLEMENTED,
-                        f"{SERVICE.full_name}/{name} is not implemented yet")
-    method.__name__ = name
-    return method
+    async def Generate(self, req: pb.GenerateRequest,
+                       ctx: Context) -> AsyncIterator[pb.GenerateResponse]:
+        async for item in self._stream(self.api.Generate, req, ctx):
+            yield item
 
+    async def TextEmbed(self, req: pb.TextEmbedRequest, ctx: Context) -> pb.TextEmbedResponse:
+        return await self._unary(self.api.TextEmbed, req, ctx)
 
-for _m in SERVICE.methods:
-    if hasattr(GatewayAPI, _m.name):
-        setattr(SglangServicer, _m.name,
-                (_stream if _m.server_streaming else _unary)(_m.name))
-    else:
-        setattr(SglangServicer, _m.name, _unimplemented(_m.name))
+    async def Embed(self, req: pb.EmbedRequest, ctx: Context) -> pb.EmbedResponse:
+        return await self._unary(self.api.Embed, req, ctx)
+
+    async def Classify(self, req: pb.ClassifyRequest, ctx: Context) -> pb.ClassifyResponse:
+        return await self._unary(self.api.Classify, req, ctx)
+
+    async def Tokenize(self, req: pb.TokenizeRequest, ctx: Context) -> pb.TokenizeResponse:
+        return await self._unary(self.api.Tokenize, req, ctx)
+
+    async def Detokenize(self, req: pb.DetokenizeRequest, ctx: Context) -> pb.DetokenizeResponse:
+        return await self._unary(self.api.Detokenize, req, ctx)
+
+    async def HealthCheck(self, req: pb.HealthCheckRequest, ctx: Context) -> pb.HealthCheckResponse:
+        return await self._unary(self.api.HealthCheck, req, ctx)
+
+    async def GetModelInfo(self, req: pb.GetModelInfoRequest,
+                           ctx: Context) -> pb.GetModelInfoResponse:
+        return await self._unary(self.api.GetModelInfo, req, ctx)
+
+    async def GetServerInfo(self, req: pb.GetServerInfoRequest,
+                            ctx: Context) -> pb.GetServerInfoResponse:
+        return await self._unary(self.api.GetServerInfo, req, ctx)
+
+    async def ListModels(self, req: pb.ListModelsRequest, ctx: Context) -> pb.ListModelsResponse:
+        return await self._unary(self.api.ListModels, req, ctx)
+
+    async def GetLoad(self, req: pb.GetLoadRequest, ctx: Context) -> pb.GetLoadResponse:
+        return await self._unary(self.api.GetLoad, req, ctx)
+
+    async def Abort(self, req: pb.AbortRequest, ctx: Context) -> pb.AbortResponse:
+        return await self._unary(self.api.Abort, req, ctx)
+
+    async def FlushCache(self, req: pb.FlushCacheRequest, ctx: Context) -> pb.FlushCacheResponse:
+        return await self._unary(self.api.FlushCache, req, ctx)
+
+    async def PauseGeneration(self, req: pb.PauseGenerationRequest,
+                              ctx: Context) -> pb.PauseGenerationResponse:
+        return await self._unary(self.api.PauseGeneration, req, ctx)
+
+    async def ContinueGeneration(self, req: pb.ContinueGenerationRequest,
+                                 ctx: Context) -> pb.ContinueGenerationResponse:
+        return await self._unary(self.api.ContinueGeneration, req, ctx)
+
+    async def ChatComplete(self, req: pb.OpenAIRequest,
+                           ctx: Context) -> AsyncIterator[pb.OpenAIStreamChunk]:
+        async for item in self._stream(self.api.ChatComplete, req, ctx):
+            yield item
+
+    async def Complete(self, req: pb.OpenAIRequest,
+                       ctx: Context) -> AsyncIterator[pb.OpenAIStreamChunk]:
+        async for item in self._stream(self.api.Complete, req, ctx):
+            yield item
+
+    async def OpenAIEmbed(self, req: pb.OpenAIRequest, ctx: Context) -> pb.OpenAIResponse:
+        return await self._unary(self.api.OpenAIEmbed, req, ctx)
+
+    async def OpenAIClassify(self, req: pb.OpenAIRequest, ctx: Context) -> pb.OpenAIResponse:
+        return await self._unary(self.api.OpenAIClassify, req, ctx)
+
+    async def Score(self, req: pb.OpenAIRequest, ctx: Context) -> pb.OpenAIResponse:
+        return await self._unary(self.api.Score, req, ctx)
+
+    async def Rerank(self, req: pb.OpenAIRequest, ctx: Context) -> pb.OpenAIResponse:
+        return await self._unary(self.api.Rerank, req, ctx)
+
+    async def StartProfile(self, req: pb.StartProfileRequest,
+                           ctx: Context) -> pb.StartProfileResponse:
+        return await self._unary(self.api.StartProfile, req, ctx)
+
+    async def StopProfile(self, req: pb.StopProfileRequest, ctx: Context) -> pb.StopProfileResponse:
+        return await self._unary(self.api.StopProfile, req, ctx)
+
+    async def UpdateWeightsFromDisk(self, req: pb.UpdateWeightsRequest,
+                                    ctx: Context) -> pb.UpdateWeightsResponse:
+        return await self._unary(self.api.UpdateWeightsFromDisk, req, ctx)
+
+    async def _unary(self, rpc: Callable[[Any, CallContext], Awaitable[R]], req: Any,
+                     ctx: Context) -> R:
+        try:
+            return await rpc(req, call_context(ctx))
+        finally:
+            self.reclaim.after(req.ByteSize())
+
+    async def _stream(self, rpc: Callable[[Any, CallContext], AsyncIterator[R]], req: Any,
+                      ctx: Context) -> AsyncIterator[R]:
+        try:
+            async for item in rpc(req, call_context(ctx)):
+                yield item
+        finally:
+            self.reclaim.after(req.ByteSize())

@@ -40,6 +40,14 @@ def scheduler_load(mesh, credentials: grpc.ChannelCredentials) -> scheduler_pb2.
                                                             timeout=10)
 
 
+def scheduler_busy(mesh: Mesh, address: str) -> int:
+    """Requests the scheduler at `address` runs or queues (GetLoad over mTLS)."""
+    with grpc.secure_channel(address, mesh_credentials(mesh)) as ch:
+        load = scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(scheduler_pb2.GetLoadRequest(),
+                                                            timeout=10)
+    return load.running + load.waiting
+
+
 def gateway_load(stub) -> dict:
     return json.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)[0]
 

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 import redis
-from helpers import Stream, collect_text, text_request, wait_until
+from helpers import Stream, collect_text, scheduler_busy, text_request, wait_until
 from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 
 from meshlm.gateway.mesh.registry import key
@@ -171,6 +171,28 @@ def test_gateway_sigterm_drains_in_flight_requests(mesh2, registry):
         with pytest.raises(grpc.RpcError) as err:
             collect_text(stub, text_request("too late", max_new_tokens=2))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_gateway_killed_its_requests_end_in_the_mesh(mesh2, stub):
+    """A gateway that dies aborts nothing itself: the detokenizers' streams to it fail, and
+    they end its requests in the schedulers (no orphaned generation, no outputs piling up for
+    a peer that is gone); the other gateway serves on."""
+    doomed = mesh2.start_gateway("gateway-doomed")
+    with grpc.insecure_channel(doomed.grpc_address) as ch:
+        orphans = [Stream(sglang_pb2_grpc.SglangServiceStub(ch), f"orphan {i}")
+                   for i in range(4)]  # 1900 tokens each: far longer than the test
+        killed_at = time.monotonic()
+        mesh2.kill(doomed.name)
+        for s in orphans:
+            assert s.join().code() == grpc.StatusCode.UNAVAILABLE, (s.rid, s.error)
+    schedulers = [p.address for p in mesh2.replicas("scheduler")]
+    wait_until(lambda: all(scheduler_busy(mesh2, a) == 0 for a in schedulers), timeout=10,
+               what="the schedulers to end the dead gateway's requests")
+    assert time.monotonic() - killed_at < 10
+    logs = "".join(p.log_path.read_text() for p in mesh2.replicas("detokenizer"))
+    assert '"event":"gateway_lost"' in logs
+    _, msgs = collect_text(stub, text_request("the other gateway", max_new_tokens=3))
+    assert msgs[-1].finished
 
 
 def loads(stub) -> list[dict]:

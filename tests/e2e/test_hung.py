@@ -20,7 +20,7 @@ import redis
 from helpers import (
     Stream,
     collect_text,
-    mesh_credentials,
+    scheduler_busy,
     text_request,
     wait_until,
 )
@@ -29,7 +29,6 @@ from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 from meshlm.common.channels import DOWN_BOUND
 from meshlm.gateway.mesh.registry import key
 from meshlm.launch.mesh import Mesh
-from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 
@@ -76,14 +75,6 @@ def serves(stub, **fields: object) -> bool:
     return msgs[-1].finished
 
 
-def busy(mesh2: Mesh, address: str) -> int:
-    """Requests the scheduler at `address` runs or queues."""
-    with grpc.secure_channel(address, mesh_credentials(mesh2)) as ch:
-        load = scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(scheduler_pb2.GetLoadRequest(),
-                                                            timeout=10)
-    return load.running + load.waiting
-
-
 def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
     victim, other = mesh2.replicas("scheduler")
     doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0) for i in range(3)]
@@ -113,7 +104,7 @@ def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
     # for nobody (1900 tokens each would take far longer than this wait).
     wait_until(lambda: serves(stub, routed_dp_rank=0), timeout=60,
                what="a request pinned to the resumed scheduler to succeed")
-    wait_until(lambda: busy(mesh2, victim.address) == 0, timeout=10,
+    wait_until(lambda: scheduler_busy(mesh2, victim.address) == 0, timeout=10,
                what="the resumed scheduler to drop the requests it held")
 
 
@@ -134,7 +125,7 @@ def test_detokenizer_stopped_mid_stream(mesh2, stub, registry):
             _, msgs = collect_text(stub, text_request(f"after detok stop {i}", max_new_tokens=3))
             assert msgs[-1].finished
         # The schedulers stopped the doomed requests too (nobody is left to read them).
-        wait_until(lambda: all(busy(mesh2, s.address) == 0
+        wait_until(lambda: all(scheduler_busy(mesh2, s.address) == 0
                                for s in mesh2.replicas("scheduler")),
                    what="every scheduler to be idle")
     wait_until(lambda: all(dependencies(stub)["detokenizer"].values()), timeout=30,

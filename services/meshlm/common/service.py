@@ -127,13 +127,15 @@ class MeshPeers:
         self._pools: list[StreamPool[Any]] = []
 
     def stream_pool(self, name: str, role: str, open_call: Callable[[Any], Any],
-                    make_batch: Callable[[list[T]], Any]) -> StreamPool[T]:
+                    make_batch: Callable[[list[T]], Any],
+                    on_lost: Callable[[str], None] | None = None) -> StreamPool[T]:
         """Streams `name` to any `role` peer's address: `open_call(channel)` gives the RPC to
-        call (e.g. `lambda ch: DetokenizerStub(ch).Push`), `make_batch(items)` the message."""
+        call (e.g. `lambda ch: DetokenizerStub(ch).Push`), `make_batch(items)` the message,
+        `on_lost(address)` runs after a call to that peer failed (see BatchedStream)."""
         def open_stream(address: str) -> BatchedStream[T]:
             channel = self.channels.for_role(role, address)
             return BatchedStream(name, address, open_call(channel), make_batch,
-                                 ready=channel.channel_ready)
+                                 ready=channel.channel_ready, on_lost=on_lost)
 
         pool: StreamPool[T] = StreamPool(open_stream)
         self._pools.append(pool)

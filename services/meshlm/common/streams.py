@@ -46,17 +46,21 @@ class BatchedStream(Generic[T]):
     (common/channels.py), which fails the call and every write on it.
 
     Nothing ends the stream but `close()`: an unexpected error in one call is logged and the
-    stream reconnects, so its queue is never left without a sender."""
+    stream reconnects, so its queue is never left without a sender. `on_lost(address)` runs
+    after each failed call, once its queue was dropped: a sender whose peer owns requests (the
+    detokenizer's stream to a gateway) ends them there, since nobody else will."""
 
     def __init__(
         self, name: str, address: str, open_call: OpenCall,
         make_batch: Callable[[list[T]], Any], *, capacity: int = 65536, max_batch: int = 4096,
         on_reply: Callable[[Any], None] | None = None,
         ready: Callable[[], Awaitable[None]] | None = None,
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
         self.name, self.address = name, address
         self._open_call, self._make_batch = open_call, make_batch
         self._on_reply = on_reply
+        self._on_lost = on_lost
         self._ready = ready
         self._capacity, self._max_batch = capacity, max_batch
         self._queue: collections.deque[T] = collections.deque()
@@ -128,6 +132,11 @@ class BatchedStream(Generic[T]):
             self._has_room.set()
             log.warning("stream_lost", stream=self.name, peer=self.address, error=error,
                         dropped=dropped)
+            if self._on_lost is not None:
+                try:
+                    self._on_lost(self.address)
+                except Exception:  # noqa: BLE001 - the stream must go on reconnecting
+                    log.exception("on_lost_failed", stream=self.name, peer=self.address)
             if self.messages_sent > sent_before:
                 backoff = 0.05  # this connection worked: the next try starts quickly again
             await asyncio.sleep(backoff)  # reconnect pause, not synchronisation

@@ -164,15 +164,42 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         state.span.set_attribute("meshlm.finish_reason", reason)
         state.span.end()
 
+    def gateway_lost(self, address: str) -> None:
+        """The stream to the gateway at `address` failed, and what was queued for it is gone:
+        its requests are ended here and in their schedulers (a dead gateway aborts nothing, and
+        its outputs would pile up for ever), and a final UNAVAILABLE for each is queued, for a
+        gateway that is still there (a broken connection, not a dead process)."""
+        lost = [(rid, state) for rid, state in self._states.items() if state.gateway == address]
+        if not lost:
+            return
+        by_scheduler: dict[str, list[str]] = {}
+        finals = []
+        for rid, state in lost:
+            self._close(rid, state, "error")
+            by_scheduler.setdefault(state.scheduler, []).append(rid)
+            finals.append(gateway_pb2.TextOutput(
+                rid=rid, finished=True, finish_reason="error",
+                error=common_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                        message=f"the detokenizer lost its stream to the "
+                                                f"gateway at {address}")))
+        log.warning("gateway_lost", gateway=address, requests=len(lost))
+        for scheduler, rids in by_scheduler.items():
+            self._abort_in_scheduler(scheduler, rids, "abort")
+        self._gateways.get(address).put_nowait(finals)
+
     def _stop_in_scheduler(self, scheduler: str, rids: list[str]) -> None:
+        self._abort_in_scheduler(scheduler, rids, "stop")
+
+    def _abort_in_scheduler(self, scheduler: str, rids: list[str], reason: str) -> None:
         stub = scheduler_pb2_grpc.SchedulerStub(self._channels.for_role("scheduler", scheduler))
 
         async def call() -> None:
             try:
-                await stub.Abort(scheduler_pb2.AbortRequest(rids=rids, reason="stop"), timeout=10)
+                await stub.Abort(scheduler_pb2.AbortRequest(rids=rids, reason=reason),
+                                 timeout=10)
             except grpc.aio.AioRpcError as exc:
-                log.warning("stop_failed", scheduler=scheduler, error=exc.details(),
-                            rids=len(rids))
+                log.warning("abort_failed", scheduler=scheduler, reason=reason,
+                            error=exc.details(), rids=len(rids))
 
         self._background.spawn(call())
 
@@ -181,10 +208,14 @@ async def serve(config: DetokenizerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
     tok = TextTokenizer.from_pretrained(model_path)
     peers = MeshPeers(config)
+
+    def on_gateway_lost(address: str) -> None:  # streams start after the servicer exists
+        servicer.gateway_lost(address)
+
     gateways: StreamPool[gateway_pb2.TextOutput] = peers.stream_pool(
         "detokenizer->gateway", "gateway",
         lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
-        lambda items: gateway_pb2.TextBatch(outputs=items))
+        lambda items: gateway_pb2.TextBatch(outputs=items), on_lost=on_gateway_lost)
     servicer = DetokenizerServicer(tok, gateways, peers.channels, Path(model_path).name)
     server = GrpcServer([Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
                                  "meshlm.v1.Detokenizer"), profiler_binding(servicer.profiling)])

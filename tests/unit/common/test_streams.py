@@ -177,3 +177,36 @@ async def test_items_put_while_the_peer_is_down_reach_it_when_it_is_back():
         await stream.close()
         await channel.close()
         await server.stop(None)
+
+
+async def test_on_lost_hears_of_each_failed_call_and_what_it_queues_goes_on_the_next():
+    """The detokenizer's stream to a gateway ends that gateway's requests when a call fails;
+    what it queues then (their final errors) leaves on the next call."""
+    peer = FakePeer(fail_after=1)
+    lost: list[str] = []
+
+    def on_lost(address: str) -> None:
+        lost.append(address)
+        stream.put_nowait([99])
+
+    stream = BatchedStream("t", "gw:1", peer.open, list, max_batch=1, on_lost=on_lost)
+    await stream.put([1, 2])
+    stream.start()
+    await _until(lambda: [99] in peer.batches)
+    assert lost == ["gw:1"] and peer.batches == [[1], [99]]
+    await stream.close()
+
+
+async def test_a_failing_on_lost_does_not_stop_the_stream():
+    peer = FakePeer(fail_after=1)
+
+    def on_lost(address: str) -> None:
+        raise RuntimeError("bug in a callback")
+
+    stream = BatchedStream("t", "gw:1", peer.open, list, on_lost=on_lost)
+    await stream.put([1])
+    stream.start()
+    await _until(lambda: peer.calls >= 2)
+    await stream.put([2])
+    await _until(lambda: [2] in peer.batches)
+    await stream.close()

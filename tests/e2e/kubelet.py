@@ -715,7 +715,9 @@ with grpc.insecure_channel(os.environ["GATEWAY_GRPC"]) as ch:
     stub = pbg.SglangServiceStub(ch)
     req = pb.TextGenerateRequest(
         text="The capital of France is", stream=True,
-        sampling_params=pb.SamplingParams(max_new_tokens=16, temperature=0.0))
+        # 200 tokens (~1 s): long enough that the gateway cannot fold them all into one
+        # message however slowly this client reads
+        sampling_params=pb.SamplingParams(max_new_tokens=200, ignore_eos=True, temperature=0.0))
     out["stream"] = [{"text": m.text, "finished": m.finished, "meta": dict(m.meta_info)}
                      for m in stub.TextGenerate(req, timeout=120)]
     want = int(os.environ["SCHEDULERS"])

@@ -153,21 +153,22 @@ class Follower:
 
 
 def test_streams_over_grpc_and_http_through_published_ports(stack: Stack) -> None:
-    follower = Follower(stack.stub(), _generate("Once upon a time", 24)).start()
+    # 200 tokens (~1 s): too long to come as one message, however slowly the client reads
+    follower = Follower(stack.stub(), _generate("Once upon a time", 200)).start()
     follower.join(60)
     assert follower.error is None, follower.error
-    assert len(follower.messages) > 1 and follower.tokens == 24
+    assert len(follower.messages) > 1 and follower.tokens == 200
     assert follower.messages[-1].finished and follower.finish_reason == "length"
 
     base = f"http://127.0.0.1:{stack.http_port}"
     events = []
     with httpx.stream("POST", f"{base}/generate", timeout=60, json={
             "text": "Once upon a time", "stream": True,
-            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}}) as r:
+            "sampling_params": {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}}) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and len(events) > 2
-    assert json.loads(events[-2])["meta_info"]["completion_tokens"] == 16
+    assert json.loads(events[-2])["meta_info"]["completion_tokens"] == 200
 
     models = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
     reply = httpx.post(f"{base}/v1/chat/completions", timeout=60, json={

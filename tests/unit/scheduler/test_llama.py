@@ -19,7 +19,7 @@ from meshlm.scheduler.engine.kv_cache import (
     decode_groups,
 )
 from meshlm.scheduler.models.config import ModelConfig
-from meshlm.scheduler.models.llama import LlamaForCausalLM, _inv_freq
+from meshlm.scheduler.models.llama import LlamaForCausalLM, rope_inv_freq
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
 
 
@@ -107,11 +107,11 @@ def test_llama3_rope_scaling_is_identity_at_factor_one() -> None:
         }
     )
     cpu = torch.device("cpu")
-    assert torch.allclose(_inv_freq(plain, cpu), _inv_freq(scaled, cpu))
+    assert torch.allclose(rope_inv_freq(plain, cpu), rope_inv_freq(scaled, cpu))
     eight = ModelConfig.from_dict({**base, "rope_scaling": {**scaled.rope_scaling, "factor": 8.0}})
-    inv = _inv_freq(eight, cpu)
-    assert inv[0] == _inv_freq(plain, cpu)[0]  # high frequencies untouched
-    assert inv[-1] < _inv_freq(plain, cpu)[-1]  # low frequencies stretched
+    inv = rope_inv_freq(eight, cpu)
+    assert inv[0] == rope_inv_freq(plain, cpu)[0]  # high frequencies untouched
+    assert inv[-1] < rope_inv_freq(plain, cpu)[-1]  # low frequencies stretched
 
 
 def _packed_step(model: LlamaForCausalLM, cache: KVCache, windows: list[int | None],

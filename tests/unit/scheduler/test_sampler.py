@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch, _top_k, _top_p_floor
+from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch, top_k_mask, top_p_floor
 from meshlm.scheduler.engine.sequence import SamplingParams
 
 CPU = torch.device("cpu")
@@ -67,7 +67,7 @@ def test_repetition_penalty_hf_semantics() -> None:
     seen[0, 0] = seen[0, 2] = True
     b = batch([SamplingParams(temperature=0.0, repetition_penalty=2.0)])
     assert sample(logits, b, seen=seen) == [1]  # 2.0 / 2 = 1.0 < 1.9
-    pen = Sampler._penalize(logits.clone(), b, seen, None)
+    pen = Sampler.penalize(logits.clone(), b, seen, None)
     assert pen[0, :4].tolist() == [1.0, pytest.approx(1.9), -2.0, pytest.approx(-1.1)]
 
 
@@ -76,7 +76,7 @@ def test_frequency_and_presence_penalties() -> None:
     counts = torch.zeros(1, V, dtype=torch.int32)
     counts[0, 0] = 2
     b = batch([SamplingParams(temperature=0.0, frequency_penalty=0.2, presence_penalty=0.3)])
-    pen = Sampler._penalize(logits.clone(), b, None, counts)
+    pen = Sampler.penalize(logits.clone(), b, None, counts)
     assert pen[0, 0].item() == pytest.approx(3.0 - 0.4 - 0.3) and pen[0, 1].item() == 2.5
     assert sample(logits, b, counts=counts) == [1]
 
@@ -148,9 +148,9 @@ def test_top_k_top_p_support_matches_full_sort(vocab: int) -> None:
     b = SamplingBatch.build(params, [0] * rows, (), [None] * rows, vocab, CPU)
     masked = logits.clone()
     if b.top_ks is not None:
-        masked = _top_k(masked, b.top_ks, b.top_k_cap)
+        masked = top_k_mask(masked, b.top_ks, b.top_k_cap)
     if b.top_ps is not None:
-        masked = masked.masked_fill(masked < _top_p_floor(masked, b.top_ps), float("-inf"))
+        masked = masked.masked_fill(masked < top_p_floor(masked, b.top_ps), float("-inf"))
     for i in range(rows):
         got = set(torch.nonzero(masked[i] > float("-inf")).flatten().tolist())
         want = reference_support(logits[i], ks[i] if ks[i] < vocab else 0, ps[i])

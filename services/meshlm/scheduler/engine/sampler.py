@@ -125,15 +125,15 @@ class Sampler:
         those penalties. `logits` may be modified in place."""
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
-        logits = self._penalize(logits, batch, seen, counts)
+        logits = self.penalize(logits, batch, seen, counts)
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:
             return greedy_tokens
         logits = logits / batch.temperatures[:, None]
         if batch.top_ks is not None:
-            logits = _top_k(logits, batch.top_ks, batch.top_k_cap)
+            logits = top_k_mask(logits, batch.top_ks, batch.top_k_cap)
         if batch.top_ps is not None:
-            logits = logits.masked_fill(logits < _top_p_floor(logits, batch.top_ps), NEG_INF)
+            logits = logits.masked_fill(logits < top_p_floor(logits, batch.top_ps), NEG_INF)
         probs = logits.softmax(dim=-1)
         if batch.min_ps is not None:
             floor = batch.min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
@@ -142,7 +142,7 @@ class Sampler:
         return torch.where(batch.greedy, greedy_tokens, sampled)
 
     @staticmethod
-    def _penalize(
+    def penalize(
         logits: Tensor, batch: SamplingBatch, seen: Tensor | None, counts: Tensor | None
     ) -> Tensor:
         if batch.repetition is not None:
@@ -160,7 +160,7 @@ class Sampler:
         return logits
 
 
-def _top_k(logits: Tensor, top_ks: Tensor, cap: int) -> Tensor:
+def top_k_mask(logits: Tensor, top_ks: Tensor, cap: int) -> Tensor:
     """Mask all but each row's top_k logits (rows with top_k == vocab size are untouched)."""
     vocab = logits.shape[-1]
     values = logits.topk(cap, dim=-1).values  # sorted, largest first
@@ -169,7 +169,7 @@ def _top_k(logits: Tensor, top_ks: Tensor, cap: int) -> Tensor:
     return logits.masked_fill(logits < kth, NEG_INF)
 
 
-def _top_p_floor(logits: Tensor, top_ps: Tensor) -> Tensor:
+def top_p_floor(logits: Tensor, top_ps: Tensor) -> Tensor:
     """Each row's smallest logit inside its nucleus: the fewest largest tokens whose
     probability reaches top_p (at least one). -inf on rows with top_p == 1. [B, 1]"""
     vocab = logits.shape[-1]

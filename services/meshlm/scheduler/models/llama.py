@@ -64,7 +64,7 @@ def _rope_type(config: ModelConfig) -> str:
     return str(scaling.get("rope_type", scaling.get("type", "default")))
 
 
-def _inv_freq(config: ModelConfig, device: torch.device) -> Tensor:
+def rope_inv_freq(config: ModelConfig, device: torch.device) -> Tensor:
     """Inverse frequencies [D/2] of the config's RoPE; "dynamic" starts from the default ones
     and is rescaled per call (`_dynamic_ntk`)."""
     dim = config.head_dim
@@ -114,7 +114,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         if self._inv_freq is None or self._inv_freq.device != positions.device:
-            self._inv_freq = _inv_freq(self.config, positions.device)
+            self._inv_freq = rope_inv_freq(self.config, positions.device)
         inv = self._inv_freq
         if self.dynamic:
             inv = _dynamic_ntk(self.config, inv, positions)

@@ -23,7 +23,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 # Checkpoint tensors that are recomputed, never loaded.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # auto = safetensors
 DUMMY_SEED = 0
@@ -81,7 +81,7 @@ def load_weights(model: LlamaForCausalLM, root: Path) -> None:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for key in f.keys():
                     name = key
-                    if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                    if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
                         continue
                     param = params.get(name)
                     if param is None and not name.startswith("model."):

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.cpu_linear import FusedPackedLinear, PackedLinear
 from meshlm.scheduler.models.loader import (
-    _IGNORED_SUFFIXES,
     DUMMY_SEED,
+    IGNORED_SUFFIXES,
     LOAD_FORMATS,
     DummyDraws,
 )
@@ -195,7 +195,7 @@ def _tensor_problems(files: tuple[Path, ...], shapes: dict[str, tuple[int, ...]]
 def target_name(key: str, names: Container[str], tied: bool) -> str | None:
     """The served tensor a checkpoint key fills (load_weights' rules): None for a key that is
     never loaded, the key itself when nothing matches."""
-    if key.endswith(_IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
+    if key.endswith(IGNORED_SUFFIXES) or (tied and key == "lm_head.weight"):
         return None
     if key not in names and not key.startswith("model.") and "model." + key in names:
         return "model." + key  # a bare *Model checkpoint

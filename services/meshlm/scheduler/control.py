@@ -1,16 +1,15 @@
-"""Control calls on the scheduler that the engine loop runs at a step boundary (no plan in
-flight): FlushCache, Pause, Continue and UpdateWeights, mixed into the SchedulerServicer.
-They run in arrival order; a caller that gives up before its call started leaves it unrun."""
+"""Control calls on the scheduler, run by the engine loop at a step boundary (no plan in
+flight): FlushCache, Pause, Continue and UpdateWeights. The servicer calls `EngineControl`;
+calls run in arrival order, and one whose caller gives up before it started is left unrun."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import grpc
 
@@ -20,6 +19,7 @@ from meshlm.common.service import model_info_json
 from meshlm.scheduler.engine.engine import Engine
 from meshlm.scheduler.engine.policy import PAUSE_MODES
 from meshlm.scheduler.engine.weights import WeightsLoadError
+from meshlm.scheduler.loop import EngineLoop
 from meshlm.scheduler.models.reload import CheckpointNotFound, IncompatibleCheckpoint
 from meshlm.v1 import common_pb2, scheduler_pb2
 
@@ -30,20 +30,20 @@ CONTROL_TIMEOUT = 30.0  # seconds a control call waits for the engine loop to re
 T = TypeVar("T")
 
 
-class ControlRPCs:
-    engine: Engine
-    info: common_pb2.ModelInfo
-    wake: asyncio.Event
-    _executor: ThreadPoolExecutor
-    # Control calls awaiting a step boundary, in arrival order.
-    _controls: list[tuple[Callable[[], Awaitable[Any]], asyncio.Future[Any]]]
-    _updating: asyncio.Lock  # one weight update at a time, in arrival order
+class EngineControl:
+    """The control calls over `engine`, queued on `loop` for a step boundary. `info` is the
+    ModelInfo GetInfo answers with; a weight update names its new checkpoint there."""
 
-    async def FlushCache(self, request: scheduler_pb2.FlushCacheRequest,
-                         context: grpc.aio.ServicerContext) -> scheduler_pb2.FlushCacheResponse:
+    def __init__(self, engine: Engine, loop: EngineLoop, info: common_pb2.ModelInfo) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.info = info
+        self._updating = asyncio.Lock()  # one weight update at a time, in arrival order
+
+    async def flush_cache(self) -> scheduler_pb2.FlushCacheResponse:
         """Queue a flush for the engine loop, which runs it between two steps."""
         try:
-            flushed = await self._between_steps(self.engine.flush_cache)
+            flushed = await self.loop.between_steps(self.engine.flush_cache, CONTROL_TIMEOUT)
         except TimeoutError:
             return scheduler_pb2.FlushCacheResponse(
                 success=False, message=f"the engine loop did not answer within {CONTROL_TIMEOUT} s")
@@ -55,28 +55,26 @@ class ControlRPCs:
             success=False, message=f"requests are running ({s['running']} running, "
                                    f"{s['waiting']} waiting); retry when idle")
 
-    async def Pause(self, request: scheduler_pb2.PauseRequest,
-                    context: grpc.aio.ServicerContext) -> scheduler_pb2.PauseResponse:
+    async def pause(self, mode: str) -> scheduler_pb2.PauseResponse:
         """Pause the engine at the next step boundary (see the proto for the modes)."""
-        if request.mode not in PAUSE_MODES:
-            raise invalid("mode", f"must be one of {', '.join(PAUSE_MODES)}; got {request.mode!r}")
+        if mode not in PAUSE_MODES:
+            raise invalid("mode", f"must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+
         def pause() -> tuple[bool, int]:
             already = self.engine.paused is not None
-            return already, self.engine.pause(request.mode)
+            return already, self.engine.pause(mode)
 
         already, touched = await self._control(pause)
-        log.info("paused", mode=request.mode, requests=touched, already_paused=already)
+        log.info("paused", mode=mode, requests=touched, already_paused=already)
         return scheduler_pb2.PauseResponse(already_paused=already, requests=touched)
 
-    async def Continue(self, request: scheduler_pb2.ContinueRequest,
-                       context: grpc.aio.ServicerContext) -> scheduler_pb2.ContinueResponse:
+    async def resume(self) -> scheduler_pb2.ContinueResponse:
         was_paused = await self._control(self.engine.resume)
         log.info("continued", was_paused=was_paused)
         return scheduler_pb2.ContinueResponse(was_paused=was_paused)
 
-    async def UpdateWeights(self, request: scheduler_pb2.UpdateWeightsRequest,
-                            context: grpc.aio.ServicerContext
-                            ) -> scheduler_pb2.UpdateWeightsResponse:
+    async def update_weights(self, request: scheduler_pb2.UpdateWeightsRequest
+                             ) -> scheduler_pb2.UpdateWeightsResponse:
         """New weights from `model_path` (see the proto). The checkpoint is checked while the
         engine goes on stepping; then, at a step boundary, the running requests are retracted,
         the prefix cache emptied and the weights copied in on the engine thread, and stepping
@@ -96,15 +94,13 @@ class ControlRPCs:
             except ValueError as exc:  # unknown load_format
                 raise invalid("load_format", str(exc)) from None
             checked = time.perf_counter()
-            loop = asyncio.get_running_loop()
 
             async def swap() -> scheduler_pb2.UpdateWeightsResponse:
                 # Runs to its end once started, even if the caller goes away meanwhile.
                 boundary = time.perf_counter()
                 aborted = self.engine.abort_all() if request.abort_all else 0
                 retracted = self.engine.drop_kv()
-                tensors = await loop.run_in_executor(self._executor, self.engine.load_weights,
-                                                     checkpoint)
+                tensors = await self.loop.on_engine_thread(self.engine.load_weights, checkpoint)
                 end = time.perf_counter()
                 self._set_model_path(str(checkpoint.path))
                 log.info("weights_updated", model_path=str(checkpoint.path),
@@ -117,7 +113,7 @@ class ControlRPCs:
                     load_seconds=end - boundary)
 
             try:
-                return await self._at_step_boundary(swap, None)
+                return await self.loop.at_step_boundary(swap, None)
             except WeightsLoadError as exc:
                 raise MeshError(grpc.StatusCode.INTERNAL, str(exc)) from None
 
@@ -129,46 +125,12 @@ class ControlRPCs:
         self.info.json_info = model_info_json(model_path, facts)
 
     async def _control(self, action: Callable[[], T]) -> T:
-        """`_between_steps`, a timeout becoming UNAVAILABLE."""
+        """`action` between two steps, a timeout becoming UNAVAILABLE."""
         try:
-            return await self._between_steps(action)
+            return await self.loop.between_steps(action, CONTROL_TIMEOUT)
         except TimeoutError:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, "the engine loop did not reach a "
                             f"step boundary within {CONTROL_TIMEOUT} s") from None
-
-    async def _between_steps(self, action: Callable[[], T]) -> T:
-        """Run `action` on the engine loop between two steps (no plan in flight), after the
-        control calls queued before it; TimeoutError if the loop does not get there in time."""
-        async def run() -> T:
-            return action()
-
-        return await self._at_step_boundary(run, CONTROL_TIMEOUT)
-
-    async def _at_step_boundary(self, action: Callable[[], Awaitable[T]],
-                                timeout: float | None) -> T:
-        """`_between_steps` for an async action: the engine loop awaits it before planning the
-        next step (so no step runs meanwhile), and `timeout` (None: none) covers the wait and
-        the action. An action not yet started when its caller gives up does not run; one
-        started runs to its end."""
-        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._controls.append((action, done))
-        self.wake.set()
-        return await asyncio.wait_for(done, timeout)
-
-    async def _run_controls(self) -> None:
-        """Run the queued control calls (loop thread, no plan in flight)."""
-        controls, self._controls = self._controls, []
-        for action, done in controls:
-            if done.done():  # its caller gave up
-                continue
-            try:
-                result = await action()
-            except Exception as exc:  # noqa: BLE001 - the caller's error, not the loop's
-                if not done.done():
-                    done.set_exception(exc)
-            else:
-                if not done.done():
-                    done.set_result(result)
 
 
 def _ms(seconds: float) -> float:

@@ -1,12 +1,19 @@
-"""Wire <-> engine conversion for the scheduler (the one place it happens)."""
+"""Wire <-> engine conversion for the scheduler (the one place it happens): a tokenized request's
+sampling params and header fields in, step outputs (logprobs included) and load figures out."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
+from typing import Any
 
+from opentelemetry import trace
+
+from meshlm.common.tracing import carrier_of
 from meshlm.scheduler.engine.sequence import SamplingParams, StepOutput
-from meshlm.v1 import common_pb2
+from meshlm.scheduler.tracked import Tracked
+from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 
 def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
@@ -21,6 +28,52 @@ def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
         logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
         token_ids_logprob=tuple(p.token_ids_logprob) if p.return_logprob else (),
     )
+
+
+def tracked_of(req: scheduler_pb2.TokenizedRequest, span: trace.Span) -> Tracked:
+    """What the engine loop keeps of a request for its outputs: route, header fields, deadline,
+    and its prompt when prompt logprobs will need their ids."""
+    tracked = Tracked(
+        route=req.route, return_text=req.return_text, stop=list(req.sampling.stop),
+        skip_special_tokens=req.sampling.skip_special_tokens,
+        prompt_tokens=len(req.input_ids), span=span,
+        return_text_in_logprobs=req.sampling.return_text_in_logprobs,
+        deadline=req.deadline,
+    )
+    if req.sampling.return_logprob and req.sampling.logprob_start_len >= 0:
+        tracked.prompt_ids = list(req.input_ids)
+    return tracked
+
+
+def token_output(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
+    """StepOutput -> wire. The first output of a request carries its header (`tracked` then
+    records it as sent), and the prompt ids go out once, with the prompt logprobs."""
+    msg = detokenizer_pb2.TokenOutput(
+        rid=out.rid, token_ids=out.new_token_ids, finished=out.finished,
+        finish_reason=out.finish_reason or "", prompt_tokens=out.prompt_tokens,
+        completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
+    )
+    if out.matched_token is not None:
+        msg.matched_token = out.matched_token
+    if out.error is not None:
+        msg.error.code = int(tracked.error_code)
+        msg.error.message = out.error
+    if out.embedding is not None:
+        msg.embedding.extend(out.embedding)
+    if has_logprobs(out):
+        fill_logprobs(msg.logprobs, out, tracked.prompt_ids)
+        if out.input_logprobs:
+            tracked.prompt_ids = []
+    if not tracked.header_sent:
+        tracked.header_sent = True
+        msg.header.route.CopyFrom(tracked.route)
+        msg.header.stop.extend(tracked.stop)
+        msg.header.skip_special_tokens = tracked.skip_special_tokens
+        msg.header.return_text = tracked.return_text
+        msg.header.prompt_tokens = tracked.prompt_tokens
+        msg.header.return_text_in_logprobs = tracked.return_text_in_logprobs
+        msg.header.trace.update(carrier_of(tracked.span))
+    return msg
 
 
 def has_logprobs(out: StepOutput) -> bool:
@@ -45,3 +98,14 @@ def fill_logprobs(msg: common_pb2.Logprobs, out: StepOutput, prompt_ids: Sequenc
 
 def _top_pb(pairs: list[tuple[int, float]]) -> common_pb2.TopLogprobs:
     return common_pb2.TopLogprobs(token_ids=[t for t, _ in pairs], logprobs=[p for _, p in pairs])
+
+
+def load_of(address: str, stats: dict[str, Any]) -> scheduler_pb2.Load:
+    """The engine's stats() -> GetLoad's answer (every figure also in json_info)."""
+    return scheduler_pb2.Load(
+        address=address, running=stats["running"], waiting=stats["waiting"],
+        max_running=stats["max_running"], finished_total=stats["finished_total"],
+        aborted_total=stats["aborted_total"],
+        generated_tokens_total=stats["generated_tokens_total"],
+        token_usage=stats["token_usage"], json_info=json.dumps(stats),
+    )

@@ -21,7 +21,7 @@ from meshlm.common.metrics import (
     TokenizerMetrics,
     buckets_1_2_5,
 )
-from meshlm.scheduler.engine.policy import Scheduler
+from meshlm.scheduler.engine.policy import BatchPlanner
 
 M = {"model_name": "tiny"}
 
@@ -103,7 +103,7 @@ def test_every_instance_has_its_own_registry():
 
 
 def _stats(**overrides: Any) -> dict[str, Any]:
-    stats = Scheduler(max_running=4, max_model_len=64, num_blocks=8).stats()  # the real keys
+    stats = BatchPlanner(max_running=4, max_model_len=64, num_blocks=8).stats()  # the real keys
     return {**stats, **overrides}
 
 

@@ -1,18 +1,24 @@
-"""Helpers for the engine tests: tiny random Llama checkpoints (HF layout), run loops."""
+"""Helpers for the engine tests: tiny random Llama checkpoints (HF layout), run loops, and the
+scheduler service's parts over an engine (no gRPC server): outputs collected, requests made."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from meshlm.scheduler.control import EngineControl
 from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
-from meshlm.v1 import detokenizer_pb2
+from meshlm.scheduler.loop import EngineLoop
+from meshlm.scheduler.server import SchedulerServicer
+from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT
+from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 EOS = 2
 
@@ -150,3 +156,35 @@ class Outputs:
         for o in self.items:
             by_rid.setdefault(o.rid, []).append(o)
         return by_rid
+
+
+def make_servicer(engine: Engine, outputs: Outputs | None = None,
+                  info: common_pb2.ModelInfo | None = None, *,
+                  executor: ThreadPoolExecutor | None = None, max_queued: int = 1024,
+                  stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> SchedulerServicer:
+    """The scheduler's servicer as serve() wires it (address "s"), outputs into `outputs`;
+    its engine loop is not running yet (`servicer.loop.run()`)."""
+    loop = EngineLoop(engine, executor or ThreadPoolExecutor(1), outputs or Outputs(),
+                      address="s", max_queued=max_queued, stall_timeout=stall_timeout)
+    return SchedulerServicer(loop, EngineControl(engine, loop, info or common_pb2.ModelInfo()))
+
+
+def sample_prompt(n: int) -> list[int]:
+    return [(7 * i + 3) % 500 for i in range(n)]
+
+
+def tokenized(rid: str, prompt: list[int], **kw: Any) -> scheduler_pb2.TokenizedRequest:
+    """A greedy request for 4 tokens (EOS ignored), routed to detokenizer "d"."""
+    sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1,
+                                         repetition_penalty=1.0, max_new_tokens=4,
+                                         ignore_eos=True, logprob_start_len=-1)
+    return scheduler_pb2.TokenizedRequest(rid=rid, input_ids=prompt, sampling=sampling,
+                                          route=common_pb2.Route(detokenizer="d"), **kw)
+
+
+async def submit(servicer: SchedulerServicer, *reqs: scheduler_pb2.TokenizedRequest) -> None:
+    """One Submit call carrying one batch."""
+    async def batches() -> AsyncIterator[scheduler_pb2.TokenizedBatch]:
+        yield scheduler_pb2.TokenizedBatch(requests=reqs)
+
+    await servicer.Submit(batches(), None)  # type: ignore[arg-type]

@@ -7,22 +7,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
-from scheduler_helpers import Outputs, run_all
+from scheduler_helpers import Outputs, make_servicer, run_all, sample_prompt, submit, tokenized
 from scheduler_helpers import tokens_of as engine_tokens
 from test_policy import FakeRunner, PolicyMachine, make, params, prompt, shape, tokens_of
-from test_server import _prompt, _request, _submit
 
 from meshlm.common.errors import MeshError
 from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
-from meshlm.scheduler.engine.policy import PAUSE_MODES, Scheduler
+from meshlm.scheduler.engine.policy import PAUSE_MODES, BatchPlanner
 from meshlm.scheduler.server import SchedulerServicer
-from meshlm.v1 import common_pb2, scheduler_pb2
+from meshlm.v1 import scheduler_pb2
 
 EngineFactory = Callable[..., Engine]  # the make_engine fixture (conftest.py)
 
@@ -34,7 +32,7 @@ def unpaused(rid: str, ids: list[int], max_new_tokens: int) -> list[int]:
     return tokens_of(FakeRunner(s).drain()[rid])
 
 
-def running_three(**kw: object) -> tuple[Scheduler, FakeRunner]:
+def running_three(**kw: object) -> tuple[BatchPlanner, FakeRunner]:
     """a and b decoding, c half-way through its (chunked) prompt, d waiting for a row."""
     s = make(max_running=3, max_batched_tokens=12, **kw)
     runner = FakeRunner(s)
@@ -225,12 +223,12 @@ def test_engine_in_place_pause_holds_new_requests(make_engine: EngineFactory) ->
 @pytest.fixture
 async def served(make_engine: EngineFactory) -> AsyncIterator[tuple[SchedulerServicer, Outputs]]:
     """The scheduler service with its engine loop running, outputs collected (no gRPC)."""
-    servicer = SchedulerServicer(make_engine(max_running=8, block_size=16), ThreadPoolExecutor(1),
-                                 Outputs(), common_pb2.ModelInfo(), "s")  # type: ignore[arg-type]
-    loop = asyncio.create_task(servicer.run_engine())
-    yield servicer, servicer.outputs  # type: ignore[misc]
-    loop.cancel()
-    servicer.close()
+    outputs = Outputs()
+    servicer = make_servicer(make_engine(max_running=8, block_size=16), outputs)
+    task = asyncio.create_task(servicer.loop.run())
+    yield servicer, outputs
+    task.cancel()
+    servicer.loop.close()
 
 
 async def _tokens_seen(outputs: Outputs, rid: str, n: int) -> None:
@@ -243,28 +241,28 @@ async def test_service_retract_then_continue_matches_an_unpaused_run(
     served: tuple[SchedulerServicer, Outputs],
 ) -> None:
     servicer, outputs = served
-    long = _request("long", _prompt(30))
+    long = tokenized("long", sample_prompt(30))
     long.sampling.max_new_tokens = 40
-    await _submit(servicer, long)
+    await submit(servicer, long)
     await _tokens_seen(outputs, "long", 3)
     pause = await servicer.Pause(scheduler_pb2.PauseRequest(mode="retract"), None)
     assert not pause.already_paused and pause.requests == 1
-    stats = servicer.engine.stats()
+    stats = servicer.loop.engine.stats()
     assert stats["paused"] == "retract" and stats["running"] == 0 and stats["waiting"] == 1
     assert stats["kv_blocks_used"] == 0
     again = await servicer.Pause(scheduler_pb2.PauseRequest(mode="retract"), None)
     assert again.already_paused and again.requests == 0
-    late = _request("late", _prompt(5))
-    await _submit(servicer, late)  # queues while paused
-    assert servicer.engine.stats()["waiting"] == 2
+    late = tokenized("late", sample_prompt(5))
+    await submit(servicer, late)  # queues while paused
+    assert servicer.loop.engine.stats()["waiting"] == 2
     assert (await servicer.Continue(scheduler_pb2.ContinueRequest(), None)).was_paused
     assert not (await servicer.Continue(scheduler_pb2.ContinueRequest(), None)).was_paused
     outs = await outputs.finished({"long", "late"})
     paused_tokens = [t for o in outs["long"] for t in o.token_ids]
     assert outs["long"][-1].finish_reason == "length" and len(paused_tokens) == 40
-    plain = _request("plain", _prompt(30))
+    plain = tokenized("plain", sample_prompt(30))
     plain.sampling.max_new_tokens = 40
-    await _submit(servicer, plain)
+    await submit(servicer, plain)
     plain_outs = await outputs.finished({"plain"})
     assert [t for o in plain_outs["plain"] for t in o.token_ids] == paused_tokens
 
@@ -273,19 +271,19 @@ async def test_service_abort_mode_ends_requests_and_refuses_unknown_modes(
     served: tuple[SchedulerServicer, Outputs],
 ) -> None:
     servicer, outputs = served
-    busy = _request("busy", _prompt(20))
+    busy = tokenized("busy", sample_prompt(20))
     busy.sampling.max_new_tokens = 200
-    await _submit(servicer, busy)
+    await submit(servicer, busy)
     await _tokens_seen(outputs, "busy", 1)
     with pytest.raises(MeshError, match="mode: must be one of abort, retract, in_place"):
         await servicer.Pause(scheduler_pb2.PauseRequest(mode="later"), None)
-    assert servicer.engine.paused is None
+    assert servicer.loop.engine.paused is None
     reply = await servicer.Pause(scheduler_pb2.PauseRequest(mode="abort"), None)
     assert reply.requests == 1
     outs = await outputs.finished({"busy"})
     assert outs["busy"][-1].finish_reason == "abort"
-    await _submit(servicer, _request("after", _prompt(4)))
-    assert servicer.engine.stats()["waiting"] == 1  # paused: it waits
+    await submit(servicer, tokenized("after", sample_prompt(4)))
+    assert servicer.loop.engine.stats()["waiting"] == 1  # paused: it waits
     await servicer.Continue(scheduler_pb2.ContinueRequest(), None)
     assert (await outputs.finished({"after"}))["after"][-1].finish_reason == "length"
 

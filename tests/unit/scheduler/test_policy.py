@@ -20,7 +20,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from meshlm.scheduler.engine.policy import Scheduler
+from meshlm.scheduler.engine.policy import BatchPlanner
 from meshlm.scheduler.engine.sequence import (
     ItemResult,
     Plan,
@@ -36,7 +36,7 @@ STOP = 9
 BS = 4
 
 
-def make(**kw: object) -> Scheduler:
+def make(**kw: object) -> BatchPlanner:
     args: dict[str, object] = {
         "max_running": 4,
         "max_model_len": 64,
@@ -47,7 +47,7 @@ def make(**kw: object) -> Scheduler:
         "vocab_size": 100,
     }
     args.update(kw)
-    return Scheduler(**args)  # type: ignore[arg-type]
+    return BatchPlanner(**args)  # type: ignore[arg-type]
 
 
 def params(**kw: object) -> SamplingParams:
@@ -70,7 +70,7 @@ class FakeRunner:
     stopped, samples exactly at the end of its tokens, has blocks for them, and every
     position it attends to holds that sequence's token (shared prefix blocks included)."""
 
-    def __init__(self, s: Scheduler, sample: Callable[[Sequence], int] = by_position) -> None:
+    def __init__(self, s: BatchPlanner, sample: Callable[[Sequence], int] = by_position) -> None:
         self.s = s
         self.sample = sample
         self.kv: dict[int, int] = {}
@@ -140,10 +140,10 @@ def prompt_logprobs(seq: Sequence, start: int, end: int) -> list[float | None]:
     return out
 
 
-_runners: weakref.WeakKeyDictionary[Scheduler, FakeRunner] = weakref.WeakKeyDictionary()
+_runners: weakref.WeakKeyDictionary[BatchPlanner, FakeRunner] = weakref.WeakKeyDictionary()
 
 
-def step(s: Scheduler, token: int = 7) -> tuple[Plan | None, list[StepOutput]]:
+def step(s: BatchPlanner, token: int = 7) -> tuple[Plan | None, list[StepOutput]]:
     """One step in which the "model" samples `token` (one fake KV cache per scheduler)."""
     runner = _runners.setdefault(s, FakeRunner(s))
     runner.sample = lambda _: token
@@ -573,7 +573,7 @@ def test_reset_prefix_cache_refused_while_live() -> None:
 # -- finish rules and errors --------------------------------------------------------------
 
 
-def finish(s: Scheduler, rid: str, tokens: list[int]) -> StepOutput:
+def finish(s: BatchPlanner, rid: str, tokens: list[int]) -> StepOutput:
     outs: list[StepOutput] = []
     for t in tokens:
         outs += [o for o in step(s, t)[1] if o.rid == rid]

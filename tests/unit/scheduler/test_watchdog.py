@@ -1,4 +1,4 @@
-"""The engine watchdog: the stall and freeze rules over timestamps, and a scheduler over a real
+"""The engine watchdog: the stall and freeze rules over timestamps, and an engine loop over a real
 tiny engine whose engine thread is held (a stall: its requests end UNAVAILABLE, it reports
 NOT_SERVING until the step returns, then SERVING) or whose event loop alone is blocked (no
 freeze: its requests go on)."""
@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import grpc
 import pytest
 from scheduler_helpers import Outputs
 
 from meshlm.common.channels import DOWN_BOUND
-from meshlm.scheduler.server import SchedulerServicer
+from meshlm.scheduler.loop import EngineLoop
+from meshlm.scheduler.tracked import Code
 from meshlm.scheduler.watchdog import (
     CHECK_INTERVAL,
     DEFAULT_STALL_TIMEOUT,
@@ -110,21 +110,20 @@ class Health:
 
 @pytest.fixture
 async def scheduler(make_engine: Any, request: pytest.FixtureRequest
-                    ) -> AsyncIterator[tuple[SchedulerServicer, Outputs, Health,
-                                             ThreadPoolExecutor]]:
-    """A scheduler over the tiny engine with a stall timeout of TIMEOUT, or of N with
+                    ) -> AsyncIterator[tuple[EngineLoop, Outputs, Health, ThreadPoolExecutor]]:
+    """An engine loop over the tiny engine with a stall timeout of TIMEOUT, or of N with
     `@pytest.mark.parametrize("scheduler", [N], indirect=True)`."""
     engine = make_engine(max_running=8, block_size=16)
     outputs, health = Outputs(), Health()
     executor = ThreadPoolExecutor(1)  # the engine thread
-    servicer = SchedulerServicer(engine, executor, outputs, common_pb2.ModelInfo(), "s",
-                                 stall_timeout=getattr(request, "param", TIMEOUT))
-    servicer.watchdog.report = health.report
-    servicer.watchdog.interval = 0.05
-    loop = asyncio.create_task(servicer.run_engine())
-    yield servicer, outputs, health, executor
-    loop.cancel()
-    servicer.close()
+    loop = EngineLoop(engine, executor, outputs, address="s",
+                      stall_timeout=getattr(request, "param", TIMEOUT))
+    loop.watchdog.report = health.report
+    loop.watchdog.interval = 0.05
+    task = asyncio.create_task(loop.run())
+    yield loop, outputs, health, executor
+    task.cancel()
+    loop.close()
 
 
 def _request(rid: str, max_new_tokens: int) -> scheduler_pb2.TokenizedRequest:
@@ -136,11 +135,8 @@ def _request(rid: str, max_new_tokens: int) -> scheduler_pb2.TokenizedRequest:
                                           route=common_pb2.Route(detokenizer="d"))
 
 
-async def _submit(servicer: SchedulerServicer, *reqs: scheduler_pb2.TokenizedRequest) -> None:
-    async def batches() -> AsyncIterator[scheduler_pb2.TokenizedBatch]:
-        yield scheduler_pb2.TokenizedBatch(requests=reqs)
-
-    await servicer.Submit(batches(), None)
+def _submit(loop: EngineLoop, *reqs: scheduler_pb2.TokenizedRequest) -> None:
+    loop.submit(scheduler_pb2.TokenizedBatch(requests=reqs))
 
 
 def _final(outputs: Outputs, rid: str) -> detokenizer_pb2.TokenOutput | None:
@@ -148,18 +144,18 @@ def _final(outputs: Outputs, rid: str) -> detokenizer_pb2.TokenOutput | None:
 
 
 async def test_a_stalled_engine_is_not_serving_and_its_requests_end_unavailable(scheduler):
-    servicer, outputs, health, engine_thread = scheduler
-    await _submit(servicer, _request("long", 200))
+    loop, outputs, health, engine_thread = scheduler
+    _submit(loop, _request("long", 200))
     await outputs.until(lambda: len(outputs.of("long")) >= 2)
     held = threading.Event()
     engine_thread.submit(held.wait, 60)  # the engine thread is stuck: the next step cannot run
     try:
         await health.until([False])
-        assert servicer.watchdog.stalled
+        assert loop.watchdog.stalled
         # A request already on its way when the scheduler went NOT_SERVING is refused at once.
-        await _submit(servicer, _request("late", 4))
+        _submit(loop, _request("late", 4))
         late = _final(outputs, "late")
-        assert late is not None and late.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert late is not None and late.error.code == Code.UNAVAILABLE
         assert "stalled" in late.error.message and late.HasField("header")
         assert _final(outputs, "long") is None  # its end comes with the stuck step
     finally:
@@ -168,10 +164,10 @@ async def test_a_stalled_engine_is_not_serving_and_its_requests_end_unavailable(
     await outputs.until(lambda: _final(outputs, "long") is not None)
     final = _final(outputs, "long")
     assert final is not None and final.finish_reason == "error"
-    assert final.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
-    assert servicer.engine.stats()["running"] == 0 and not servicer.state.tracked
+    assert final.error.code == Code.UNAVAILABLE
+    assert loop.engine.stats()["running"] == 0 and not loop.tracked
     # Serving again: a new request runs to its end.
-    await _submit(servicer, _request("after", 4))
+    _submit(loop, _request("after", 4))
     await outputs.until(lambda: _final(outputs, "after") is not None)
     assert _final(outputs, "after").finish_reason == "length"  # type: ignore[union-attr]
 
@@ -180,8 +176,8 @@ async def test_a_stalled_engine_is_not_serving_and_its_requests_end_unavailable(
 async def test_a_blocked_event_loop_is_no_freeze(scheduler):
     """The process runs (it answers its peers' pings), only its loop does not: its requests
     are kept. A process that does not run at all (SIGSTOP) forfeits them: tests/e2e/test_hung.py."""
-    servicer, outputs, health, _ = scheduler
-    await _submit(servicer, _request("long", 200))
+    loop, outputs, health, _ = scheduler
+    _submit(loop, _request("long", 200))
     await outputs.until(lambda: len(outputs.of("long")) >= 2)
     time.sleep(FREEZE_LIMIT * 1.5)  # the fault: the event loop does not run
     await outputs.until(lambda: _final(outputs, "long") is not None)
@@ -190,8 +186,8 @@ async def test_a_blocked_event_loop_is_no_freeze(scheduler):
 
 
 async def test_steps_within_the_timeout_forfeit_nothing(scheduler):
-    servicer, outputs, health, _ = scheduler
-    await _submit(servicer, *(_request(f"r{i}", 24) for i in range(4)))
+    loop, outputs, health, _ = scheduler
+    _submit(loop, *(_request(f"r{i}", 24) for i in range(4)))
     await outputs.until(lambda: all(_final(outputs, f"r{i}") for i in range(4)))
     assert {_final(outputs, f"r{i}").finish_reason for i in range(4)} == {"length"}  # type: ignore[union-attr]
     assert health.reports == []

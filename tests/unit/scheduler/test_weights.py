@@ -10,7 +10,6 @@ import asyncio
 import json
 import shutil
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,18 @@ import grpc
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from scheduler_helpers import greedy, run_all, tokens_of, write_checkpoint
+from scheduler_helpers import (
+    Outputs,
+    greedy,
+    make_servicer,
+    run_all,
+    sample_prompt,
+    submit,
+    tokenized,
+    tokens_of,
+    write_checkpoint,
+)
 from test_pause import expected, running_three
-from test_server import Outputs, _prompt, _request, _submit
 
 from meshlm.common.errors import MeshError
 from meshlm.scheduler.engine import weights as engine_weights
@@ -107,7 +115,7 @@ def test_update_mid_generation_goes_on_with_the_new_weights(
             outs.setdefault(o.rid, []).append(o)
     before = {rid: tokens_of(outs.get(rid, [])) for rid in requests}
     assert before["a"] and before["b"] and not any(before[rid] for rid in "cde")
-    assert 0 < engine.scheduler.running[2].num_computed_tokens < len(PROMPTS["c"])
+    assert 0 < engine.planner.running[2].num_computed_tokens < len(PROMPTS["c"])
     running = engine.stats()["running"]
 
     update = engine.update_weights(str(ckpt_b))
@@ -270,13 +278,12 @@ def test_a_load_that_fails_half_way_puts_the_old_weights_back(
 async def service(ckpt_a: Path) -> AsyncIterator[tuple[SchedulerServicer, Outputs]]:
     info = common_pb2.ModelInfo(model_path=str(ckpt_a),
                                 json_info=json.dumps({"config": {}, "device": "cpu"}))
-    servicer = SchedulerServicer(engine_on(ckpt_a, max_running=8, block_size=16),
-                                 ThreadPoolExecutor(1), Outputs(), info,  # type: ignore[arg-type]
-                                 "s")
-    loop = asyncio.create_task(servicer.run_engine())
-    yield servicer, servicer.outputs  # type: ignore[misc]
-    loop.cancel()
-    servicer.close()
+    outputs = Outputs()
+    servicer = make_servicer(engine_on(ckpt_a, max_running=8, block_size=16), outputs, info)
+    task = asyncio.create_task(servicer.loop.run())
+    yield servicer, outputs
+    task.cancel()
+    servicer.loop.close()
 
 
 async def _tokens_seen(outputs: Outputs, rid: str, n: int) -> None:
@@ -295,9 +302,9 @@ async def test_service_updates_between_steps_one_at_a_time(
     service: tuple[SchedulerServicer, Outputs], ckpt_a: Path, ckpt_b: Path,
 ) -> None:
     servicer, outputs = service
-    long = _request("long", _prompt(30))
+    long = tokenized("long", sample_prompt(30))
     long.sampling.max_new_tokens = 60
-    await _submit(servicer, long)
+    await submit(servicer, long)
     await _tokens_seen(outputs, "long", 3)
     first, second = await asyncio.gather(servicer.UpdateWeights(_update(ckpt_b), None),
                                          servicer.UpdateWeights(_update(ckpt_a), None))
@@ -309,11 +316,11 @@ async def test_service_updates_between_steps_one_at_a_time(
     outs = await outputs.finished({"long"})
     assert len([t for o in outs["long"] for t in o.token_ids]) == 60
     assert [o.completion_tokens for o in outs["long"] if o.token_ids] == list(range(1, 61))
-    assert servicer.engine.stats()["retracted_total"] >= 1
+    assert servicer.loop.engine.stats()["retracted_total"] >= 1
 
-    busy = _request("busy", _prompt(20))
+    busy = tokenized("busy", sample_prompt(20))
     busy.sampling.max_new_tokens = 500
-    await _submit(servicer, busy)
+    await submit(servicer, busy)
     await _tokens_seen(outputs, "busy", 1)
     reply = await servicer.UpdateWeights(_update(ckpt_b, "safetensors", abort_all=True), None)
     assert reply.aborted == 1 and reply.retracted == 0
@@ -338,5 +345,5 @@ async def test_service_refusals_have_their_status_codes(
         await servicer.UpdateWeights(_update(path, load_format), None)
     assert info.value.code == code, info.value.message
     assert (await servicer.GetInfo(common_pb2.GetInfoRequest(), None)).model_path == str(ckpt_a)
-    await _submit(servicer, _request("after", _prompt(9)))
+    await submit(servicer, tokenized("after", sample_prompt(9)))
     assert (await outputs.finished({"after"}))["after"][-1].finish_reason == "length"

@@ -1,16 +1,24 @@
-"""Wire <-> engine conversion: sampling params in, step outputs (logprobs included) out."""
+"""Wire <-> engine conversion: sampling params in, step outputs (logprobs included) and load
+figures out; the error codes are gRPC's."""
 
 from __future__ import annotations
 
+import json
 import math
-from types import SimpleNamespace
 
-import pytest
+import grpc
 from opentelemetry import trace
 
-from meshlm.scheduler.engine.sequence import SamplingParams, StepOutput
-from meshlm.scheduler.server import SchedulerServicer, Tracked, _to_pb
-from meshlm.scheduler.wire import engine_params, fill_logprobs, has_logprobs
+from meshlm.scheduler.engine.sequence import StepOutput
+from meshlm.scheduler.tracked import Code, Tracked
+from meshlm.scheduler.wire import (
+    engine_params,
+    fill_logprobs,
+    has_logprobs,
+    load_of,
+    token_output,
+    tracked_of,
+)
 from meshlm.v1 import common_pb2, scheduler_pb2
 
 
@@ -85,43 +93,47 @@ def test_input_logprobs_carry_their_prompt_ids_and_nan_for_position_0() -> None:
 
 def test_to_pb_sends_logprobs_only_when_there_are_some() -> None:
     tracked = _tracked()
-    assert not _to_pb(_step(), tracked).HasField("logprobs")
-    msg = _to_pb(_step(output_logprobs=[-0.5]), tracked)
+    assert not token_output(_step(), tracked).HasField("logprobs")
+    msg = token_output(_step(output_logprobs=[-0.5]), tracked)
     assert msg.HasField("logprobs") and list(msg.logprobs.output_logprobs) == [-0.5]
 
 
 def test_to_pb_header_and_prompt_ids_for_input_logprobs() -> None:
     tracked = _tracked(return_text_in_logprobs=True, prompt_ids=[1, 2, 3, 4])
-    first = _to_pb(_step(output_logprobs=[-0.5], input_logprob_start=1,
+    first = token_output(_step(output_logprobs=[-0.5], input_logprob_start=1,
                          input_logprobs=[-1.0, -2.0, -3.0]), tracked)
     assert first.header.return_text_in_logprobs
     assert list(first.logprobs.input_token_ids) == [2, 3, 4]
     assert tracked.prompt_ids == []  # sent once: not kept for the request's lifetime
-    second = _to_pb(_step(output_logprobs=[-0.75]), tracked)
+    second = token_output(_step(output_logprobs=[-0.75]), tracked)
     assert not second.HasField("header") and not second.logprobs.input_token_ids
 
 
-class _FakeEngine:
-    def __init__(self) -> None:
-        self.added: list[tuple[str, list[int], SamplingParams]] = []
-        self.model_config = SimpleNamespace(has_lm_head=True)
-        self.num_waiting = 0
+def test_tracked_keeps_the_prompt_only_for_prompt_logprobs() -> None:
+    req = scheduler_pb2.TokenizedRequest(
+        rid="r", input_ids=[1, 2, 3], route=common_pb2.Route(detokenizer="d"), deadline=5.0,
+        sampling=common_pb2.SamplingParams(top_p=1.0, return_logprob=True, logprob_start_len=-1,
+                                           stop=["x"], skip_special_tokens=True))
+    tracked = tracked_of(req, trace.INVALID_SPAN)
+    assert tracked.prompt_ids == [] and tracked.prompt_tokens == 3 and tracked.deadline == 5.0
+    assert tracked.stop == ["x"] and tracked.skip_special_tokens
+    req.sampling.logprob_start_len = 0
+    assert tracked_of(req, trace.INVALID_SPAN).prompt_ids == [1, 2, 3]
 
-    def add_request(self, rid: str, ids: list[int], params: SamplingParams,
-                    after: str | None = None) -> None:
-        self.added.append((rid, ids, params))
+
+def test_error_outputs_carry_grpcs_status_numbers() -> None:
+    for code in Code:
+        assert code == grpc.StatusCode[code.name].value[0], code
+    msg = token_output(_step(finished=True, finish_reason="error", error="late"),
+                       _tracked(error_code=Code.DEADLINE_EXCEEDED))
+    assert msg.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    assert msg.error.message == "late"
 
 
-@pytest.mark.parametrize("start", [-1, 0])
-def test_admission_keeps_the_prompt_only_for_prompt_logprobs(start: int) -> None:
-    engine = _FakeEngine()
-    servicer = SchedulerServicer(engine, None, None, common_pb2.ModelInfo(), "")  # type: ignore
-    servicer._admit(scheduler_pb2.TokenizedRequest(
-        rid="r", input_ids=[1, 2, 3], route=common_pb2.Route(detokenizer="d"),
-        sampling=common_pb2.SamplingParams(top_p=1.0, max_new_tokens=2, return_logprob=True,
-                                           logprob_start_len=start,
-                                           return_text_in_logprobs=True)))
-    tracked = servicer.state.tracked["r"]
-    assert tracked.return_text_in_logprobs
-    assert tracked.prompt_ids == ([1, 2, 3] if start >= 0 else [])
-    assert engine.added[0][2].logprob_start_len == start
+def test_load_carries_the_stats() -> None:
+    stats = {"running": 2, "waiting": 1, "max_running": 8, "finished_total": 5,
+             "aborted_total": 1, "generated_tokens_total": 40, "token_usage": 0.25, "paused": None}
+    load = load_of("s:1", stats)
+    assert (load.address, load.running, load.waiting, load.max_running) == ("s:1", 2, 1, 8)
+    assert (load.finished_total, load.aborted_total, load.generated_tokens_total) == (5, 1, 40)
+    assert load.token_usage == 0.25 and json.loads(load.json_info) == stats

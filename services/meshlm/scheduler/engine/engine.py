@@ -11,10 +11,18 @@ A step is three calls, split so that a server can run the forward pass off its e
 `postprocess`, and at most one plan is in flight. `pause`, `resume`, `flush_cache`, `drop_kv`
 and `load_weights` run between steps (no plan in flight). `step()` chains the three for
 in-process use.
+
+New weights without a restart are split by thread the same way (weights.py):
+
+    checkpoint = engine.check_weights(path, load_format)   # any thread, no torch: refusals
+    retracted = engine.drop_kv()                           # loop thread, between steps
+    engine.load_weights(checkpoint)                        # engine thread, between steps
+    engine.update_weights(path, load_format)               # the three, on the calling thread
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,12 +32,13 @@ import torch
 from meshlm.common.logs import get_logger
 from meshlm.scheduler.engine.kv_cache import KVCache
 from meshlm.scheduler.engine.model_runner import ModelRunner
-from meshlm.scheduler.engine.policy import Scheduler
+from meshlm.scheduler.engine.policy import BatchPlanner
 from meshlm.scheduler.engine.sequence import ExecResult, Plan, SamplingParams, StepOutput
-from meshlm.scheduler.engine.weights import EngineWeights
+from meshlm.scheduler.engine.weights import ServedWeights, WeightsLoadError, WeightsUpdate
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.cpu_linear import pack_linears
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
+from meshlm.scheduler.models.reload import Checkpoint
 
 __all__ = ["Engine", "EngineConfig", "ExecResult", "Plan", "SamplingParams", "StepOutput"]
 
@@ -66,10 +75,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class Engine(EngineWeights):
-    """Continuous-batching generation over one model; see the module docstring for threads.
-    New weights without a restart: `engine/weights.py` (check_weights, drop_kv, load_weights,
-    update_weights)."""
+class Engine:
+    """Continuous-batching generation over one model: the policy (`planner`, no torch), the
+    model runner and the served weights; see the module docstring for threads."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads:
@@ -84,6 +92,8 @@ class Engine(EngineWeights):
         packed = (pack_linears(self.model, warm_rows=config.max_batched_tokens)
                   if config.packed_cpu_linears else 0)
         self.packed_linears = packed  # decoder projections served by oneDNN packed weights
+        self.weights = ServedWeights(self.model, config.model_path, config.load_format,
+                                     self.model_config)
         mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
@@ -96,7 +106,7 @@ class Engine(EngineWeights):
         block_bytes = KVCache.block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
                                           mc.head_dim, dtype)
         num_blocks = self._num_blocks(block_bytes, dev)
-        self.scheduler = Scheduler(
+        self.planner = BatchPlanner(
             max_running=config.max_running,
             max_model_len=self.max_model_len,
             num_blocks=num_blocks,
@@ -150,7 +160,7 @@ class Engine(EngineWeights):
         bad params) is not raised on: it finishes with finish_reason "error" and a message in
         the next postprocess(). `after`: the rid of a live request with the same prompt whose
         KV this one should share (n > 1); it starts once that prompt is computed."""
-        self.scheduler.add(rid, prompt_ids, params, after)
+        self.planner.add(rid, prompt_ids, params, after)
 
     def add_embed_request(self, rid: str, prompt_ids: list[int]) -> None:
         """Queue an embedding request (loop thread): its one output has `embedding`, the
@@ -158,31 +168,31 @@ class Engine(EngineWeights):
         L2-normalised; for a sequence classifier, its class logits (unnormalised) at the last
         non-pad token. Errors as for add_request."""
         mc = self.model_config
-        self.scheduler.add_embed(rid, prompt_ids, mc.pooling, mc.pool_position(prompt_ids))
+        self.planner.add_embed(rid, prompt_ids, mc.pooling, mc.pool_position(prompt_ids))
 
     def abort(self, rid: str) -> bool:
         """End a request at any time (loop thread); True if it was live. Its one "abort"
         output comes out of the next postprocess()/step(); no token follows it."""
-        return self.scheduler.abort(rid)
+        return self.planner.abort(rid)
 
     def abort_all(self) -> int:
         """Abort every live request; returns how many."""
-        return self.scheduler.abort_all()
+        return self.planner.abort_all()
 
     @property
     def num_waiting(self) -> int:
         """Requests queued for a running slot (preempted and retracted ones included)."""
-        return len(self.scheduler.waiting)
+        return len(self.planner.waiting)
 
     def has_work(self) -> bool:
         """Outputs not yet returned by postprocess(), or (unless paused) anything waiting or
         running."""
-        return self.scheduler.has_work()
+        return self.planner.has_work()
 
     def schedule(self) -> Plan | None:
         """Pick this step's work (loop thread). None when there is nothing to run, though
         postprocess(None, None) may still have abort or error outputs to return."""
-        return self.scheduler.schedule()
+        return self.planner.schedule()
 
     def execute(self, plan: Plan) -> ExecResult:
         """Forward pass + sampling for `plan` (any one thread). Touches the KV cache and the
@@ -205,10 +215,10 @@ class Engine(EngineWeights):
         """Apply `result` (loop thread): append tokens, finish requests, free their slots, and
         return every output due, pending aborts and errors included."""
         if plan is None:
-            return self.scheduler.postprocess(None, None)
+            return self.planner.postprocess(None, None)
         if result is None:
-            return self.scheduler.postprocess(plan, None, "no result for the plan")
-        return self.scheduler.postprocess(plan, result.items, result.error)
+            return self.planner.postprocess(plan, None, "no result for the plan")
+        return self.planner.postprocess(plan, result.items, result.error)
 
     def step(self) -> list[StepOutput]:
         """schedule + execute + postprocess on the calling thread."""
@@ -219,26 +229,68 @@ class Engine(EngineWeights):
     def flush_cache(self) -> bool:
         """Empty the prefix cache; refused (False) while any request is live (unless paused
         with every request retracted)."""
-        return self.scheduler.reset_prefix_cache()
+        return self.planner.reset_prefix_cache()
 
     def pause(self, mode: str) -> int:
         """Stop planning steps until resume(), treating the requests in flight as `mode` says
-        ("abort" | "retract" | "in_place", see `Scheduler.pause`); returns how many it
+        ("abort" | "retract" | "in_place", see `BatchPlanner.pause`); returns how many it
         touched. Raises ValueError for another mode."""
-        return self.scheduler.pause(mode)
+        return self.planner.pause(mode)
 
     def resume(self) -> bool:
         """Plan steps again; False if the engine was not paused."""
-        return self.scheduler.resume()
+        return self.planner.resume()
 
     @property
     def paused(self) -> str | None:
         """The mode of the pause in force, None while steps run."""
-        return self.scheduler.paused
+        return self.planner.paused
 
     def stats(self) -> dict[str, Any]:
         """Load figures (running, waiting, ...), totals (finished, aborted, preempted,
         retracted, generated, prompt and cached tokens, chunked prefills), `paused` (the pause
         mode or None) and the KV cache's blocks (kv_block_size, kv_blocks_total/used/cached,
         kv_tokens_used; token_usage is the fraction of blocks in use)."""
-        return self.scheduler.stats()
+        return self.planner.stats()
+
+    # -- new weights (weights.py) ------------------------------------------------------------
+
+    def check_weights(self, model_path: str, load_format: str = "auto") -> Checkpoint:
+        """The checkpoint at `model_path` if this model can take its weights in place (any
+        thread, no torch); see `ServedWeights.check` for the refusals."""
+        return self.weights.check(model_path, load_format)
+
+    def drop_kv(self) -> int:
+        """Retract every running request and empty the prefix cache (loop thread, between
+        steps); returns how many were retracted. A pause in force stays."""
+        return self.planner.drop_kv()
+
+    def load_weights(self, checkpoint: Checkpoint) -> int:
+        """Copy a checked checkpoint's weights into the model in place and serve it from now
+        on (engine thread, between steps, after drop_kv); returns how many tensors were stored.
+        On an I/O error the served checkpoint is loaded back and WeightsLoadError raised; if
+        that fails too, generation is paused (abort: no output from mixed weights) until
+        another update succeeds and ContinueGeneration is called."""
+        try:
+            tensors = self.weights.load(checkpoint)
+        except WeightsLoadError as exc:
+            if not exc.restored:
+                self.planner.pause("abort")
+            raise
+        self.config = dataclasses.replace(self.config, model_path=str(checkpoint.path),
+                                          load_format=checkpoint.load_format)
+        self.model_config = checkpoint.config
+        return tensors
+
+    def update_weights(self, model_path: str, load_format: str = "auto") -> WeightsUpdate:
+        """check_weights, drop_kv and load_weights on the calling thread (in-process use,
+        between steps)."""
+        start = time.perf_counter()
+        checkpoint = self.check_weights(model_path, load_format)
+        retracted = self.drop_kv()
+        tensors = self.load_weights(checkpoint)
+        update = WeightsUpdate(str(checkpoint.path), checkpoint.load_format, retracted, tensors,
+                               time.perf_counter() - start)
+        log.info("weights_updated", model_path=update.model_path, load_format=update.load_format,
+                 retracted=retracted, tensors=tensors, ms=round(update.seconds * 1e3, 1))
+        return update

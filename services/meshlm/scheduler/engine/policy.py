@@ -1,4 +1,4 @@
-"""Scheduler: the engine's policy. Queues, token budget, KV blocks, preemption, finish rules.
+"""BatchPlanner: the engine's policy. Queues, token budget, KV blocks, preemption, finish rules.
 
 No torch here: `schedule()` returns a `Plan` that the model runner carries out, and
 `postprocess()` takes what it produced back. All methods run on one thread (the event
@@ -28,7 +28,7 @@ from meshlm.scheduler.engine.slot_table import SlotTable
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class Scheduler:
+class BatchPlanner:
     """Continuous batching with chunked prefill over a paged KV cache.
 
     Every step spends at most `max_batched_tokens` tokens: first one decode token for each

@@ -1,0 +1,327 @@
+"""The scheduler's engine loop: requests in, engine steps on the engine thread, outputs out.
+
+`EngineLoop` owns what the service keeps per request beside the engine's own state (`Tracked`:
+route, header, deadline; aborts that came before their request) and runs the engine's step,
+schedule -> execute -> postprocess, with the forward pass on the engine thread (the executor's
+one worker) and all scheduling state on the event loop. Each step's outputs leave as one batch
+per detokenizer, put on a sink (the stream pool to the detokenizers). Control calls (flush,
+pause, weights) queued with `at_step_boundary` run between two steps, before the next is
+planned.
+
+No grpc here: error outputs carry `Code` values, and the gRPC servicer (server.py) only calls in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from meshlm.common import deadline
+from meshlm.common.logs import get_logger
+from meshlm.common.profiling import RequestEvents
+from meshlm.common.tracing import context_of, tracer
+from meshlm.scheduler import wire
+from meshlm.scheduler.engine.sequence import StepOutput
+from meshlm.scheduler.tracked import Code, Tracked
+from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT, EngineWatchdog
+from meshlm.v1 import detokenizer_pb2, scheduler_pb2
+
+if TYPE_CHECKING:
+    from meshlm.scheduler.engine.engine import Engine
+
+log = get_logger(__name__)
+
+PRE_ABORT_TTL = 60.0  # seconds an abort for a not-yet-seen rid is remembered
+EXPIRY_CHECK = 0.05  # seconds between scans for requests past their deadline
+
+T = TypeVar("T")
+
+
+class OutputQueue(Protocol):
+    """One detokenizer's queue of outputs (a `BatchedStream`)."""
+
+    async def put(self, items: Iterable[detokenizer_pb2.TokenOutput]) -> None: ...
+
+    def put_nowait(self, items: Iterable[detokenizer_pb2.TokenOutput]) -> None: ...
+
+
+class OutputSink(Protocol):
+    """Where outputs go, by detokenizer address (a `StreamPool`)."""
+
+    def get(self, address: str) -> OutputQueue: ...
+
+
+class EngineLoop:
+    """Admits requests into the engine, ends them (aborts, deadlines, the watchdog's forfeits)
+    and runs the engine's steps. `address` names this scheduler in refusals (set once the
+    server is bound). Everything but the forward pass runs on the event loop."""
+
+    def __init__(self, engine: Engine, executor: ThreadPoolExecutor, sink: OutputSink,
+                 events: RequestEvents | None = None, address: str = "",
+                 max_queued: int = 1024,
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
+        self.engine = engine
+        self.executor = executor  # the engine thread: every torch call runs on it
+        self.sink = sink
+        self.events = events or RequestEvents("scheduler")
+        self.address = address
+        self.max_queued = max_queued
+        self.tracked: dict[str, Tracked] = {}  # live requests, by rid
+        self.pre_aborted: dict[str, float] = {}  # rid -> time.monotonic() it is forgotten at
+        self.wake = asyncio.Event()
+        self._tracer = tracer("meshlm.scheduler")
+        self._pending: list[StepOutput] = []  # outputs made outside a step (refusals)
+        # Control calls awaiting a step boundary, in arrival order.
+        self._controls: list[tuple[Callable[[], Awaitable[Any]], asyncio.Future[Any]]] = []
+        self._next_expiry_check = 0.0  # time.time() of the next deadline scan
+        # Stalled engine or frozen process: requests forfeited; `report` set by serve().
+        self.watchdog = EngineWatchdog(stall_timeout, self.forfeit)
+
+    # -- requests in -------------------------------------------------------------------------
+
+    def submit(self, batch: scheduler_pb2.TokenizedBatch) -> None:
+        """A tokenizer's batch: each request admitted (or refused), then the loop woken."""
+        self.events.record("recv", (r.rid for r in batch.requests))
+        for req in batch.requests:
+            self.admit(req)
+        self.wake.set()
+
+    def admit(self, req: scheduler_pb2.TokenizedRequest) -> None:
+        """Track `req` and queue it in the engine, or end it at once: a duplicate rid, a
+        stalled engine, an abort that came first, a passed deadline, a full queue, or a
+        request the engine refuses."""
+        span = self._tracer.start_span(
+            "scheduler.request", context=context_of(req.trace),
+            attributes={"meshlm.rid": req.rid, "meshlm.prompt_tokens": len(req.input_ids)},
+        )
+        tracked = wire.tracked_of(req, span)
+        if not req.embed and not self.engine.model_config.has_lm_head:
+            tracked.error_code = Code.FAILED_PRECONDITION
+        if req.rid in self.tracked:
+            span.end()
+            self._refuse_now(req, tracked, Code.ALREADY_EXISTS,
+                             f"rid {req.rid!r} is already running on this scheduler")
+            return
+        if self.watchdog.stalled:  # NOT_SERVING: only a request already on its way gets here
+            span.end()
+            self._refuse_now(req, tracked, Code.UNAVAILABLE, self.watchdog.reason)
+            return
+        self.tracked[req.rid] = tracked
+        if self.pre_aborted.pop(req.rid, None) is not None:
+            self._pending.append(_final(req.rid, len(req.input_ids), "abort"))
+            return
+        refusal = self._refusal(req)
+        if refusal is not None:
+            tracked.error_code, message = refusal
+            self._pending.append(_final(req.rid, len(req.input_ids), "error", message))
+            return
+        try:
+            if req.embed:
+                self.engine.add_embed_request(req.rid, list(req.input_ids))
+            else:
+                self.engine.add_request(req.rid, list(req.input_ids),
+                                        wire.engine_params(req.sampling), after=req.after or None)
+        except ValueError as exc:
+            self._pending.append(_final(req.rid, len(req.input_ids), "error", str(exc)))
+
+    def _refusal(self, req: scheduler_pb2.TokenizedRequest) -> tuple[Code, str] | None:
+        """Why a request cannot be queued now: its deadline has passed, or the waiting queue
+        is full (bounded admission: the client is told at once rather than queued without
+        end)."""
+        if deadline.passed(req.deadline):
+            return (Code.DEADLINE_EXCEEDED,
+                    "the client's deadline passed before the request reached the scheduler")
+        waiting = self.engine.num_waiting
+        if waiting >= self.max_queued:
+            return (Code.RESOURCE_EXHAUSTED,
+                    f"the scheduler at {self.address} has {waiting} requests waiting (limit "
+                    f"{self.max_queued}); retry later")
+        return None
+
+    def _refuse_now(self, req: scheduler_pb2.TokenizedRequest, tracked: Tracked,
+                    code: Code, message: str) -> None:
+        """Answer an untracked request on its own route at once, not from the engine loop: a
+        duplicate (the running request keeps the rid), or one that reaches a stalled engine."""
+        tracked.error_code = code
+        out = wire.token_output(_final(req.rid, len(req.input_ids), "error", message), tracked)
+        self.sink.get(tracked.route.detokenizer).put_nowait([out])
+
+    # -- requests ended ----------------------------------------------------------------------
+
+    def abort(self, rids: Sequence[str], every: bool = False, reason: str = "abort") -> int:
+        """End the live requests `rids` (`every`: all of them); returns how many the engine
+        still had. A rid not seen yet is remembered for PRE_ABORT_TTL seconds and ends as soon
+        as it arrives. `reason` "stop": finished elsewhere (a stop string), so the abort output
+        is not sent."""
+        rids = list(self.tracked) if every else list(rids)
+        aborted = 0
+        now = time.monotonic()
+        for rid in rids:
+            tracked = self.tracked.get(rid)
+            if tracked is None:
+                if not every:
+                    self.pre_aborted[rid] = now + PRE_ABORT_TTL
+                continue
+            if reason == "stop":
+                tracked.silent = True
+            if self.engine.abort(rid):
+                aborted += 1
+        for rid in [r for r, t in self.pre_aborted.items() if t < now]:
+            del self.pre_aborted[rid]
+        self.wake.set()
+        log.info("abort", rids=len(rids), all=every, aborted=aborted, reason=reason)
+        return aborted
+
+    def _expire(self) -> float | None:
+        """Abort the live requests whose deadline has passed (they end DEADLINE_EXCEEDED, KV
+        freed); at most every EXPIRY_CHECK seconds. Returns the seconds until the next live
+        deadline (None: none), so an idle (paused) loop wakes for it."""
+        now = time.time()
+        if now < self._next_expiry_check:
+            return self._next_expiry_check - now
+        self._next_expiry_check = now + EXPIRY_CHECK
+        soonest = None
+        for rid, tracked in self.tracked.items():
+            if not tracked.deadline or tracked.expired:
+                continue
+            if tracked.deadline <= now:
+                tracked.expired = True
+                self.engine.abort(rid)
+            elif soonest is None or tracked.deadline < soonest:
+                soonest = tracked.deadline
+        return None if soonest is None else max(soonest - now, EXPIRY_CHECK)
+
+    def forfeit(self, reason: str) -> int:
+        """Give up every live request (the watchdog's answer to a stall or a freeze): each is
+        aborted in the engine and ends with an UNAVAILABLE error saying `reason`. Returns how
+        many."""
+        count = 0
+        for rid, tracked in self.tracked.items():
+            if tracked.forfeit or tracked.silent or tracked.expired:
+                continue
+            tracked.forfeit = reason
+            self.engine.abort(rid)
+            count += 1
+        self.wake.set()
+        return count
+
+    # -- control calls -----------------------------------------------------------------------
+
+    async def between_steps(self, action: Callable[[], T], timeout: float | None) -> T:
+        """Run `action` on the event loop between two steps (no plan in flight), after the
+        control calls queued before it; TimeoutError if the loop does not get there within
+        `timeout` seconds (None: no limit)."""
+        async def run() -> T:
+            return action()
+
+        return await self.at_step_boundary(run, timeout)
+
+    async def at_step_boundary(self, action: Callable[[], Awaitable[T]],
+                               timeout: float | None) -> T:
+        """`between_steps` for an async action: the loop awaits it before planning the next
+        step (so no step runs meanwhile), and `timeout` covers the wait and the action. An
+        action not yet started when its caller gives up does not run; one started runs to its
+        end."""
+        done: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._controls.append((action, done))
+        self.wake.set()
+        return await asyncio.wait_for(done, timeout)
+
+    async def on_engine_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the engine thread (between steps: a step's forward pass runs there)."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def _run_controls(self) -> None:
+        """Run the queued control calls (event loop, no plan in flight)."""
+        controls, self._controls = self._controls, []
+        for action, done in controls:
+            if done.done():  # its caller gave up
+                continue
+            try:
+                result = await action()
+            except Exception as exc:  # noqa: BLE001 - the caller's error, not the loop's
+                if not done.done():
+                    done.set_exception(exc)
+            else:
+                if not done.done():
+                    done.set_result(result)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Step the engine for ever (cancel to stop)."""
+        while True:
+            # 1. sleep until there is work or a deadline to enforce; between steps, run control
+            # calls (flush, pause)
+            next_deadline = self._expire()
+            if not self.engine.has_work() and not self._pending and not self._controls:
+                self.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), next_deadline)
+            if self._controls:
+                await self._run_controls()
+            # 2. plan on the loop thread, run the forward pass in the engine thread
+            plan = self.engine.schedule()
+            result = None
+            if plan is not None:
+                self.watchdog.step_started()
+                result = await self.on_engine_thread(self.engine.execute, plan)
+                await self.watchdog.step_finished()
+            # 3. fold results back, then send this step's outputs
+            outputs = self._pending + self.engine.postprocess(plan, result)
+            self._pending = []
+            if outputs:
+                await self._emit(outputs)
+            elif plan is None:
+                await asyncio.sleep(0)
+
+    async def _emit(self, outputs: list[StepOutput]) -> None:
+        """Outputs -> one batch per detokenizer; a request's end also ends its tracking (and
+        becomes the error its expiry or forfeit calls for)."""
+        by_detokenizer: dict[str, list[detokenizer_pb2.TokenOutput]] = {}
+        now = time.time()
+        for out in outputs:
+            tracked = self.tracked.get(out.rid)
+            if tracked is None:
+                continue
+            if out.new_token_ids and tracked.first_token_at is None:
+                tracked.first_token_at = now
+                tracked.span.add_event("first_token")
+                self.events.record("first", out.rid)
+            if out.finished and tracked.expired and out.finish_reason == "abort":
+                tracked.error_code = Code.DEADLINE_EXCEEDED
+                out = dataclasses.replace(out, finish_reason="error", error=(
+                    f"the client's deadline passed after {out.completion_tokens} tokens"))
+            elif tracked.forfeit and not out.finished:
+                continue  # nobody waits for its tokens: only its end is sent
+            elif tracked.forfeit and out.finish_reason == "abort":
+                tracked.error_code = Code.UNAVAILABLE
+                out = dataclasses.replace(out, finish_reason="error", error=tracked.forfeit)
+            if out.finished:
+                self.events.record("finish", out.rid)
+                del self.tracked[out.rid]
+                tracked.span.set_attribute("meshlm.finish_reason", out.finish_reason or "")
+                tracked.span.set_attribute("meshlm.completion_tokens", out.completion_tokens)
+                tracked.span.end()
+                if tracked.silent:
+                    continue
+            by_detokenizer.setdefault(tracked.route.detokenizer, []).append(
+                wire.token_output(out, tracked))
+        for address, items in by_detokenizer.items():
+            await self.sink.get(address).put(items)
+
+    def close(self) -> None:
+        self.watchdog.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _final(rid: str, prompt_tokens: int, reason: str, error: str | None = None) -> StepOutput:
+    """A request's end without a step: no token, nothing computed."""
+    return StepOutput(rid=rid, new_token_ids=[], finished=True, finish_reason=reason,
+                      matched_token=None, prompt_tokens=prompt_tokens, completion_tokens=0,
+                      cached_tokens=0, error=error)

@@ -1,0 +1,47 @@
+"""What the scheduler keeps per request beside the engine's own state, and the status codes its
+error outputs carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from opentelemetry import trace
+
+from meshlm.v1 import common_pb2
+
+
+class Code(IntEnum):
+    """The status code of a request's error output: google.rpc.Code numbers (those of
+    grpc.StatusCode), without importing grpc."""
+
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    ALREADY_EXISTS = 6
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    UNAVAILABLE = 14
+
+
+@dataclass
+class Tracked:
+    """A live request as the engine loop sees it: where its outputs go, what its first output's
+    header says, and why it ends if the engine did not end it itself."""
+
+    route: common_pb2.Route
+    return_text: bool
+    stop: list[str]
+    skip_special_tokens: bool
+    prompt_tokens: int
+    span: trace.Span
+    header_sent: bool = False
+    silent: bool = False  # finished elsewhere (stop string): its abort output is not sent
+    first_token_at: float | None = None
+    return_text_in_logprobs: bool = False
+    prompt_ids: list[int] = field(default_factory=list)  # kept until prompt logprobs are sent
+    # Status code of an engine refusal: a generation request to an embedding-only model is
+    # FAILED_PRECONDITION (the model cannot do it), any other refusal INVALID_ARGUMENT.
+    error_code: Code = Code.INVALID_ARGUMENT
+    deadline: float = 0.0  # unix seconds the client waits until; 0 = none
+    expired: bool = False  # aborted because the deadline passed: ends DEADLINE_EXCEEDED
+    forfeit: str = ""  # given up by the watchdog (why): ends UNAVAILABLE

@@ -1,0 +1,164 @@
+"""The engine loop over a real tiny engine, without gRPC: what the wire fields embed and after
+do, deadlines enforced (also while paused), bounded admission, aborts before arrival."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from scheduler_helpers import Outputs, sample_prompt, tokenized, write_checkpoint
+
+from meshlm.scheduler.engine.sequence import SamplingParams
+from meshlm.scheduler.loop import EngineLoop
+from meshlm.scheduler.tracked import Code
+from meshlm.v1 import common_pb2, scheduler_pb2
+
+
+@pytest.fixture
+async def running(make_engine: Any, request: pytest.FixtureRequest,
+                  tmp_path: Path) -> AsyncIterator[tuple[EngineLoop, Outputs]]:
+    """An engine loop over the tiny engine, running; `@pytest.mark.parametrize("running", [N],
+    indirect=True)` gives it a model of N positions instead of 256."""
+    positions = getattr(request, "param", None)
+    path = write_checkpoint(tmp_path / "long", max_positions=positions) if positions else None
+    outputs = Outputs()
+    loop = EngineLoop(make_engine(path, max_running=8, block_size=16), ThreadPoolExecutor(1),
+                      outputs, address="s")
+    task = asyncio.create_task(loop.run())
+    yield loop, outputs
+    task.cancel()
+    loop.close()
+
+
+def _submit(loop: EngineLoop, *reqs: scheduler_pb2.TokenizedRequest) -> None:
+    loop.submit(scheduler_pb2.TokenizedBatch(requests=reqs))
+
+
+async def test_followers_share_the_leaders_prompt(running: tuple[EngineLoop, Outputs]):
+    loop, outputs = running
+    prompt = sample_prompt(40)
+    _submit(loop, tokenized("p-0", prompt),
+            *(tokenized(f"p-{i}", prompt, after="p-0") for i in (1, 2)))
+    outs = await outputs.finished({"p-0", "p-1", "p-2"})
+    cached = [outs[f"p-{i}"][-1].cached_tokens for i in range(3)]
+    assert cached[0] == 0 and min(cached[1:]) >= 32, cached
+    tokens = {tuple(t for o in outs[f"p-{i}"] for t in o.token_ids) for i in range(3)}
+    assert len(tokens) == 1  # greedy: the same sample three times
+
+
+async def test_embed_requests_answer_with_their_vector(running: tuple[EngineLoop, Outputs]):
+    loop, outputs = running
+    _submit(loop, tokenized("e", sample_prompt(10), embed=True))
+    [out] = (await outputs.finished({"e"}))["e"]
+    assert out.finish_reason == "stop" and not out.token_ids and out.prompt_tokens == 10
+    assert len(out.embedding) == loop.engine.model_config.hidden_size
+    assert abs(sum(x * x for x in out.embedding) - 1.0) < 1e-4
+    assert out.HasField("header") and not out.header.return_text
+
+
+# 16k positions: "free" must not reach its length limit before "running" passes its deadline,
+# however fast the machine steps.
+@pytest.mark.parametrize("running", [16384], indirect=True)
+async def test_a_request_past_its_deadline_ends_deadline_exceeded(
+        running: tuple[EngineLoop, Outputs]):
+    """The scheduler enforces the client's deadline itself: a request already past it is never
+    queued, and a running one is ended (its KV freed) once it passes, while a request without
+    a deadline runs on."""
+    loop, outputs = running
+    long = {"deadline": time.time() + 0.5}
+    late = tokenized("late", sample_prompt(8), deadline=time.time() - 1)
+    ongoing = tokenized("running", sample_prompt(8), **long)
+    ongoing.sampling.max_new_tokens = 100_000  # far more than 0.5 s of steps
+    free = tokenized("free", sample_prompt(8))
+    free.sampling.max_new_tokens = 100_000
+    _submit(loop, late, ongoing, free)
+    outs = await outputs.finished({"late", "running"})
+    for rid, what in (("late", "before the request reached the scheduler"),
+                      ("running", "deadline passed after")):
+        final = outs[rid][-1]
+        assert final.finish_reason == "error", final
+        assert final.error.code == Code.DEADLINE_EXCEEDED
+        assert what in final.error.message
+    assert not any(o.token_ids for o in outs["late"])
+    assert sum(len(o.token_ids) for o in outs["running"]) > 0
+    stats = loop.engine.stats()
+    assert stats["running"] == 1 and "free" in loop.tracked  # only "free" is left
+    loop.abort(["free"], reason="abort")
+    assert (await outputs.finished({"free"}))["free"][-1].finish_reason == "abort"
+
+
+async def test_a_paused_scheduler_still_ends_requests_past_their_deadline(
+        running: tuple[EngineLoop, Outputs]):
+    loop, outputs = running
+    await loop.between_steps(lambda: loop.engine.pause("in_place"), 30)
+    _submit(loop, tokenized("held", sample_prompt(8), deadline=time.time() + 0.2))
+    final = (await outputs.finished({"held"}))["held"][-1]
+    assert final.error.code == Code.DEADLINE_EXCEEDED
+    await loop.between_steps(loop.engine.resume, 30)
+
+
+async def test_an_abort_before_its_request_ends_it_on_arrival(
+        running: tuple[EngineLoop, Outputs]):
+    loop, outputs = running
+    assert loop.abort(["early"]) == 0 and "early" in loop.pre_aborted
+    _submit(loop, tokenized("early", sample_prompt(8)))
+    [final] = (await outputs.finished({"early"}))["early"]
+    assert final.finish_reason == "abort" and not final.token_ids
+    assert "early" not in loop.pre_aborted and loop.engine.stats()["running"] == 0
+
+
+async def test_the_waiting_queue_is_bounded(make_engine: Any):
+    """Past max_queued waiting requests a new one ends at once with RESOURCE_EXHAUSTED; once
+    the queue drains, requests are taken again."""
+    engine = make_engine(max_running=1, block_size=16)
+    outputs = Outputs()
+    loop = EngineLoop(engine, ThreadPoolExecutor(1), outputs, address="s", max_queued=2)
+    reqs = [tokenized(f"q-{i}", sample_prompt(8)) for i in range(4)]
+    _submit(loop, *reqs)  # one batch: nothing has run yet, so all wait
+    assert engine.num_waiting == 2
+    task = asyncio.create_task(loop.run())
+    try:
+        refused = (await outputs.finished({"q-2", "q-3"}))
+        for rid in ("q-2", "q-3"):
+            final = refused[rid][-1]
+            assert final.error.code == Code.RESOURCE_EXHAUSTED
+            assert "2 requests waiting (limit 2)" in final.error.message
+        outs = await outputs.finished({"q-0", "q-1"})
+        assert all(outs[r][-1].finish_reason == "length" for r in ("q-0", "q-1"))
+        _submit(loop, tokenized("q-4", sample_prompt(8)))
+        assert (await outputs.finished({"q-4"}))["q-4"][-1].finish_reason == "length"
+    finally:
+        task.cancel()
+        loop.close()
+
+
+class _FakeEngine:
+    def __init__(self) -> None:
+        self.added: list[tuple[str, list[int], SamplingParams]] = []
+        self.model_config = SimpleNamespace(has_lm_head=True)
+        self.num_waiting = 0
+
+    def add_request(self, rid: str, ids: list[int], params: SamplingParams,
+                    after: str | None = None) -> None:
+        self.added.append((rid, ids, params))
+
+
+@pytest.mark.parametrize("start", [-1, 0])
+def test_admission_keeps_the_prompt_only_for_prompt_logprobs(start: int) -> None:
+    engine = _FakeEngine()
+    loop = EngineLoop(engine, None, None)  # type: ignore[arg-type]
+    loop.admit(scheduler_pb2.TokenizedRequest(
+        rid="r", input_ids=[1, 2, 3], route=common_pb2.Route(detokenizer="d"),
+        sampling=common_pb2.SamplingParams(top_p=1.0, max_new_tokens=2, return_logprob=True,
+                                           logprob_start_len=start,
+                                           return_text_in_logprobs=True)))
+    tracked = loop.tracked["r"]
+    assert tracked.return_text_in_logprobs
+    assert tracked.prompt_ids == ([1, 2, 3] if start >= 0 else [])
+    assert engine.added[0][2].logprob_start_len == start

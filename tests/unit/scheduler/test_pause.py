@@ -12,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
+from policy_helpers import FakeRunner, make, params, prompt, shape, tokens_of
 from scheduler_helpers import Outputs, make_servicer, run_all, sample_prompt, submit, tokenized
 from scheduler_helpers import tokens_of as engine_tokens
-from test_policy import FakeRunner, PolicyMachine, make, params, prompt, shape, tokens_of
+from test_policy_machine import PolicyMachine
 
 from meshlm.common.errors import MeshError
 from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput

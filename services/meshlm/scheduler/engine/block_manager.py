@@ -73,6 +73,19 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def figures(self, unused_slots: int) -> dict[str, int | float]:
+        """The cache's figures for stats(); `unused_slots`: slots of used blocks that hold no
+        token yet (the running sequences' last blocks)."""
+        used = self.num_used
+        return {
+            "kv_block_size": self.block_size,
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": used,
+            "kv_blocks_cached": self.num_cached,
+            "kv_tokens_used": used * self.block_size - max(unused_slots, 0),
+            "token_usage": used / self.num_blocks,
+        }
+
     # -- prefix cache -----------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Seq[int], max_tokens: int) -> tuple[list[int], list[int]]:

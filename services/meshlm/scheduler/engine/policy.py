@@ -23,6 +23,7 @@ from meshlm.scheduler.engine.sequence import (
     StepOutput,
 )
 from meshlm.scheduler.engine.slot_table import SlotTable
+from meshlm.scheduler.engine.totals import Totals
 
 # How pause() treats the requests in flight (SGLang's PauseGenerationReqInput.mode).
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -75,14 +76,7 @@ class BatchPlanner:
         self._aborting: list[Sequence] = []  # running, abort asked, not yet released
         self._pending: list[StepOutput] = []  # outputs for the next postprocess
         self.paused: str | None = None  # the mode of the pause in force
-        self.finished_total = 0
-        self.aborted_total = 0
-        self.preempted_total = 0
-        self.retracted_total = 0  # sequences a "retract" pause moved back to the queue
-        self.generated_tokens_total = 0
-        self.prompt_tokens_total = 0
-        self.cached_tokens_total = 0
-        self.chunked_prefills_total = 0  # prompt chunks that did not finish their prompt
+        self.totals = Totals()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -95,75 +89,34 @@ class BatchPlanner:
         `after` names a live request with the same prompt (n > 1 samples of one prompt):
         this one is held back until that one's prompt is computed, then admitted on the
         prefix cache, sharing its prompt blocks instead of computing them again."""
-        if rid in self._live:
-            raise ValueError(f"duplicate request id {rid!r}")
-        seq = Sequence.new(rid, prompt_ids, params)
-        problem = self._problem(seq)
-        if problem is not None:
-            self._finish(seq, "error")
-            self._pending.append(self._output(seq, error=problem))
-        elif params.max_new_tokens == 0:
-            self._finish(seq, "length")
-            self._pending.append(self._output(seq))
-        else:
-            self._live[rid] = seq
-            leader = self._live.get(after) if after is not None else None
-            if leader is not None and leader is not seq and self._prefilling(leader):
-                leader.followers.append(seq)
-                seq.held = True
-            else:
-                self.waiting.append(seq)
+        self._enqueue(Sequence.new(rid, prompt_ids, params), after)
 
     def add_embed(self, rid: str, prompt_ids: list[int], pooling: str,
                   pool_at: int | None = None) -> None:
         """Queue an embedding request: its prompt is computed (chunked, prefix-cached when
         the pooling allows) and pooled; its one output carries the embedding. "last" pooling
         takes position `pool_at` (default: the last; a classifier's last non-pad token)."""
-        if rid in self._live:
-            raise ValueError(f"duplicate request id {rid!r}")
-        seq = Sequence.new(rid, prompt_ids, SamplingParams(max_new_tokens=1))
-        seq.embed = pooling
-        if pooling == "last":
-            last = max(len(prompt_ids) - 1, 0)
-            seq.pool_at = last if pool_at is None else min(max(pool_at, 0), last)
-        problem = self._problem(seq)
-        if problem is not None:
-            self._finish(seq, "error")
-            self._pending.append(self._output(seq, error=problem))
-        else:
-            self._live[rid] = seq
-            self.waiting.append(seq)
+        self._enqueue(Sequence.new_embed(rid, prompt_ids, pooling, pool_at))
 
-    @staticmethod
-    def _prefilling(seq: Sequence) -> bool:
-        return seq.status is not SequenceStatus.FINISHED and (
-            seq.num_computed_tokens < seq.num_prompt_tokens
-        )
+    def _enqueue(self, seq: Sequence, after: str | None = None) -> None:
+        if seq.rid in self._live:
+            raise ValueError(f"duplicate request id {seq.rid!r}")
+        problem = seq.problem(self.max_model_len, self.vocab_size, self.can_generate)
+        if problem is not None or seq.params.max_new_tokens == 0:
+            self._finish(seq, "error" if problem is not None else "length")
+            self._pending.append(step_output(seq, error=problem))
+            return
+        self._live[seq.rid] = seq
+        leader = self._live.get(after) if after is not None else None
+        if leader is not None and leader is not seq and leader.prefilling:
+            leader.followers.append(seq)
+            seq.held = True
+        else:
+            self.waiting.append(seq)
 
     def _release_followers(self, seq: Sequence) -> None:
         """The leader's prompt is computed (or it ended): its followers queue up first."""
-        for follower in reversed(seq.followers):
-            follower.held = False
-            self.waiting.appendleft(follower)
-        seq.followers.clear()
-
-    def _problem(self, seq: Sequence) -> str | None:
-        n = seq.num_prompt_tokens
-        if n == 0:
-            return "empty prompt"
-        if n >= self.max_model_len:
-            return f"prompt has {n} tokens; max_model_len is {self.max_model_len}"
-        if self.vocab_size is not None and not (
-            0 <= min(seq.token_ids) and max(seq.token_ids) < self.vocab_size
-        ):
-            return f"prompt token id out of range [0, {self.vocab_size})"
-        if self.vocab_size is not None and any(
-            t >= self.vocab_size for t in seq.params.token_ids_logprob
-        ):
-            return f"token_ids_logprob: token id out of range [0, {self.vocab_size})"
-        if seq.embed is None and not self.can_generate:
-            return "this model serves embeddings only (it has no language-model head)"
-        return seq.params.problem()
+        self.waiting.extendleft(reversed(seq.release_followers()))  # in their order
 
     def abort(self, rid: str) -> bool:
         """End a live request; True if found. Waiting: removed now. Running: marked, and
@@ -178,7 +131,7 @@ class BatchPlanner:
             else:
                 self.waiting.remove(seq)
             self._finish(seq, "abort")
-            self._pending.append(self._output(seq))
+            self._pending.append(step_output(seq))
         else:
             seq.aborted = True
             self._aborting.append(seq)
@@ -239,7 +192,7 @@ class BatchPlanner:
         retracted = list(self.running)
         for seq in reversed(retracted):  # each goes first in line: the oldest ends up first
             self._requeue(seq)
-        self.retracted_total += len(retracted)
+        self.totals.retracted += len(retracted)
         return len(retracted)
 
     def drop_kv(self) -> int:
@@ -267,7 +220,7 @@ class BatchPlanner:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or not self._decoding(seq):
+            if seq.status is not SequenceStatus.RUNNING or not seq.decoding:
                 continue
             while not self.blocks.can_grow(seq.table, seq.num_tokens):
                 victim = next(
@@ -288,7 +241,7 @@ class BatchPlanner:
         for seq in self.running:
             if budget == 0:
                 break
-            if id(seq) in scheduled or self._decoding(seq):
+            if id(seq) in scheduled or seq.decoding:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             items.append(self._item(seq, n))
@@ -305,12 +258,6 @@ class BatchPlanner:
             budget -= n
         return Plan(items) if items else None
 
-    @staticmethod
-    def _decoding(seq: Sequence) -> bool:
-        """Past its prompt: one token to compute, the one it sampled last."""
-        n = seq.num_computed_tokens
-        return n == seq.num_tokens - 1 and n >= seq.num_prompt_tokens
-
     def _item(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         item = ScheduledSeq(seq, start, n, sample=start + n == seq.num_tokens,
@@ -321,17 +268,8 @@ class BatchPlanner:
     def _try_allocate(self, seq: Sequence) -> bool:
         """Admit `seq` if its prompt's blocks (minus the cached prefix) are free."""
         bm = self.blocks
-        # At least the last token is computed, for its logits; prompt logprobs need the
-        # positions from one before logprob_start_len.
-        limit = seq.num_tokens - 1
-        start = seq.input_logprob_start
-        if start is not None and seq.wants_prompt_logprobs:
-            limit = min(limit, max(start - 1, 0))
-        if seq.embed == "mean":
-            limit = 0  # every position's hidden state is pooled
-        elif seq.pool_at is not None:
-            limit = min(limit, seq.pool_at)  # the pooled position is computed
-        reused, hashes = bm.match_prefix(seq.token_ids, limit if self.prefix_cache else 0)
+        reused, hashes = bm.match_prefix(seq.token_ids,
+                                         seq.reusable_prefix if self.prefix_cache else 0)
         need = bm.blocks_for(seq.num_tokens) - len(reused)
         if not bm.can_allocate(need + self.watermark_blocks, reused):
             if self.running or not bm.can_allocate(need, reused):
@@ -341,8 +279,8 @@ class BatchPlanner:
         seq.num_computed_tokens = cached
         if not seq.admitted_once:
             seq.num_cached_tokens = cached
-            self.prompt_tokens_total += seq.num_prompt_tokens
-            self.cached_tokens_total += cached
+            self.totals.prompt_tokens += seq.num_prompt_tokens
+            self.totals.cached_tokens += cached
         seq.admitted_once = True
         seq.row = self.rows.allocate()
         seq.row_fresh = True
@@ -353,7 +291,7 @@ class BatchPlanner:
     def _preempt(self, seq: Sequence) -> None:
         self._requeue(seq)
         seq.num_preemptions += 1
-        self.preempted_total += 1
+        self.totals.preempted += 1
 
     def _requeue(self, seq: Sequence) -> None:
         """Free the sequence's blocks and row and put it first in line, to be recomputed."""
@@ -376,7 +314,7 @@ class BatchPlanner:
         for seq in self._aborting:
             if seq.status is SequenceStatus.RUNNING:
                 self._finish(seq, "abort")
-                self._pending.append(self._output(seq))
+                self._pending.append(step_output(seq))
         self._aborting.clear()
 
     def postprocess(
@@ -390,7 +328,7 @@ class BatchPlanner:
                     seq = item.seq
                     if seq.status is SequenceStatus.RUNNING and not seq.aborted:
                         self._finish(seq, "error")
-                        self._pending.append(self._output(seq, error=error or "no result"))
+                        self._pending.append(step_output(seq, error=error or "no result"))
             else:
                 for item, result in zip(plan.items, results, strict=True):
                     self._advance(item, result)
@@ -412,11 +350,11 @@ class BatchPlanner:
             self._release_followers(seq)
         if not item.sample:
             if item.start < seq.num_prompt_tokens:
-                self.chunked_prefills_total += 1
+                self.totals.chunked_prefills += 1
             return
         if seq.embed is not None:
             self._finish(seq, "stop")
-            out = self._output(seq)
+            out = step_output(seq)
             out.embedding = result.embedding
             self._pending.append(out)
             return
@@ -428,7 +366,7 @@ class BatchPlanner:
         token = result.token
         assert token is not None
         seq.token_ids.append(token)
-        self.generated_tokens_total += 1
+        self.totals.generated_tokens += 1
         p = seq.params
         # min_new_tokens: EOS and stop ids may not be among the first min_new_tokens tokens.
         may_stop = seq.num_completion_tokens > p.min_new_tokens
@@ -438,7 +376,7 @@ class BatchPlanner:
             self._finish(seq, "stop", token)
         elif seq.num_completion_tokens >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, "length")
-        return self._output(seq, [token], result)
+        return step_output(seq, [token], result)
 
     def _finish(self, seq: Sequence, reason: str, matched: int | None = None) -> None:
         """The one place a sequence ends: frees its blocks and row (once) and forgets it."""
@@ -447,36 +385,15 @@ class BatchPlanner:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.matched_token = reason, matched
         self._live.pop(seq.rid, None)
-        self.finished_total += 1
+        self.totals.finished += 1
         if reason == "abort":
-            self.aborted_total += 1
-
-    _output = staticmethod(step_output)
+            self.totals.aborted += 1
 
     def stats(self) -> dict[str, Any]:
-        """Load and cache figures; `finished_total` counts every end (aborts and errors)."""
-        bm = self.blocks
+        """Load figures, the totals, the pause in force and the KV cache's figures."""
         # Shared blocks are full; only each sequence's last block has unused slots.
-        waste = sum(len(s.table.blocks) * bm.block_size - s.num_tokens for s in self.running)
-        used = bm.num_used
-        return {
-            "running": len(self.running),
-            "waiting": len(self.waiting),
-            "max_running": self.max_running,
-            "free_slots": self.rows.num_free,
-            "finished_total": self.finished_total,
-            "aborted_total": self.aborted_total,
-            "preempted_total": self.preempted_total,
-            "retracted_total": self.retracted_total,
-            "paused": self.paused,
-            "generated_tokens_total": self.generated_tokens_total,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "cached_tokens_total": self.cached_tokens_total,
-            "chunked_prefills_total": self.chunked_prefills_total,
-            "kv_block_size": bm.block_size,
-            "kv_blocks_total": bm.num_blocks,
-            "kv_blocks_used": used,
-            "kv_blocks_cached": bm.num_cached,
-            "kv_tokens_used": used * bm.block_size - max(waste, 0),
-            "token_usage": used / bm.num_blocks,
-        }
+        unused = sum(len(s.table.blocks) * self.blocks.block_size - s.num_tokens
+                     for s in self.running)
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "max_running": self.max_running, "free_slots": self.rows.num_free,
+                **self.totals.figures(), "paused": self.paused, **self.blocks.figures(unused)}

@@ -114,6 +114,18 @@ class Sequence:
     def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         return cls(rid, list(prompt_ids), len(prompt_ids), params)
 
+    @classmethod
+    def new_embed(cls, rid: str, prompt_ids: list[int], pooling: str,
+                  pool_at: int | None = None) -> Sequence:
+        """An embedding request: its prompt is pooled ("last" at `pool_at`, default the last
+        position, clamped to the prompt; or "mean"), one forward pass and no token drawn."""
+        seq = cls.new(rid, prompt_ids, SamplingParams(max_new_tokens=1))
+        seq.embed = pooling
+        if pooling == "last":
+            last = max(len(prompt_ids) - 1, 0)
+            seq.pool_at = last if pool_at is None else min(max(pool_at, 0), last)
+        return seq
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
@@ -138,6 +150,60 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         start = self.input_logprob_start
         return start is not None and not self.first_output_sent and start < self.num_prompt_tokens
+
+    def release_followers(self) -> list[Sequence]:
+        """This one's prompt is computed (or it ended): its followers, in order, held no more."""
+        followers, self.followers = self.followers, []
+        for follower in followers:
+            follower.held = False
+        return followers
+
+    @property
+    def prefilling(self) -> bool:
+        """Live, and its prompt not all computed yet."""
+        return self.status is not SequenceStatus.FINISHED and (
+            self.num_computed_tokens < self.num_prompt_tokens
+        )
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prompt: one token to compute, the one it sampled last."""
+        n = self.num_computed_tokens
+        return n == self.num_tokens - 1 and n >= self.num_prompt_tokens
+
+    @property
+    def reusable_prefix(self) -> int:
+        """How many leading tokens may take their KV from the prefix cache: at least the last
+        token is computed, for its logits; prompt logprobs need the positions from one before
+        logprob_start_len, pooling the positions it pools."""
+        limit = self.num_tokens - 1
+        start = self.input_logprob_start
+        if start is not None and self.wants_prompt_logprobs:
+            limit = min(limit, max(start - 1, 0))
+        if self.embed == "mean":
+            limit = 0  # every position's hidden state is pooled
+        elif self.pool_at is not None:
+            limit = min(limit, self.pool_at)  # the pooled position is computed
+        return limit
+
+    def problem(self, max_model_len: int, vocab_size: int | None,
+                can_generate: bool) -> str | None:
+        """Why this request cannot run on a model of `max_model_len` positions and
+        `vocab_size` ids (that `can_generate` or only embeds), or None when it can."""
+        n = self.num_prompt_tokens
+        if n == 0:
+            return "empty prompt"
+        if n >= max_model_len:
+            return f"prompt has {n} tokens; max_model_len is {max_model_len}"
+        if vocab_size is not None and not (
+            0 <= min(self.token_ids) and max(self.token_ids) < vocab_size
+        ):
+            return f"prompt token id out of range [0, {vocab_size})"
+        if vocab_size is not None and any(t >= vocab_size for t in self.params.token_ids_logprob):
+            return f"token_ids_logprob: token id out of range [0, {vocab_size})"
+        if self.embed is None and not can_generate:
+            return "this model serves embeddings only (it has no language-model head)"
+        return self.params.problem()
 
 
 @dataclass

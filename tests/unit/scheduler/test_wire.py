@@ -91,14 +91,14 @@ def test_input_logprobs_carry_their_prompt_ids_and_nan_for_position_0() -> None:
     assert msg.input_start == 2 and list(msg.input_token_ids) == [3, 4]
 
 
-def test_to_pb_sends_logprobs_only_when_there_are_some() -> None:
+def test_token_output_sends_logprobs_only_when_there_are_some() -> None:
     tracked = _tracked()
     assert not token_output(_step(), tracked).HasField("logprobs")
     msg = token_output(_step(output_logprobs=[-0.5]), tracked)
     assert msg.HasField("logprobs") and list(msg.logprobs.output_logprobs) == [-0.5]
 
 
-def test_to_pb_header_and_prompt_ids_for_input_logprobs() -> None:
+def test_token_output_header_and_prompt_ids_for_input_logprobs() -> None:
     tracked = _tracked(return_text_in_logprobs=True, prompt_ids=[1, 2, 3, 4])
     first = token_output(_step(output_logprobs=[-0.5], input_logprob_start=1,
                          input_logprobs=[-1.0, -2.0, -3.0]), tracked)

@@ -183,16 +183,17 @@ def mesh_redis(mesh: Mesh) -> Any:
 
 class Stream:
     """A streaming TextGenerate drained in a thread; records how and when it ended (long by
-    default: 1900 tokens, ignore_eos)."""
+    default: 1900 tokens, ignore_eos). Made once its first message is in (it is being
+    generated), unless `wait_first` is False (a request that may be stuck on its way)."""
 
     def __init__(self, stub, text: str, *, dp_rank: int | None = None,
-                 max_new_tokens: int = 1900) -> None:
+                 max_new_tokens: int = 1900, wait_first: bool = True) -> None:
         self.rid = f"f-{uuid.uuid4().hex[:10]}"
         req = text_request(text, rid=self.rid, max_new_tokens=max_new_tokens, ignore_eos=True)
         if dp_rank is not None:
             req.routed_dp_rank = dp_rank
         self.call = stub.TextGenerate(req, timeout=120)
-        self.messages = [next(self.call)]
+        self.messages = [next(self.call)] if wait_first else []
         self.error: grpc.RpcError | None = None
         self.ended_at = 0.0
         self.thread = threading.Thread(target=self._drain, daemon=True)
@@ -212,7 +213,7 @@ class Stream:
 
     @property
     def finished(self) -> bool:
-        return self.error is None and self.messages[-1].finished
+        return self.error is None and bool(self.messages) and self.messages[-1].finished
 
     def code(self) -> grpc.StatusCode | None:
         return self.error.code() if self.error is not None else None

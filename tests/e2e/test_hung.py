@@ -141,7 +141,8 @@ def test_tokenizer_stopped(mesh2, stub, registry):
     victim = mesh2.replicas("tokenizer")[0]
     with stopped(mesh2, victim.name) as stopped_at:
         # Round robin over both tokenizers: one of two new requests waits in the stopped one.
-        fresh = [Stream(stub, f"tok new {i}", max_new_tokens=3) for i in range(2)]
+        fresh = [Stream(stub, f"tok new {i}", max_new_tokens=3, wait_first=False)
+                 for i in range(2)]
         stuck = [s for s in fresh if record(registry, s.rid)["tokenizer"] == victim.address]
         assert len(stuck) == 1, [record(registry, s.rid) for s in fresh]
         assert_ended_unavailable_in_time(stuck, stopped_at, "tokenizer")

@@ -34,6 +34,28 @@ def collect_text(stub, req: pb.TextGenerateRequest) -> tuple[str, list[pb.TextGe
     return "".join(m.text for m in msgs), msgs
 
 
+def server_info(stub) -> dict[str, Any]:
+    """GetServerInfo's json_info, parsed."""
+    return json.loads(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).json_info)
+
+
+def dependencies(stub) -> dict[str, dict[str, bool]]:
+    """Per role, each replica the gateway knows and whether it is SERVING."""
+    return server_info(stub)["dependencies"]
+
+
+def serves(stub, **fields: object) -> bool:
+    """Does a fresh 2-token request (with these request fields) complete now?"""
+    req = text_request("are you there", max_new_tokens=2)
+    for name, value in fields.items():
+        setattr(req, name, value)
+    try:
+        _, msgs = collect_text(stub, req)
+    except grpc.RpcError:
+        return False
+    return msgs[-1].finished
+
+
 def scheduler_load(mesh, credentials: grpc.ChannelCredentials) -> scheduler_pb2.Load:
     with grpc.secure_channel(mesh.addresses.scheduler, credentials) as ch:
         return scheduler_pb2_grpc.SchedulerStub(ch).GetLoad(scheduler_pb2.GetLoadRequest(),

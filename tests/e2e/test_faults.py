@@ -13,7 +13,16 @@ import grpc
 import httpx
 import pytest
 import redis
-from helpers import Stream, collect_text, scheduler_busy, text_request, wait_until
+from helpers import (
+    Stream,
+    collect_text,
+    dependencies,
+    scheduler_busy,
+    server_info,
+    serves,
+    text_request,
+    wait_until,
+)
 from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 
 from meshlm.gateway.mesh.registry import key
@@ -36,16 +45,8 @@ def routes(registry: redis.Redis, rid: str) -> dict[str, str]:
 
 def serves_again(stub, **fields: object) -> None:
     """Wait until a fresh request completes (the mesh noticed a replica coming back)."""
-    def ok() -> bool:
-        req = text_request("are you back", max_new_tokens=2)
-        for name, value in fields.items():
-            setattr(req, name, value)
-        try:
-            _, msgs = collect_text(stub, req)
-        except grpc.RpcError:
-            return False
-        return msgs[-1].finished
-    wait_until(ok, timeout=60, what=f"a request with {fields} to succeed")
+    wait_until(lambda: serves(stub, **fields), timeout=60,
+               what=f"a request with {fields} to succeed")
 
 
 def assert_ended_unavailable(streams: list[Stream], killed_at: float) -> None:
@@ -199,16 +200,6 @@ def loads(stub) -> list[dict]:
     import json
 
     return json.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)
-
-
-def server_info(stub) -> dict:
-    import json
-
-    return json.loads(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).json_info)
-
-
-def dependencies(stub) -> dict[str, dict[str, bool]]:
-    return server_info(stub)["dependencies"]
 
 
 def metrics(mesh2: Mesh) -> str:

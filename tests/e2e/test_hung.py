@@ -7,7 +7,6 @@ none goes on generating for nobody."""
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 import uuid
@@ -20,7 +19,9 @@ import redis
 from helpers import (
     Stream,
     collect_text,
+    dependencies,
     scheduler_busy,
+    serves,
     text_request,
     wait_until,
 )
@@ -57,22 +58,6 @@ def record(registry: redis.Redis, rid: str) -> dict[str, str]:
     wait_until(lambda: registry.hget(key(rid), "detokenizer") is not None,
                what=f"{rid}'s record")
     return registry.hgetall(key(rid))
-
-
-def dependencies(stub) -> dict[str, dict[str, bool]]:
-    info = json.loads(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).json_info)
-    return info["dependencies"]
-
-
-def serves(stub, **fields: object) -> bool:
-    req = text_request("are you there", max_new_tokens=2)
-    for name, value in fields.items():
-        setattr(req, name, value)
-    try:
-        _, msgs = collect_text(stub, req)
-    except grpc.RpcError:
-        return False
-    return msgs[-1].finished
 
 
 def test_scheduler_stopped_mid_stream(mesh2, stub, registry):

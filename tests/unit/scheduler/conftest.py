@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from scheduler_helpers import EngineFactory, write_checkpoint
+from scheduler_helpers import EngineFactory, Outputs, make_servicer, write_checkpoint
 
 from meshlm.scheduler.engine.engine import Engine, EngineConfig
+from meshlm.scheduler.server import SchedulerServicer
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +41,14 @@ def make_engine(gqa_model: Path) -> EngineFactory:
         return Engine(EngineConfig(str(path or gqa_model), **kw))
 
     return make
+
+
+@pytest.fixture
+async def served(make_engine: EngineFactory) -> AsyncIterator[tuple[SchedulerServicer, Outputs]]:
+    """The scheduler service with its engine loop running, outputs collected (no gRPC)."""
+    outputs = Outputs()
+    servicer = make_servicer(make_engine(max_running=8, block_size=16), outputs)
+    task = asyncio.create_task(servicer.loop.run())
+    yield servicer, outputs
+    task.cancel()
+    servicer.loop.close()

@@ -6,14 +6,14 @@ into random traffic."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 from policy_helpers import FakeRunner, make, params, prompt, shape, tokens_of
-from scheduler_helpers import Outputs, make_servicer, run_all, sample_prompt, submit, tokenized
+from scheduler_helpers import Outputs, run_all, sample_prompt, submit, tokenized
 from scheduler_helpers import tokens_of as engine_tokens
 from test_policy_machine import PolicyMachine
 
@@ -219,17 +219,6 @@ def test_engine_in_place_pause_holds_new_requests(make_engine: EngineFactory) ->
 
 
 # -- the scheduler service: Pause / Continue between engine steps -------------------------
-
-
-@pytest.fixture
-async def served(make_engine: EngineFactory) -> AsyncIterator[tuple[SchedulerServicer, Outputs]]:
-    """The scheduler service with its engine loop running, outputs collected (no gRPC)."""
-    outputs = Outputs()
-    servicer = make_servicer(make_engine(max_running=8, block_size=16), outputs)
-    task = asyncio.create_task(servicer.loop.run())
-    yield servicer, outputs
-    task.cancel()
-    servicer.loop.close()
 
 
 async def _tokens_seen(outputs: Outputs, rid: str, n: int) -> None:

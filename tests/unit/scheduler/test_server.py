@@ -3,30 +3,16 @@ FlushCache answered by the engine loop between steps, GetLoad from the engine's 
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
-from typing import Any
 
-import pytest
-from scheduler_helpers import Outputs, make_servicer, sample_prompt, submit, tokenized
+from scheduler_helpers import Outputs, sample_prompt, submit, tokenized
 
 from meshlm.scheduler.server import SchedulerServicer
 from meshlm.v1 import scheduler_pb2
 
 
-@pytest.fixture
-async def service(make_engine: Any) -> AsyncIterator[tuple[SchedulerServicer, Outputs]]:
-    outputs = Outputs()
-    servicer = make_servicer(make_engine(max_running=8, block_size=16), outputs)
-    task = asyncio.create_task(servicer.loop.run())
-    yield servicer, outputs
-    task.cancel()
-    servicer.loop.close()
-
-
-async def test_flush_cache_is_refused_while_busy(service: tuple[SchedulerServicer, Outputs]):
-    servicer, outputs = service
+async def test_flush_cache_is_refused_while_busy(served: tuple[SchedulerServicer, Outputs]):
+    servicer, outputs = served
     flush = scheduler_pb2.FlushCacheRequest()
     prompt = sample_prompt(40)
     await submit(servicer, tokenized("a", prompt))
@@ -44,8 +30,8 @@ async def test_flush_cache_is_refused_while_busy(service: tuple[SchedulerService
     assert (await servicer.FlushCache(flush, None)).success  # type: ignore[arg-type]
 
 
-async def test_get_load_reports_the_engines_figures(service: tuple[SchedulerServicer, Outputs]):
-    servicer, outputs = service
+async def test_get_load_reports_the_engines_figures(served: tuple[SchedulerServicer, Outputs]):
+    servicer, outputs = served
     await submit(servicer, tokenized("a", sample_prompt(8)))
     await outputs.finished({"a"})
     load = await servicer.GetLoad(scheduler_pb2.GetLoadRequest(), None)  # type: ignore[arg-type]

@@ -113,7 +113,7 @@ class OpenAIRPCs:
 
 async def chat_chunks(gw: Gateway, req: ChatRequest) -> Chunks:
     limits = await gw._limits()
-    model = _served(gw, req.model)
+    model = served_model(gw, req.model)
     check_batch(req.n, limits.max_batch, "n")
     # The conversation's text, before a tokenizer renders and encodes it.
     check_prompt_chars(text_chars(req.messages), limits, "messages")
@@ -134,7 +134,7 @@ async def chat_chunks(gw: Gateway, req: ChatRequest) -> Chunks:
 
 async def completion_chunks(gw: Gateway, req: CompletionRequest) -> Chunks:
     limits = await gw._limits()
-    model = _served(gw, req.model)
+    model = served_model(gw, req.model)
     check_batch(len(req.prompts) * req.n, limits.max_batch, "prompt")
     runs = []
     for i, prompt in enumerate(req.prompts):
@@ -154,7 +154,7 @@ async def completion_chunks(gw: Gateway, req: CompletionRequest) -> Chunks:
 
 async def embedding_response(gw: Gateway, req: EmbeddingRequest) -> bytes:
     limits = await gw._limits()
-    model = _served(gw, req.model)
+    model = served_model(gw, req.model)
     check_batch(len(req.inputs), limits.max_batch, "input")
     runs = []
     for i, item in enumerate(req.inputs):
@@ -167,13 +167,13 @@ async def embedding_response(gw: Gateway, req: EmbeddingRequest) -> bytes:
         except MeshError as e:
             raise renamed(e, names) from None
         runs.append((v, names))
-    results = await _all([_renaming(gw._embed(v), names) for v, names in runs])
+    results = await all_of([renaming(gw._embed(v), names) for v, names in runs])
     vectors = [update.embedding or [] for update, _ in results]
     prompt_tokens = sum(update.prompt_tokens for update, _ in results)
     return dumps(embedding_body(model, vectors, prompt_tokens, base64=req.base64))
 
 
-def _served(gw: Gateway, model: str | None) -> str:
+def served_model(gw: Gateway, model: str | None) -> str:
     """The served model's name; NOT_FOUND for any other."""
     served = gw.identity.served_model_name
     if model is not None and model != served:
@@ -223,7 +223,7 @@ async def _answer(gw: Gateway, req: GenerationRequest,
 # ---- streams ---------------------------------------------------------------------------------
 
 
-async def _renaming(call: Awaitable[R], names: dict[str, str]) -> R:
+async def renaming(call: Awaitable[R], names: dict[str, str]) -> R:
     try:
         return await call
     except MeshError as e:
@@ -289,7 +289,7 @@ async def _merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _all(calls: list[Coroutine[Any, Any, R]]) -> list[R]:
+async def all_of(calls: list[Coroutine[Any, Any, R]]) -> list[R]:
     """Every call's result, run concurrently; the first failure cancels the rest."""
     tasks = [asyncio.ensure_future(c) for c in calls]
     try:

@@ -33,7 +33,7 @@ import grpc
 from meshlm.common import deadline
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.api.openai import Gateway, _all, _renaming, _served
+from meshlm.gateway.api.openai import Gateway, all_of, renaming, served_model
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.openai_errors import renamed
 from meshlm.gateway.protocol.openai_logprobs import dumps
@@ -110,7 +110,7 @@ class ScoringRPCs:
 
 async def score_response(gw: ScoringGateway, req: ScoreRequest) -> bytes:
     limits = await gw._limits()
-    model = _served(gw, req.model)
+    model = served_model(gw, req.model)
     labels = req.label_token_ids
     check_token_ids(labels, limits, "label_token_ids")
     check_batch(len(req.items), limits.max_batch, "items")
@@ -129,7 +129,7 @@ async def score_response(gw: ScoringGateway, req: ScoreRequest) -> bytes:
             check_token_ids(item, limits, key)
         runs.append((_label_request(req.prompt(i), labels, limits, key), {"text": key,
                                                                           "input_ids": key}))
-    results = await _all([_renaming(_final(gw, v), names) for v, names in runs])
+    results = await all_of([renaming(_final(gw, v), names) for v, names in runs])
     scores = [label_scores(label_logprobs(u.logprobs, labels), req.apply_softmax)
               for u in results]
     prompt_tokens = sum(u.prompt_tokens for u in results)
@@ -139,7 +139,7 @@ async def score_response(gw: ScoringGateway, req: ScoreRequest) -> bytes:
 
 async def rerank_response(gw: ScoringGateway, req: RerankRequest) -> bytes:
     limits = await gw._limits()
-    _served(gw, req.model)
+    served_model(gw, req.model)
     check_batch(len(req.documents), limits.max_batch, "documents")
     for i, doc in enumerate(req.documents):  # before any prompt is built with the query
         check_prompt_chars(len(req.query) + len(doc), limits, f"documents[{i}]")
@@ -148,7 +148,7 @@ async def rerank_response(gw: ScoringGateway, req: RerankRequest) -> bytes:
             raise invalid("label_token_ids", "is for generative checkpoints; this one is a "
                                              "sequence classifier")
         pairs = [_pair_request(req.query, doc) for doc in req.documents]
-        embedded = await _all([_renaming(gw._embed(v), _doc(i)) for i, v in enumerate(pairs)])
+        embedded = await all_of([renaming(gw._embed(v), _doc(i)) for i, v in enumerate(pairs)])
         scores = [cross_encoder_score(u.embedding or [0.0]) for u, _ in embedded]
     else:
         labels = req.label_token_ids or await _yes_no(gw)
@@ -156,7 +156,7 @@ async def rerank_response(gw: ScoringGateway, req: RerankRequest) -> bytes:
         prompts = [RERANK_PROMPT.format(query=req.query, document=doc) for doc in req.documents]
         runs = [_label_request(p, labels, limits, f"documents[{i}]")
                 for i, p in enumerate(prompts)]
-        results = await _all([_renaming(_final(gw, v), _doc(i)) for i, v in enumerate(runs)])
+        results = await all_of([renaming(_final(gw, v), _doc(i)) for i, v in enumerate(runs)])
         scores = [yes_probability(*label_logprobs(u.logprobs, labels)) for u in results]
     return dumps(ranked(scores, req.documents, top_n=req.top_n,
                         return_documents=req.return_documents))
@@ -164,7 +164,7 @@ async def rerank_response(gw: ScoringGateway, req: RerankRequest) -> bytes:
 
 async def classify_response(gw: ScoringGateway, req: ClassifyRequest) -> bytes:
     limits = await gw._limits()
-    model = _served(gw, req.model)
+    model = served_model(gw, req.model)
     _require_classifier(gw, "classify")
     check_batch(len(req.inputs), limits.max_batch, "input")
     runs = []
@@ -179,7 +179,7 @@ async def classify_response(gw: ScoringGateway, req: ClassifyRequest) -> bytes:
             runs.append((validate_classify(public, limits), names))
         except MeshError as e:
             raise renamed(e, names) from None
-    results = await _all([_renaming(gw._embed(v), names) for v, names in runs])
+    results = await all_of([renaming(gw._embed(v), names) for v, names in runs])
     config = _config(gw)
     data = classify_data([u.embedding or [] for u, _ in results], config.get("id2label") or {})
     prompt_tokens = sum(u.prompt_tokens for u, _ in results)

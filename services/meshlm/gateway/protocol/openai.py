@@ -72,7 +72,7 @@ class EmbeddingRequest:
     base64: bool  # encoding_format "base64": little-endian float32 bytes
 
 
-class _Body:
+class JsonBody:
     """Typed reads of a JSON object's fields (None: absent or null); errors name the field."""
 
     def __init__(self, body: bytes) -> None:
@@ -96,7 +96,7 @@ class _Body:
         value = self.get(key)
         if value is None:
             return None
-        if not _is_int(value):
+        if not is_int(value):
             raise invalid(key, f"must be an integer, got {_show(value)}")
         if not lo <= value <= hi:
             raise invalid(key, f"must be in [{lo}, {hi}], got {value}")
@@ -128,18 +128,18 @@ class _Body:
                 raise invalid(key, "unknown field")
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_ids(value: Any, key: str) -> bool:
+def is_ids(value: Any, key: str) -> bool:
     """Whether `value` is a list of token ids; one longer than MAX_PROMPT_IDS is refused first."""
     if not isinstance(value, list):
         return False
     if len(value) > MAX_PROMPT_IDS:
         raise invalid(key, f"has {len(value)} entries; a prompt has at most {MAX_PROMPT_IDS} "
                            "token ids")
-    return all(_is_int(t) for t in value)
+    return all(is_int(t) for t in value)
 
 
 def _show(value: Any) -> str:
@@ -150,7 +150,7 @@ def _show(value: Any) -> str:
 # ---- generation ------------------------------------------------------------------------------
 
 
-def _sampling(body: _Body, max_tokens_key: str) -> tuple[pb.SamplingParams, dict[str, str]]:
+def _sampling(body: JsonBody, max_tokens_key: str) -> tuple[pb.SamplingParams, dict[str, str]]:
     """The sampling fields shared by chat and completions, as public SamplingParams (ranges
     beyond OpenAI's own are left to the gateway's validation), and the client's field names."""
     p = pb.SamplingParams()
@@ -184,7 +184,7 @@ def _sampling(body: _Body, max_tokens_key: str) -> tuple[pb.SamplingParams, dict
     p.stop.extend(_stop(body.get("stop")))
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t <= _INT32
+        if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t <= _INT32
                                                      for t in stop_ids):
             raise invalid("stop_token_ids", "must be a list of token ids")
         p.stop_token_ids.extend(stop_ids)
@@ -206,7 +206,7 @@ def _stop(value: Any) -> list[str]:
     raise invalid("stop", "must be a string or a list of strings")
 
 
-def _stream(body: _Body) -> tuple[bool, bool]:
+def _stream(body: JsonBody) -> tuple[bool, bool]:
     """(stream, include_usage)."""
     stream = bool(body.boolean("stream"))
     options = body.get("stream_options")
@@ -223,7 +223,7 @@ def _stream(body: _Body) -> tuple[bool, bool]:
 
 
 def parse_chat(body: bytes) -> ChatRequest:
-    b = _Body(body)
+    b = JsonBody(body)
     model = b.string("model")
     messages = _messages(b.get("messages"))
     # max_completion_tokens is the current name, max_tokens the deprecated one (ignored when
@@ -291,9 +291,9 @@ def _content(content: Any, path: str) -> str:
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
-    b = _Body(body)
+    b = JsonBody(body)
     model = b.string("model")
-    prompts, batch = _prompts(b.get("prompt"), "prompt")
+    prompts, batch = prompts_of(b.get("prompt"), "prompt")
     sampling, names = _sampling(b, "max_tokens")
     if not sampling.HasField("max_new_tokens"):
         sampling.max_new_tokens = COMPLETION_MAX_TOKENS
@@ -314,13 +314,13 @@ def parse_completion(body: bytes) -> CompletionRequest:
                              names=names, prompts=prompts, batch=batch, echo=echo)
 
 
-def _prompts(value: Any, key: str) -> tuple[list[Prompt], bool]:
+def prompts_of(value: Any, key: str) -> tuple[list[Prompt], bool]:
     """A prompt or input: a string, a list of strings, token ids, or a list of token id lists;
     returns the prompts and whether it was a list of them."""
     if isinstance(value, str):
         return [value], False
-    if isinstance(value, list) and value and _is_ids(value, key):
-        return [_ids(value, key)], False
+    if isinstance(value, list) and value and is_ids(value, key):
+        return [checked_ids(value, key)], False
     if not isinstance(value, list) or not value:
         raise invalid(key, "must be a string, a list of strings, a list of token ids or a "
                            "list of token id lists, and not empty")
@@ -330,14 +330,14 @@ def _prompts(value: Any, key: str) -> tuple[list[Prompt], bool]:
     for i, item in enumerate(value):
         if isinstance(item, str):
             prompts.append(item)
-        elif _is_ids(item, f"{key}[{i}]"):
-            prompts.append(_ids(item, f"{key}[{i}]"))
+        elif is_ids(item, f"{key}[{i}]"):
+            prompts.append(checked_ids(item, f"{key}[{i}]"))
         else:
             raise invalid(f"{key}[{i}]", "must be a string or a list of token ids")
     return prompts, True
 
 
-def _ids(ids: list[int], key: str) -> list[int]:
+def checked_ids(ids: list[int], key: str) -> list[int]:
     if not all(0 <= t <= _INT32 for t in ids):
         raise invalid(key, "token ids must be in [0, 2**31)")
     return ids
@@ -373,9 +373,9 @@ def public_request(
 
 
 def parse_embedding(body: bytes) -> EmbeddingRequest:
-    b = _Body(body)
+    b = JsonBody(body)
     model = b.string("model")
-    inputs, _ = _prompts(b.get("input"), "input")
+    inputs, _ = prompts_of(b.get("input"), "input")
     fmt = b.string("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise invalid("encoding_format", f"must be \"float\" or \"base64\", got {_show(fmt)}")

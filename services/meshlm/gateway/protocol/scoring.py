@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshlm.common.errors import invalid
-from meshlm.gateway.protocol.openai import Prompt, _Body, _ids, _is_ids, _is_int, _prompts
+from meshlm.gateway.protocol.openai import JsonBody, Prompt, checked_ids, is_ids, is_int, prompts_of
 
 MAX_ITEMS = 256   # items of one score request, documents of one rerank request
 MAX_LABELS = 128  # label_token_ids of one score request
@@ -61,7 +61,7 @@ class ClassifyRequest:
 
 
 def parse_score(body: bytes) -> ScoreRequest:
-    b = _Body(body)
+    b = JsonBody(body)
     model = b.string("model")
     items = _items(b.get("items"))
     query = _query(b.get("query"), text=isinstance(items[0], str))
@@ -96,8 +96,8 @@ def _items(value: Any) -> list[Prompt]:
     for i, item in enumerate(value):
         if text and isinstance(item, str):
             items.append(item)
-        elif not text and _is_ids(item, f"items[{i}]"):
-            items.append(_ids(item, f"items[{i}]"))
+        elif not text and is_ids(item, f"items[{i}]"):
+            items.append(checked_ids(item, f"items[{i}]"))
         else:
             kind = "a string" if text else "a list of token ids"
             raise invalid(f"items[{i}]", f"must be {kind}, as items[0] is")
@@ -110,8 +110,8 @@ def _query(value: Any, *, text: bool) -> Prompt:
         return "" if text else []
     if text and isinstance(value, str):
         return value
-    if not text and _is_ids(value, "query"):
-        return _ids(value, "query")
+    if not text and is_ids(value, "query"):
+        return checked_ids(value, "query")
     kind = "a string, as the items are text" if text else "a list of token ids, as the items are"
     raise invalid("query", f"must be {kind}")
 
@@ -122,13 +122,13 @@ def _label_ids(value: Any, key: str, most: int) -> list[int]:
     if len(value) > most:
         raise invalid(key, f"at most {most} token ids, got {len(value)}")
     for i, t in enumerate(value):
-        if not _is_int(t) or not 0 <= t <= _INT32:
+        if not is_int(t) or not 0 <= t <= _INT32:
             raise invalid(f"{key}[{i}]", f"must be a token id, got {t!r}")
     return list(value)
 
 
 def parse_rerank(body: bytes) -> RerankRequest:
-    b = _Body(body)
+    b = JsonBody(body)
     model = b.string("model")
     query = b.get("query")
     if not isinstance(query, str) or not query.strip():
@@ -157,9 +157,9 @@ def parse_rerank(body: bytes) -> RerankRequest:
 
 
 def parse_classify(body: bytes) -> ClassifyRequest:
-    b = _Body(body)
+    b = JsonBody(body)
     model = b.string("model")
-    inputs, batch = _prompts(b.get("input"), "input")
+    inputs, batch = prompts_of(b.get("input"), "input")
     for i, item in enumerate(inputs):
         if isinstance(item, str) and not item.strip():
             raise invalid(f"input[{i}]" if batch else "input", "must not be empty")

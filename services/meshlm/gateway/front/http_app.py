@@ -47,7 +47,7 @@ from meshlm.gateway.front.sse import (
     native_error,
     sse_event,
 )
-from meshlm.gateway.protocol import transcode
+from meshlm.gateway.protocol import native, transcode
 from meshlm.gateway.protocol.bounds import Bounds
 from meshlm.gateway.protocol.validation import DEFAULT_MAX_NEW_TOKENS, check_batch
 from sglang.runtime.v1 import sglang_pb2
@@ -129,7 +129,7 @@ class _Handlers:
         started = time.monotonic()
         parts: list[tuple[NativeChoices, AsyncIterator[Any]]] = []
         try:
-            reqs, batch = transcode.native_generate_requests(await request.body(),
+            reqs, batch = native.native_generate_requests(await request.body(),
                                                              self.bounds.batch)
             if batch:  # prompts x n, all refused at once if they could never be admitted
                 check_batch(sum(_samples(r) for r in reqs), self.bounds.batch,
@@ -174,7 +174,7 @@ class _Handlers:
         a batch of prompts -> a list of them, in order."""
         started = time.monotonic()
         try:
-            reqs, batch = transcode.native_embed_requests(await request.body(),
+            reqs, batch = native.native_embed_requests(await request.body(),
                                                           self.bounds.batch)
             ctx = call_context(request)
             replies = await asyncio.gather(*(self._invoke(
@@ -242,7 +242,7 @@ class _Handlers:
         }
 
 
-def _samples(req: transcode.NativeRequest) -> int:
+def _samples(req: native.NativeRequest) -> int:
     """The requests one prompt puts into the mesh (its n samples)."""
     sampling = req.sampling_params
     return sampling.n if sampling.HasField("n") and sampling.n > 1 else 1

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from meshlm.common.errors import MeshError
-from meshlm.gateway.protocol import transcode
+from meshlm.gateway.protocol import native, transcode
 from meshlm.gateway.protocol.bounds import PROMPT_CHARS_PER_TOKEN, Bounds, text_chars
 from meshlm.gateway.protocol.openai import MAX_PROMPT_IDS, parse_completion
 from meshlm.gateway.protocol.scoring import parse_score
@@ -95,18 +95,18 @@ def test_every_text_request_is_checked_before_tokenization(check) -> None:
 def test_native_batch_is_refused_before_it_is_split() -> None:
     body = b'{"text": [' + b",".join([b'"hi"'] * 10_000) + b"]}"
     with pytest.raises(MeshError) as err:
-        transcode.native_generate_requests(body, max_batch=1024)
+        native.native_generate_requests(body, max_batch=1024)
     assert "10000 requests" in err.value.message and "at most 1024" in err.value.message
-    reqs, batch = transcode.native_generate_requests(body)  # no bound given: no limit
+    reqs, batch = native.native_generate_requests(body)  # no bound given: no limit
     assert batch and len(reqs) == 10_000
     with pytest.raises(MeshError):
-        transcode.native_embed_requests(b'{"text": ["a", "b", "c"]}', max_batch=2)
+        native.native_embed_requests(b'{"text": ["a", "b", "c"]}', max_batch=2)
 
 
 def test_a_huge_prompt_is_parsed_without_json_format_scanning_it() -> None:
     big = "word " * 200_000
     body = orjson.dumps({"text": big, "sampling_params": {"max_new_tokens": 3}, "rid": "r1"})
-    [req], batch = transcode.native_generate_requests(body)
+    [req], batch = native.native_generate_requests(body)
     assert not batch and isinstance(req, pb.TextGenerateRequest)
     assert req.text == big and req.sampling_params.max_new_tokens == 3 and req.rid == "r1"
     with pytest.raises(MeshError) as err:  # orjson never yields one; a dict might
@@ -116,10 +116,10 @@ def test_a_huge_prompt_is_parsed_without_json_format_scanning_it() -> None:
 
 def test_long_token_id_lists_are_bounded_before_each_id_is_looked_at() -> None:
     ids = [1] * (transcode.DIRECT_ITEMS + 10)
-    [req], _ = transcode.native_generate_requests(orjson.dumps({"input_ids": ids}))
+    [req], _ = native.native_generate_requests(orjson.dumps({"input_ids": ids}))
     assert list(req.input_ids) == ids
     with pytest.raises(MeshError) as err:
-        transcode.native_generate_requests(orjson.dumps({"input_ids": [*ids, True]}))
+        native.native_generate_requests(orjson.dumps({"input_ids": [*ids, True]}))
     assert err.value.message.startswith("input_ids: must be a list of integers")
     # the length is checked before the ids: an id out of range is not what is reported
     long = pb.GenerateRequest(input_ids=[*ids, 10**6])

@@ -16,7 +16,7 @@ from meshlm.gateway.front.http_app import build_http_app
 from meshlm.gateway.mesh.inbox import PendingRequest, Update
 from meshlm.gateway.protocol.choices import merge_updates as _merge
 from meshlm.gateway.protocol.logprob_meta import LOGPROB_KEYS, logprob_meta
-from meshlm.gateway.protocol.transcode import native_generate_request
+from meshlm.gateway.protocol.native import native_generate_request
 from meshlm.v1 import common_pb2, gateway_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 

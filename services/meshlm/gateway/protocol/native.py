@@ -1,0 +1,127 @@
+"""SGLang's native /generate and /encode bodies -> the public request messages, one per prompt
+(a batch is a list of texts or of id lists). Pure: no HTTP framework here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshlm.common.errors import invalid
+from meshlm.gateway.protocol.transcode import check_known_fields, parse_dict, parse_json_body
+from meshlm.gateway.protocol.validation import check_batch
+from sglang.runtime.v1 import sglang_pb2
+
+NativeRequest = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
+
+
+# Fields of a batched /generate body that may give one value per prompt (a list) instead of
+# one value for all (io_struct's normalisation).
+_PER_PROMPT = ("sampling_params", "rid", "return_logprob", "logprob_start_len",
+               "top_logprobs_num", "return_text_in_logprobs", "routing_key", "routed_dp_rank")
+
+
+def native_generate_requests(body: bytes, max_batch: int = 0
+                             ) -> tuple[list[NativeRequest], bool]:
+    """SGLang's /generate body -> one TextGenerateRequest ("text") or GenerateRequest
+    ("input_ids") per prompt, and whether the body was a batch (a list of texts or of id
+    lists). In a batch, the fields of `_PER_PROMPT` are either one value for every prompt or
+    a list with one value per prompt.
+
+    Sampling params use SGLang's names, which are the proto's; "stop" may be a single string.
+    JSON nulls mean "not given". A batch of more than `max_batch` prompts (0: no limit) is
+    refused before it is split.
+    """
+    doc, has_text = _native_prompt(body, batch_ok=True)
+    key = "text" if has_text else "input_ids"
+    prompts = doc[key]
+    is_batch = isinstance(prompts, list) and (has_text or _is_batch(prompts))
+    if not is_batch:
+        return [_native_generate(doc, has_text)], False
+    return [_native_generate(d, has_text)
+            for d in _split_batch(doc, key, _PER_PROMPT, max_batch)], True
+
+
+def native_generate_request(body: bytes) -> NativeRequest:
+    """A /generate body of one prompt (see `native_generate_requests`)."""
+    requests, batch = native_generate_requests(body)
+    if batch:
+        raise invalid("text", "give one prompt here, not a list of them")
+    return requests[0]
+
+
+def _native_generate(doc: dict[str, Any], has_text: bool) -> NativeRequest:
+    sampling = doc.get("sampling_params")
+    if isinstance(sampling, dict):
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        if isinstance(sampling.get("stop"), str):
+            sampling["stop"] = [sampling["stop"]]
+        doc["sampling_params"] = sampling
+    cls = sglang_pb2.TextGenerateRequest if has_text else sglang_pb2.GenerateRequest
+    check_known_fields(doc, cls.DESCRIPTOR, "")
+    return parse_dict(doc, cls())
+
+
+NativeEmbedRequest = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest
+
+
+def native_embed_requests(body: bytes, max_batch: int = 0
+                          ) -> tuple[list[NativeEmbedRequest], bool]:
+    """SGLang's /encode body -> one TextEmbedRequest ("text") or EmbedRequest ("input_ids") per
+    prompt, and whether it was a batch; "rid" may be a list, one per prompt. At most
+    `max_batch` prompts (0: no limit)."""
+    doc, has_text = _native_prompt(body, batch_ok=True)
+    key = "text" if has_text else "input_ids"
+    cls = sglang_pb2.TextEmbedRequest if has_text else sglang_pb2.EmbedRequest
+    prompts = doc[key]
+    if not (isinstance(prompts, list) and (has_text or _is_batch(prompts))):
+        check_known_fields(doc, cls.DESCRIPTOR, "")
+        return [parse_dict(doc, cls())], False
+    docs = _split_batch(doc, key, ("rid", "routing_key"), max_batch)
+    for one in docs:
+        check_known_fields(one, cls.DESCRIPTOR, "")
+    return [parse_dict(one, cls()) for one in docs], True
+
+
+def _split_batch(doc: dict[str, Any], key: str, per_prompt: tuple[str, ...],
+                 max_batch: int = 0) -> list[dict[str, Any]]:
+    """A batched body -> one body per prompt of `doc[key]`; each field of `per_prompt` that
+    is a list gives one value per prompt."""
+    prompts = doc[key]
+    if not prompts:
+        raise invalid(key, "the batch is empty; give at least one prompt")
+    check_batch(len(prompts), max_batch, key)
+    docs = []
+    for i, prompt in enumerate(prompts):
+        one = {**doc, key: prompt}
+        for name in per_prompt:
+            value = doc.get(name)
+            if isinstance(value, list):
+                if len(value) != len(prompts):
+                    raise invalid(name, f"has {len(value)} entries for {len(prompts)} prompts; "
+                                        "give one value, or one per prompt")
+                one[name] = value[i]
+        docs.append(one)
+    return docs
+
+
+def _native_prompt(body: bytes, batch_ok: bool = False) -> tuple[dict[str, Any], bool]:
+    """A native body without its nulls, and whether its prompt is "text" (else "input_ids");
+    batches (lists of prompts) only where `batch_ok`."""
+    doc = parse_json_body(body)
+    if not isinstance(doc, dict):
+        raise invalid("body", "must be a JSON object")
+    doc = {k: v for k, v in doc.items() if v is not None}
+    has_text, has_ids = "text" in doc, "input_ids" in doc
+    if has_text == has_ids:
+        got = "both were given" if has_text else "neither was given"
+        raise invalid("text", f"give exactly one of text and input_ids; {got}")
+    batch = has_text and isinstance(doc["text"], list) or has_ids and _is_batch(doc["input_ids"])
+    if batch and not batch_ok:
+        field = "text" if has_text else "input_ids"
+        raise invalid(field, "give one prompt here, not a list of them")
+    return doc, has_text
+
+
+def _is_batch(input_ids: Any) -> bool:
+    """A list of id lists (by its first entry: a mixed list fails as either kind), not a
+    scan of what may be millions of ids."""
+    return isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)

@@ -31,6 +31,7 @@ from sglang.runtime.v1 import sglang_pb2_grpc
 
 FAULT_BOUND = 2.0    # seconds from a kill to the end of the requests the victim held
 BACK_BOUND = 10.0    # seconds from a kill until the restarted service serves a request
+DETECTION = 0.5      # seconds from a kill until the gateway routes no new request to the victim
 TOKENS = 250         # per stream: long enough to be mid-stream at the kill, short enough to end
 
 
@@ -212,9 +213,13 @@ def test_a_killed_service_is_restarted_while_the_others_serve(
             assert s.messages[-1].meta_info["completion_tokens"] == str(TOKENS)
     if role in ("scheduler", "detokenizer"):  # the kill hit some streams mid-way
         assert any(s.error is not None for s in streams), routed
-    # New requests all succeed; one already in flight at the kill may have been held by it.
+    # New requests all succeed. The exceptions are the victim's own: one in flight at the kill,
+    # or one sent to it in the instant before the gateway saw it die (measured: 17 ms after
+    # the kill); they end UNAVAILABLE naming it, as the requests it held do.
     failed = [(t - killed_at, r) for t, r in probes if r != "ok"]
-    assert all(t < 0 and r.startswith("UNAVAILABLE") for t, r in failed), failed
+    assert all(t < DETECTION and r.startswith("UNAVAILABLE") and address in r
+               for t, r in failed), failed
+    assert len(failed) <= 2, failed  # probes go one at a time
     assert len([r for t, r in probes if t >= killed_at]) >= 3, len(probes)
     assert used_at - killed_at <= BACK_BOUND, used_at - killed_at
     metrics = httpx.get(launcher.event("supervising")["metrics"], timeout=10).text

@@ -36,6 +36,7 @@ from meshlm.gateway.mesh.inbox import PendingRequest, RequestTable, Update, next
 from meshlm.gateway.mesh.loads import LoadPoller
 from meshlm.gateway.mesh.registry import RidRegistry
 from meshlm.gateway.mesh.routing import Router, affinity_key
+from meshlm.gateway.mesh.wire import tokenizer_request
 from meshlm.gateway.protocol.bounds import Bounds
 from meshlm.gateway.protocol.choices import Child, Choices, fan_out
 from meshlm.gateway.protocol.logprob_meta import logprob_meta
@@ -209,12 +210,14 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
                     self.registry.create_later(rid, record)
                 registered = True
                 trace_context = carrier_of(span)
+                route = common_pb2.Route(gateway=self.identity.inbox, scheduler=scheduler,
+                                         detokenizer=detokenizer)
                 submit = self.submit.get(tokenizer)
                 if submit is None:  # the replica left (discovery) since it was picked
                     raise MeshError(grpc.StatusCode.UNAVAILABLE,
                                     f"the tokenizer at {tokenizer} became unavailable")
                 await submit.put([  # one batch, the leader first
-                    self._internal_request(v, c, pendings[c.index], trace_context, expires)
+                    tokenizer_request(v, c, route, trace_context, started, expires)
                     for c in children])
                 dispatched = True
                 events.record("send", (c.rid for c in children))
@@ -272,24 +275,6 @@ class GatewayAPI(InfoRPCs, AdminRPCs, OpenAIRPCs, ScoringRPCs, PauseRPCs, Profil
                 if registered and not ended:
                     span.add_event("client_gone")
                     self.registry.finish(rid, "aborted", finish_reason="abort")
-
-    def _internal_request(self, v: ValidatedRequest, child: Child, pending: PendingRequest,
-                          trace_context: dict[str, str],
-                          expires: float | None) -> tokenizer_pb2.GenerateRequest:
-        msg = tokenizer_pb2.GenerateRequest(
-            rid=child.rid, sampling=child.sampling, stream=v.stream, return_text=v.return_text,
-            route=common_pb2.Route(gateway=self.identity.inbox, scheduler=pending.scheduler,
-                                   detokenizer=pending.detokenizer),
-            trace=trace_context, add_special_tokens=True, arrival_time=pending.started_at,
-            embed=v.embed, after=child.after, deadline=deadline.wire(expires),
-        )
-        if v.text is not None:
-            msg.text = v.text
-            if v.text_pair is not None:
-                msg.text_pair = v.text_pair
-        else:
-            msg.input_ids.ids.extend(v.input_ids or [])
-        return msg
 
     def _meta(self, v: ValidatedRequest, child: Child, update: Update,
               started: float) -> dict[str, str]:

@@ -1,0 +1,28 @@
+"""Gateway -> tokenizer conversion (the one place it happens): a validated public request, one
+of its samples, becomes the tokenizer's GenerateRequest."""
+
+from __future__ import annotations
+
+from meshlm.common import deadline
+from meshlm.gateway.protocol.choices import Child
+from meshlm.gateway.protocol.validation import ValidatedRequest
+from meshlm.v1 import common_pb2, tokenizer_pb2
+
+
+def tokenizer_request(v: ValidatedRequest, child: Child, route: common_pb2.Route,
+                      trace: dict[str, str], arrival: float,
+                      expires: float | None) -> tokenizer_pb2.GenerateRequest:
+    """Sample `child` of `v` on `route`, under the gateway span `trace`; `arrival` and
+    `expires` are unix seconds (None: no deadline)."""
+    msg = tokenizer_pb2.GenerateRequest(
+        rid=child.rid, sampling=child.sampling, stream=v.stream, return_text=v.return_text,
+        route=route, trace=trace, add_special_tokens=True, arrival_time=arrival,
+        embed=v.embed, after=child.after, deadline=deadline.wire(expires),
+    )
+    if v.text is not None:
+        msg.text = v.text
+        if v.text_pair is not None:
+            msg.text_pair = v.text_pair
+    else:
+        msg.input_ids.ids.extend(v.input_ids or [])
+    return msg

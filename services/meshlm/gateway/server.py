@@ -28,8 +28,8 @@ from meshlm.common.service import ServiceConfig, advertised, start_metrics
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import Periodic
 from meshlm.common.tls import MeshTLS, server_credentials
-from meshlm.gateway.api.generation import GatewayAPI
-from meshlm.gateway.api.info import GatewayIdentity
+from meshlm.gateway.api.core import GatewayCore, GatewayIdentity
+from meshlm.gateway.api.gateway import GatewayAPI
 from meshlm.gateway.api.weights import FOLLOW_INTERVAL
 from meshlm.gateway.front.auth import ApiKeyInterceptor, ApiKeys
 from meshlm.gateway.front.http_app import build_http_app
@@ -155,29 +155,31 @@ async def serve(config: GatewayConfig) -> None:
         asyncio.ensure_future(_set_ready(ready))
 
     async def _set_ready(ready: bool) -> None:
-        api = api_ref[0]
-        if ready and api.info is None:
-            await api.refresh_info()
-            if api.info is not None and not identity.served_model_name:
-                identity.served_model_name = Path(api.info.model_path).name
-        serving = ready and api.info is not None
-        log.info("ready" if serving else "not_ready", missing=api.missing())
+        core = api_ref[0].core
+        if ready and core.model is None:
+            await core.refresh_info()
+            if core.model is not None and not identity.served_model_name:
+                identity.served_model_name = Path(core.model.model_path).name
+        serving = ready and core.model is not None
+        log.info("ready" if serving else "not_ready", missing=core.missing())
         for server in (inbox, public):
             if server is not None:
                 await server.set_serving(serving)
 
     deps = Dependencies(channels, {role: static for role, (static, _) in entries.items()},
                         on_change,
-                        lambda role, address: api_ref[0].on_dependency_down(role, address))
+                        lambda role, address: api_ref[0].generation.on_dependency_down(role,
+                                                                                   address))
     metrics = GatewayMetrics(lambda: identity.served_model_name,
                              lambda: _engine_loads(channels, deps.addresses["scheduler"]),
                              registry_degraded=lambda: registry.degraded)
     bounds = Bounds(max_body_bytes=config.http_max_body_bytes,
                     max_prompt_chars=config.max_prompt_chars, max_batch=config.max_batch,
                     max_inflight=config.max_inflight)
-    api = GatewayAPI(identity, deps, table, registry, channels, submit, metrics, bounds=bounds)
+    api = GatewayAPI(GatewayCore(identity, deps, table, registry, channels, bounds), submit,
+                     metrics)
     api_ref.append(api)
-    replicas = Replicas(deps, channels, submit, api.on_rejections)
+    replicas = Replicas(deps, channels, submit, api.generation.on_rejections)
     for address in deps.addresses["tokenizer"]:
         replicas.open_submit(address)
     discovery = Discovery(replicas, {role: names for role, (_, names) in entries.items()},
@@ -207,11 +209,11 @@ async def serve(config: GatewayConfig) -> None:
     health = await inbox.serve_health(config.host, config.health_port) \
         if config.health_port else None
     deps.start()
-    following = Periodic("follow_checkpoint", api.follow_checkpoint, FOLLOW_INTERVAL)
+    following = Periodic("follow_checkpoint", api.weights.follow_checkpoint, FOLLOW_INTERVAL)
     following.start()
     if discovery.enabled:
         discovery.start()
-    api.loads.start()
+    api.generation.loads.start()
     scheme = "https" if config.tls_cert else "http"
     host = config.public_host if ":" not in config.public_host else f"[{config.public_host}]"
     extra = {"metrics_address": advertised(config, exporter.address)} if exporter else {}
@@ -233,8 +235,8 @@ async def serve(config: GatewayConfig) -> None:
     await inbox.stop(1.0)
     if exporter is not None:
         await exporter.stop()
-    await api.background.close()
-    await api.loads.close()
+    await api.core.background.close()
+    await api.generation.loads.close()
     await following.close()
     await discovery.close()
     await deps.close()

@@ -1,10 +1,10 @@
-"""The OpenAI-shaped SglangService RPCs, mixed into GatewayAPI, and the one implementation
-that they and the HTTP routes (`front/openai_routes.py`) share.
+"""The OpenAI-shaped SglangService RPCs, and the one implementation that they and the HTTP
+routes (`front/openai_routes.py`) share.
 
 `chat_chunks`, `completion_chunks` and `embedding_response` take a parsed request
 (`protocol/openai.py`), turn each prompt into a public Generate/TextGenerate/TextEmbed request
 checked by the gateway's own validation, run it through the gateway's generation path
-(`GatewayAPI._generate`: n > 1 fan-out, logprobs, abort when the caller goes away) and fold
+(`GenerationRPCs.generate`: n > 1 fan-out, logprobs, abort when the caller goes away) and fold
 the updates into OpenAI's shapes (`protocol/openai_responses.py`). A chat conversation is
 rendered to token ids by a tokenizer (`Tokenizer.ApplyChatTemplate`, the checkpoint's
 template); the gateway never renders templates itself.
@@ -19,14 +19,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
 from meshlm.common import deadline
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.api.core import GatewayCore
+from meshlm.gateway.api.generation import GenerationRPCs
+from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.protocol.bounds import text_chars
 from meshlm.gateway.protocol.openai import (
     ChatRequest,
@@ -56,126 +58,126 @@ from meshlm.gateway.protocol.validation import (
     validate_text_embed,
     validate_text_generate,
 )
-from meshlm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from meshlm.v1 import tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
-
-if TYPE_CHECKING:
-    from meshlm.gateway.api.info import GatewayIdentity
 
 R = TypeVar("R")
 T = TypeVar("T")
-Generation = tuple[Update, dict[str, str]]
 Chunks = AsyncGenerator[pb.OpenAIStreamChunk, None]
-
-
-
-class Gateway(Protocol):
-    """What the OpenAI layer uses of GatewayAPI."""
-
-    @property
-    def identity(self) -> GatewayIdentity: ...
-
-    async def _limits(self) -> Limits: ...
-
-    def _generate(self, v: ValidatedRequest) -> AsyncIterator[Generation]: ...
-
-    async def _embed(self, v: ValidatedRequest) -> Generation: ...
-
-    def _tokenizer_stub(self) -> tokenizer_pb2_grpc.TokenizerStub: ...
-
-    async def _call(self, call: Awaitable[R]) -> R: ...
 
 
 class OpenAIRPCs:
     """ChatComplete, Complete, OpenAIEmbed: OpenAI JSON in `json_body`, answered in OpenAI's
     shapes (streamed as OpenAIStreamChunk)."""
 
-    async def ChatComplete(self: Gateway, req: pb.OpenAIRequest,
+    def __init__(self, core: GatewayCore, generation: GenerationRPCs, tokens: TokenRPCs) -> None:
+        self.core = core
+        self.generation = generation
+        self.tokens = tokens
+
+    async def ChatComplete(self, req: pb.OpenAIRequest,
                            ctx: CallContext) -> AsyncIterator[pb.OpenAIStreamChunk]:
-        async for chunk in chat_chunks(self, parse_chat(req.json_body)):
+        async for chunk in self.chat_chunks(parse_chat(req.json_body)):
             yield chunk
 
-    async def Complete(self: Gateway, req: pb.OpenAIRequest,
+    async def Complete(self, req: pb.OpenAIRequest,
                        ctx: CallContext) -> AsyncIterator[pb.OpenAIStreamChunk]:
-        async for chunk in completion_chunks(self, parse_completion(req.json_body)):
+        async for chunk in self.completion_chunks(parse_completion(req.json_body)):
             yield chunk
 
-    async def OpenAIEmbed(self: Gateway, req: pb.OpenAIRequest,
-                          ctx: CallContext) -> pb.OpenAIResponse:
+    async def OpenAIEmbed(self, req: pb.OpenAIRequest, ctx: CallContext) -> pb.OpenAIResponse:
         """status_code is the HTTP status of the same request on /v1/embeddings (200: failures
         are the call's gRPC status)."""
-        body = await embedding_response(self, parse_embedding(req.json_body))
+        body = await self.embedding_response(parse_embedding(req.json_body))
         return pb.OpenAIResponse(json_body=body, status_code=200)
 
+    # ---- the implementation the HTTP routes share --------------------------------------------
 
-# ---- the shared implementation ---------------------------------------------------------------
+    async def chat_chunks(self, req: ChatRequest) -> Chunks:
+        limits = await self.core.limits()
+        model = served_model(self.core, req.model)
+        check_batch(req.n, limits.max_batch, "n")
+        # The conversation's text, before a tokenizer renders and encodes it.
+        check_prompt_chars(text_chars(req.messages), limits, "messages")
+        reply = await self.core.call(self.core.tokenizer().ApplyChatTemplate(
+            tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(req.messages).decode(),
+                                              add_generation_prompt=True),
+            timeout=deadline.timeout()))
+        tokens = list(reply.tokens)
+        # OpenAI's default: whatever room the context leaves.
+        room = max(limits.max_model_len - len(tokens), 1)
+        v = _validated(public_request(req, tokens, max_new_tokens=room), limits, req.names)
+        answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
+                            stream=req.stream, include_usage=req.include_usage,
+                            top_logprobs=req.top_logprobs)
+        async for chunk in self._answer(req, [(v, req.names)], answer):
+            yield chunk
+
+    async def completion_chunks(self, req: CompletionRequest) -> Chunks:
+        limits = await self.core.limits()
+        model = served_model(self.core, req.model)
+        check_batch(len(req.prompts) * req.n, limits.max_batch, "prompt")
+        runs = []
+        for i, prompt in enumerate(req.prompts):
+            key = f"prompt[{i}]" if req.batch else "prompt"
+            names = {**req.names, "text": key, "input_ids": key, "logprob_start_len": key}
+            runs.append((_validated(public_request(req, prompt), limits, names), names))
+        echo = None
+        if req.echo:
+            echo = await asyncio.gather(*(self._prompt_text(p) for p in req.prompts))
+        answer = CompletionAnswer(model=model, created=int(time.time()), n=req.n,
+                                  prompts=len(runs), stream=req.stream,
+                                  include_usage=req.include_usage,
+                                  top_logprobs=req.top_logprobs, echo=echo)
+        async for chunk in self._answer(req, runs, answer):
+            yield chunk
+
+    async def embedding_response(self, req: EmbeddingRequest) -> bytes:
+        limits = await self.core.limits()
+        model = served_model(self.core, req.model)
+        check_batch(len(req.inputs), limits.max_batch, "input")
+        runs = []
+        for i, item in enumerate(req.inputs):
+            key = f"input[{i}]" if len(req.inputs) > 1 else "input"
+            names = {"text": key, "input_ids": key}
+            try:
+                v = (validate_text_embed(pb.TextEmbedRequest(text=item), limits)
+                     if isinstance(item, str)
+                     else validate_embed(pb.EmbedRequest(input_ids=item), limits))
+            except MeshError as e:
+                raise renamed(e, names) from None
+            runs.append((v, names))
+        results = await all_of([renaming(self.generation.embed(v), names) for v, names in runs])
+        vectors = [update.embedding or [] for update, _ in results]
+        prompt_tokens = sum(update.prompt_tokens for update, _ in results)
+        return dumps(embedding_body(model, vectors, prompt_tokens, base64=req.base64))
+
+    async def _prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt as text (echo): token ids are decoded, special tokens kept."""
+        if isinstance(prompt, str):
+            return prompt
+        return await self.tokens.text(prompt, skip_special_tokens=False)
+
+    async def _answer(self, req: GenerationRequest,
+                      runs: list[tuple[ValidatedRequest, dict[str, str]]],
+                      answer: Answer) -> Chunks:
+        """Run every prompt through the gateway and fold their updates into `answer`'s
+        chunks."""
+        streams = [_renaming_stream(self.generation.generate(v), names) for v, names in runs]
+        async for prompt, (update, meta) in _merged(streams):
+            chunks = answer.add(prompt, update, meta)
+            for i, chunk in enumerate(chunks):
+                last = answer.done and i == len(chunks) - 1 and not req.include_usage
+                yield pb.OpenAIStreamChunk(json_chunk=dumps(chunk), finished=last)
+        if not req.stream:
+            yield pb.OpenAIStreamChunk(json_chunk=dumps(answer.response()), finished=True)
+        elif req.include_usage:
+            yield pb.OpenAIStreamChunk(json_chunk=dumps(answer.usage_chunk()), finished=True)
 
 
-async def chat_chunks(gw: Gateway, req: ChatRequest) -> Chunks:
-    limits = await gw._limits()
-    model = served_model(gw, req.model)
-    check_batch(req.n, limits.max_batch, "n")
-    # The conversation's text, before a tokenizer renders and encodes it.
-    check_prompt_chars(text_chars(req.messages), limits, "messages")
-    reply = await gw._call(gw._tokenizer_stub().ApplyChatTemplate(
-        tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(req.messages).decode(),
-                                          add_generation_prompt=True),
-        timeout=deadline.timeout()))
-    tokens = list(reply.tokens)
-    # OpenAI's default: whatever room the context leaves.
-    room = max(limits.max_model_len - len(tokens), 1)
-    v = _validated(public_request(req, tokens, max_new_tokens=room), limits, req.names)
-    answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
-                        stream=req.stream, include_usage=req.include_usage,
-                        top_logprobs=req.top_logprobs)
-    async for chunk in _answer(gw, req, [(v, req.names)], answer):
-        yield chunk
-
-
-async def completion_chunks(gw: Gateway, req: CompletionRequest) -> Chunks:
-    limits = await gw._limits()
-    model = served_model(gw, req.model)
-    check_batch(len(req.prompts) * req.n, limits.max_batch, "prompt")
-    runs = []
-    for i, prompt in enumerate(req.prompts):
-        key = f"prompt[{i}]" if req.batch else "prompt"
-        names = {**req.names, "text": key, "input_ids": key, "logprob_start_len": key}
-        runs.append((_validated(public_request(req, prompt), limits, names), names))
-    echo = None
-    if req.echo:
-        echo = await asyncio.gather(*(_prompt_text(gw, p) for p in req.prompts))
-    answer = CompletionAnswer(model=model, created=int(time.time()), n=req.n,
-                              prompts=len(runs), stream=req.stream,
-                              include_usage=req.include_usage, top_logprobs=req.top_logprobs,
-                              echo=echo)
-    async for chunk in _answer(gw, req, runs, answer):
-        yield chunk
-
-
-async def embedding_response(gw: Gateway, req: EmbeddingRequest) -> bytes:
-    limits = await gw._limits()
-    model = served_model(gw, req.model)
-    check_batch(len(req.inputs), limits.max_batch, "input")
-    runs = []
-    for i, item in enumerate(req.inputs):
-        key = f"input[{i}]" if len(req.inputs) > 1 else "input"
-        names = {"text": key, "input_ids": key}
-        try:
-            v = (validate_text_embed(pb.TextEmbedRequest(text=item), limits)
-                 if isinstance(item, str)
-                 else validate_embed(pb.EmbedRequest(input_ids=item), limits))
-        except MeshError as e:
-            raise renamed(e, names) from None
-        runs.append((v, names))
-    results = await all_of([renaming(gw._embed(v), names) for v, names in runs])
-    vectors = [update.embedding or [] for update, _ in results]
-    prompt_tokens = sum(update.prompt_tokens for update, _ in results)
-    return dumps(embedding_body(model, vectors, prompt_tokens, base64=req.base64))
-
-
-def served_model(gw: Gateway, model: str | None) -> str:
+def served_model(core: GatewayCore, model: str | None) -> str:
     """The served model's name; NOT_FOUND for any other."""
-    served = gw.identity.served_model_name
+    served = core.identity.served_model_name
     if model is not None and model != served:
         raise model_not_found(model, served)
     return served
@@ -192,32 +194,6 @@ def _validated(public: pb.TextGenerateRequest | pb.GenerateRequest, limits: Limi
         raise renamed(e, names) from None
     v.return_text = True
     return v
-
-
-async def _prompt_text(gw: Gateway, prompt: str | list[int]) -> str:
-    """A prompt as text (echo): token ids are decoded, special tokens kept."""
-    if isinstance(prompt, str):
-        return prompt
-    reply = await gw._call(gw._tokenizer_stub().Detokenize(
-        tokenizer_pb2.DetokenizeRequest(tokens=prompt, skip_special_tokens=False),
-        timeout=deadline.timeout()))
-    return reply.text
-
-
-async def _answer(gw: Gateway, req: GenerationRequest,
-                  runs: list[tuple[ValidatedRequest, dict[str, str]]],
-                  answer: Answer) -> Chunks:
-    """Run every prompt through the gateway and fold their updates into `answer`'s chunks."""
-    streams = [_renaming_stream(gw._generate(v), names) for v, names in runs]
-    async for prompt, (update, meta) in _merged(streams):
-        chunks = answer.add(prompt, update, meta)
-        for i, chunk in enumerate(chunks):
-            last = answer.done and i == len(chunks) - 1 and not req.include_usage
-            yield pb.OpenAIStreamChunk(json_chunk=dumps(chunk), finished=last)
-    if not req.stream:
-        yield pb.OpenAIStreamChunk(json_chunk=dumps(answer.response()), finished=True)
-    elif req.include_usage:
-        yield pb.OpenAIStreamChunk(json_chunk=dumps(answer.usage_chunk()), finished=True)
 
 
 # ---- streams ---------------------------------------------------------------------------------

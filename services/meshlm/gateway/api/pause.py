@@ -1,5 +1,4 @@
-"""PauseGeneration and ContinueGeneration (SGLang's /pause_generation, /continue_generation),
-mixed into GatewayAPI.
+"""PauseGeneration and ContinueGeneration (SGLang's /pause_generation, /continue_generation).
 
 The pause lives in the schedulers, not in the gateway: each RPC fans out to every scheduler
 replica (`Scheduler.Pause` / `Continue`), whose engine loop applies it between two steps. So a
@@ -17,11 +16,10 @@ from typing import Any
 import grpc
 from google.protobuf.message import Message
 
-from meshlm.common.channels import ChannelPool
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.mesh.dependencies import Dependencies
+from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.mesh.fanout import failures, on_every, partial_failure
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -35,8 +33,8 @@ PAUSE_TIMEOUT = 40.0  # seconds; a scheduler waits up to 30 s for its engine loo
 
 
 class PauseRPCs:
-    deps: Dependencies
-    channels: ChannelPool
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
 
     async def PauseGeneration(self, req: pb.PauseGenerationRequest,
                               ctx: CallContext) -> pb.PauseGenerationResponse:
@@ -76,10 +74,10 @@ class PauseRPCs:
     async def _every_scheduler(self, rpc: str, request: Message) -> list[Any]:
         """`rpc` on every scheduler replica at once, their replies in order. UNAVAILABLE
         naming the replicas that failed (the others did it; calling again is harmless)."""
-        schedulers = list(self.deps.addresses["scheduler"])
+        schedulers = list(self.core.deps.addresses["scheduler"])
         if not schedulers:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, "no scheduler is configured")
-        results = await on_every(self.channels, schedulers, lambda ch: getattr(
+        results = await on_every(self.core.channels, schedulers, lambda ch: getattr(
             scheduler_pb2_grpc.SchedulerStub(ch), rpc)(request, timeout=PAUSE_TIMEOUT))
         failed = failures(schedulers, results)
         if failed:

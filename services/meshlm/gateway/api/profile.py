@@ -1,5 +1,5 @@
 """StartProfile / StopProfile (and SGLang's /start_profile, /stop_profile, /start_request_profile,
-/stop_request_profile), mixed into GatewayAPI.
+/stop_request_profile).
 
 A profiling run spans the whole mesh: the gateway opens it in itself and, through
 `meshlm.v1.Profiler`, in every configured tokenizer, scheduler and detokenizer. Each writes its
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import grpc
 
-from meshlm.common.channels import ChannelPool
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.profiling import Profiling
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.mesh.dependencies import ROLES, Dependencies
+from meshlm.gateway.api.core import GatewayCore
+from meshlm.gateway.mesh.dependencies import ROLES
 from meshlm.gateway.mesh.fanout import failures, on_every
 from meshlm.v1 import profiler_pb2, profiler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -48,9 +48,9 @@ def default_output_dir(run_id: str) -> str:
 
 
 class ProfileRPCs:
-    deps: Dependencies
-    channels: ChannelPool
-    profiling: Profiling
+    def __init__(self, core: GatewayCore, profiling: Profiling) -> None:
+        self.core = core
+        self.profiling = profiling  # this gateway's own part of a run
 
     async def StartProfile(self, req: pb.StartProfileRequest,
                            ctx: CallContext) -> pb.StartProfileResponse:
@@ -82,8 +82,8 @@ class ProfileRPCs:
             start.run_id = uuid.uuid4().hex[:12]
         local = await self.profiling.start(start)  # FAILED_PRECONDITION when a run is open
         targets = self._profiled()
-        results = await on_every(self.channels, targets, lambda ch: profiler_pb2_grpc.ProfilerStub(
-            ch).Start(start, timeout=PROFILE_TIMEOUT))
+        results = await on_every(self.core.channels, targets, lambda ch: profiler_pb2_grpc.
+                                 ProfilerStub(ch).Start(start, timeout=PROFILE_TIMEOUT))
         failed = failures(targets, results)
         if failed:
             await self.stop_profile(start.run_id)
@@ -106,8 +106,8 @@ class ProfileRPCs:
         run_id = run_id or self.profiling.run_id  # the wildcard's run, as far as known here
         local = await self.profiling.stop(stop)
         targets = self._profiled()
-        results = await on_every(self.channels, targets, lambda ch: profiler_pb2_grpc.ProfilerStub(
-            ch).Stop(stop, timeout=PROFILE_TIMEOUT))
+        results = await on_every(self.core.channels, targets, lambda ch: profiler_pb2_grpc.
+                                 ProfilerStub(ch).Stop(stop, timeout=PROFILE_TIMEOUT))
         replies = [local, *(r for r in results if isinstance(r, profiler_pb2.ProfileReply))]
         stopped = [r for r in replies if r.ok]
         files = sorted(f for r in stopped for f in r.files)
@@ -117,7 +117,7 @@ class ProfileRPCs:
         return ProfileRun(run_id, len(stopped), [r.message for r in stopped], files, failed)
 
     def _profiled(self) -> list[str]:
-        return [address for role in ROLES for address in self.deps.addresses[role]]
+        return [address for role in ROLES for address in self.core.deps.addresses[role]]
 
 
 def stop_message(run: ProfileRun) -> str:

@@ -1,7 +1,7 @@
-"""Classify, OpenAIClassify, Score and Rerank, mixed into GatewayAPI, and the implementation
-they share with the HTTP routes /v1/classify, /v1/score and /v1/rerank (`front/openai_routes.py`).
+"""Classify, OpenAIClassify, Score and Rerank, and the implementation they share with the HTTP
+routes /v1/classify, /v1/score and /v1/rerank (`front/openai_routes.py`).
 
-Every item is its own request on the gateway's one path (`GatewayAPI._generate`), all sent at
+Every item is its own request on the gateway's one path (`GenerationRPCs.generate`), all sent at
 once: they reach the scheduler together and run in the same engine steps (and, sharing the
 query's prefix, usually on the same scheduler and its prefix cache).
 
@@ -25,15 +25,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from contextlib import aclosing
+from typing import Any
 
 import grpc
 
-from meshlm.common import deadline
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.api.openai import Gateway, all_of, renaming, served_model
+from meshlm.gateway.api.core import GatewayCore
+from meshlm.gateway.api.generation import GenerationRPCs
+from meshlm.gateway.api.openai import all_of, renaming, served_model
+from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.openai_errors import renamed
 from meshlm.gateway.protocol.openai_logprobs import dumps
@@ -63,7 +65,7 @@ from meshlm.gateway.protocol.validation import (
     validate_classify,
     validate_text_embed,
 )
-from meshlm.v1 import common_pb2, tokenizer_pb2
+from meshlm.v1 import common_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 CLASSIFIER_SUFFIX = "ForSequenceClassification"
@@ -72,120 +74,135 @@ RERANK_PROMPT = ("Query: {query}\nDocument: {document}\n"
 RERANK_WORDS = (" yes", " no")
 
 
-class ScoringGateway(Gateway, Protocol):
-    """What scoring uses of GatewayAPI beyond the OpenAI layer's needs."""
-
-    @property
-    def info(self) -> common_pb2.ModelInfo | None: ...
-
-
 class ScoringRPCs:
     """Classify (SGLang-native), OpenAIClassify, Score, Rerank (OpenAI JSON in json_body)."""
 
-    async def Classify(self: ScoringGateway, req: pb.ClassifyRequest,
-                       ctx: CallContext) -> pb.ClassifyResponse:
-        v = validate_classify(req, await self._limits())
-        _require_classifier(self, "Classify")
-        update, meta = await self._embed(v)
+    def __init__(self, core: GatewayCore, generation: GenerationRPCs, tokens: TokenRPCs) -> None:
+        self.core = core
+        self.generation = generation
+        self.tokens = tokens
+
+    async def Classify(self, req: pb.ClassifyRequest, ctx: CallContext) -> pb.ClassifyResponse:
+        v = validate_classify(req, await self.core.limits())
+        _require_classifier(self.core, "Classify")
+        update, meta = await self.generation.embed(v)
         return pb.ClassifyResponse(embedding=update.embedding or [], meta_info=meta)
 
-    async def OpenAIClassify(self: ScoringGateway, req: pb.OpenAIRequest,
-                             ctx: CallContext) -> pb.OpenAIResponse:
-        body = await classify_response(self, parse_classify(req.json_body))
+    async def OpenAIClassify(self, req: pb.OpenAIRequest, ctx: CallContext) -> pb.OpenAIResponse:
+        body = await self.classify_response(parse_classify(req.json_body))
         return pb.OpenAIResponse(json_body=body, status_code=200)
 
-    async def Score(self: ScoringGateway, req: pb.OpenAIRequest,
-                    ctx: CallContext) -> pb.OpenAIResponse:
-        body = await score_response(self, parse_score(req.json_body))
+    async def Score(self, req: pb.OpenAIRequest, ctx: CallContext) -> pb.OpenAIResponse:
+        body = await self.score_response(parse_score(req.json_body))
         return pb.OpenAIResponse(json_body=body, status_code=200)
 
-    async def Rerank(self: ScoringGateway, req: pb.OpenAIRequest,
-                     ctx: CallContext) -> pb.OpenAIResponse:
-        body = await rerank_response(self, parse_rerank(req.json_body))
+    async def Rerank(self, req: pb.OpenAIRequest, ctx: CallContext) -> pb.OpenAIResponse:
+        body = await self.rerank_response(parse_rerank(req.json_body))
         return pb.OpenAIResponse(json_body=body, status_code=200)
 
+    # ---- the implementation the HTTP routes share --------------------------------------------
 
-# ---- the shared implementation ---------------------------------------------------------------
-
-
-async def score_response(gw: ScoringGateway, req: ScoreRequest) -> bytes:
-    limits = await gw._limits()
-    model = served_model(gw, req.model)
-    labels = req.label_token_ids
-    check_token_ids(labels, limits, "label_token_ids")
-    check_batch(len(req.items), limits.max_batch, "items")
-    for i, item in enumerate(req.items):  # sizes first, before any query + item is built
-        if isinstance(item, list):
-            check_prompt_length(len(req.query) + len(item), 1, limits, field_path=f"items[{i}]")
-        else:
-            check_prompt_chars(len(req.query) + len(item), limits, f"items[{i}]")
-    if isinstance(req.query, list) and req.query:
-        check_token_ids(req.query, limits, "query")
-    runs = []
-    for i in range(len(req.items)):
-        key = f"items[{i}]"
-        item = req.items[i]
-        if isinstance(item, list):
-            check_token_ids(item, limits, key)
-        runs.append((_label_request(req.prompt(i), labels, limits, key), {"text": key,
-                                                                          "input_ids": key}))
-    results = await all_of([renaming(_final(gw, v), names) for v, names in runs])
-    scores = [label_scores(label_logprobs(u.logprobs, labels), req.apply_softmax)
-              for u in results]
-    prompt_tokens = sum(u.prompt_tokens for u in results)
-    return dumps({"scores": scores, "model": model, "usage": _usage(prompt_tokens),
-                  "object": "scoring"})
-
-
-async def rerank_response(gw: ScoringGateway, req: RerankRequest) -> bytes:
-    limits = await gw._limits()
-    served_model(gw, req.model)
-    check_batch(len(req.documents), limits.max_batch, "documents")
-    for i, doc in enumerate(req.documents):  # before any prompt is built with the query
-        check_prompt_chars(len(req.query) + len(doc), limits, f"documents[{i}]")
-    if _architecture(gw).endswith(CLASSIFIER_SUFFIX):
-        if req.label_token_ids is not None:
-            raise invalid("label_token_ids", "is for generative checkpoints; this one is a "
-                                             "sequence classifier")
-        pairs = [_pair_request(req.query, doc) for doc in req.documents]
-        embedded = await all_of([renaming(gw._embed(v), _doc(i)) for i, v in enumerate(pairs)])
-        scores = [cross_encoder_score(u.embedding or [0.0]) for u, _ in embedded]
-    else:
-        labels = req.label_token_ids or await _yes_no(gw)
+    async def score_response(self, req: ScoreRequest) -> bytes:
+        limits = await self.core.limits()
+        model = served_model(self.core, req.model)
+        labels = req.label_token_ids
         check_token_ids(labels, limits, "label_token_ids")
-        prompts = [RERANK_PROMPT.format(query=req.query, document=doc) for doc in req.documents]
-        runs = [_label_request(p, labels, limits, f"documents[{i}]")
-                for i, p in enumerate(prompts)]
-        results = await all_of([renaming(_final(gw, v), _doc(i)) for i, v in enumerate(runs)])
-        scores = [yes_probability(*label_logprobs(u.logprobs, labels)) for u in results]
-    return dumps(ranked(scores, req.documents, top_n=req.top_n,
-                        return_documents=req.return_documents))
+        check_batch(len(req.items), limits.max_batch, "items")
+        for i, item in enumerate(req.items):  # sizes first, before any query + item is built
+            if isinstance(item, list):
+                check_prompt_length(len(req.query) + len(item), 1, limits,
+                                    field_path=f"items[{i}]")
+            else:
+                check_prompt_chars(len(req.query) + len(item), limits, f"items[{i}]")
+        if isinstance(req.query, list) and req.query:
+            check_token_ids(req.query, limits, "query")
+        runs = []
+        for i in range(len(req.items)):
+            key = f"items[{i}]"
+            item = req.items[i]
+            if isinstance(item, list):
+                check_token_ids(item, limits, key)
+            runs.append((_label_request(req.prompt(i), labels, limits, key),
+                         {"text": key, "input_ids": key}))
+        results = await all_of([renaming(self._final(v), names) for v, names in runs])
+        scores = [label_scores(label_logprobs(u.logprobs, labels), req.apply_softmax)
+                  for u in results]
+        prompt_tokens = sum(u.prompt_tokens for u in results)
+        return dumps({"scores": scores, "model": model, "usage": _usage(prompt_tokens),
+                      "object": "scoring"})
 
+    async def rerank_response(self, req: RerankRequest) -> bytes:
+        limits = await self.core.limits()
+        served_model(self.core, req.model)
+        check_batch(len(req.documents), limits.max_batch, "documents")
+        for i, doc in enumerate(req.documents):  # before any prompt is built with the query
+            check_prompt_chars(len(req.query) + len(doc), limits, f"documents[{i}]")
+        if _architecture(self.core).endswith(CLASSIFIER_SUFFIX):
+            if req.label_token_ids is not None:
+                raise invalid("label_token_ids", "is for generative checkpoints; this one is a "
+                                                 "sequence classifier")
+            pairs = [_pair_request(req.query, doc) for doc in req.documents]
+            embedded = await all_of([renaming(self.generation.embed(v), _doc(i))
+                                     for i, v in enumerate(pairs)])
+            scores = [cross_encoder_score(u.embedding or [0.0]) for u, _ in embedded]
+        else:
+            labels = req.label_token_ids or await self._yes_no()
+            check_token_ids(labels, limits, "label_token_ids")
+            prompts = [RERANK_PROMPT.format(query=req.query, document=doc)
+                       for doc in req.documents]
+            runs = [_label_request(p, labels, limits, f"documents[{i}]")
+                    for i, p in enumerate(prompts)]
+            results = await all_of([renaming(self._final(v), _doc(i))
+                                    for i, v in enumerate(runs)])
+            scores = [yes_probability(*label_logprobs(u.logprobs, labels)) for u in results]
+        return dumps(ranked(scores, req.documents, top_n=req.top_n,
+                            return_documents=req.return_documents))
 
-async def classify_response(gw: ScoringGateway, req: ClassifyRequest) -> bytes:
-    limits = await gw._limits()
-    model = served_model(gw, req.model)
-    _require_classifier(gw, "classify")
-    check_batch(len(req.inputs), limits.max_batch, "input")
-    runs = []
-    for i, item in enumerate(req.inputs):
-        key = f"input[{i}]" if req.batch else "input"
-        names = {"text": key, "input_ids": key}
-        public = (pb.ClassifyRequest(text=item) if isinstance(item, str)
-                  else pb.ClassifyRequest(input_ids=item))
-        if req.rid is not None:
-            public.rid = req.rid
-        try:
-            runs.append((validate_classify(public, limits), names))
-        except MeshError as e:
-            raise renamed(e, names) from None
-    results = await all_of([renaming(gw._embed(v), names) for v, names in runs])
-    config = _config(gw)
-    data = classify_data([u.embedding or [] for u, _ in results], config.get("id2label") or {})
-    prompt_tokens = sum(u.prompt_tokens for u, _ in results)
-    rid = req.rid or uuid.uuid4().hex
-    return dumps({"id": f"classify-{rid}", "object": "list", "created": int(time.time()),
-                  "model": model, "data": data, "usage": _usage(prompt_tokens)})
+    async def classify_response(self, req: ClassifyRequest) -> bytes:
+        limits = await self.core.limits()
+        model = served_model(self.core, req.model)
+        _require_classifier(self.core, "classify")
+        check_batch(len(req.inputs), limits.max_batch, "input")
+        runs = []
+        for i, item in enumerate(req.inputs):
+            key = f"input[{i}]" if req.batch else "input"
+            names = {"text": key, "input_ids": key}
+            public = (pb.ClassifyRequest(text=item) if isinstance(item, str)
+                      else pb.ClassifyRequest(input_ids=item))
+            if req.rid is not None:
+                public.rid = req.rid
+            try:
+                runs.append((validate_classify(public, limits), names))
+            except MeshError as e:
+                raise renamed(e, names) from None
+        results = await all_of([renaming(self.generation.embed(v), names) for v, names in runs])
+        config = _config(self.core)
+        data = classify_data([u.embedding or [] for u, _ in results],
+                             config.get("id2label") or {})
+        prompt_tokens = sum(u.prompt_tokens for u, _ in results)
+        rid = req.rid or uuid.uuid4().hex
+        return dumps({"id": f"classify-{rid}", "object": "list", "created": int(time.time()),
+                      "model": model, "data": data, "usage": _usage(prompt_tokens)})
+
+    async def _final(self, v: ValidatedRequest) -> Update:
+        """Run a one-output request to its final update (merged: logprobs included)."""
+        async with aclosing(self.generation.generate(v)) as stream:
+            async for update, _ in stream:
+                if update.final is not None:
+                    return update
+        raise MeshError(grpc.StatusCode.INTERNAL, "the scoring request ended without a result")
+
+    async def _yes_no(self) -> list[int]:
+        """The first token of " yes" and of " no" by the checkpoint's tokenizer."""
+        ids = []
+        for word in RERANK_WORDS:
+            tokens = await self.tokens.token_ids(word, add_special_tokens=False)
+            ids.append(tokens[0] if tokens else -1)
+        if ids[0] < 0 or ids[0] == ids[1]:
+            raise MeshError(grpc.StatusCode.FAILED_PRECONDITION,
+                            "label_token_ids: this tokenizer does not tell \" yes\" from \" no\" "
+                            "by their first token; give label_token_ids [yes, no]")
+        return ids
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -218,50 +235,21 @@ def _doc(i: int) -> dict[str, str]:
     return {"text": key, "input_ids": key}
 
 
-async def _final(gw: ScoringGateway, v: ValidatedRequest) -> Update:
-    """Run a one-output request to its final update (merged: logprobs included)."""
-    stream: AsyncIterator[tuple[Update, dict[str, str]]] = gw._generate(v)
-    try:
-        async for update, _ in stream:
-            if update.final is not None:
-                return update
-    finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-    raise MeshError(grpc.StatusCode.INTERNAL, "the scoring request ended without a result")
-
-
-async def _yes_no(gw: ScoringGateway) -> list[int]:
-    """The first token of " yes" and of " no" by the checkpoint's tokenizer."""
-    ids = []
-    for word in RERANK_WORDS:
-        reply = await gw._call(gw._tokenizer_stub().Tokenize(
-            tokenizer_pb2.TokenizeRequest(text=word, add_special_tokens=False),
-            timeout=deadline.timeout()))
-        ids.append(reply.tokens[0] if reply.tokens else -1)
-    if ids[0] < 0 or ids[0] == ids[1]:
-        raise MeshError(grpc.StatusCode.FAILED_PRECONDITION,
-                        "label_token_ids: this tokenizer does not tell \" yes\" from \" no\" by "
-                        "their first token; give label_token_ids [yes, no]")
-    return ids
-
-
-def _config(gw: ScoringGateway) -> dict[str, Any]:
+def _config(core: GatewayCore) -> dict[str, Any]:
     """The checkpoint's config.json, as the tokenizer reported it."""
-    if gw.info is None or not gw.info.json_info:
+    if core.model is None or not core.model.json_info:
         return {}
-    config = json.loads(gw.info.json_info).get("config")
+    config = json.loads(core.model.json_info).get("config")
     return config if isinstance(config, dict) else {}
 
 
-def _architecture(gw: ScoringGateway) -> str:
-    architectures = _config(gw).get("architectures") or ["LlamaForCausalLM"]
+def _architecture(core: GatewayCore) -> str:
+    architectures = _config(core).get("architectures") or ["LlamaForCausalLM"]
     return str(architectures[0])
 
 
-def _require_classifier(gw: ScoringGateway, what: str) -> None:
-    arch = _architecture(gw)
+def _require_classifier(core: GatewayCore, what: str) -> None:
+    arch = _architecture(core)
     if not arch.endswith(CLASSIFIER_SUFFIX):
         raise MeshError(grpc.StatusCode.FAILED_PRECONDITION,
                         f"{what} needs a sequence-classification checkpoint (config.json "

@@ -1,4 +1,4 @@
-"""UpdateWeightsFromDisk (and SGLang's /update_weights_from_disk), mixed into GatewayAPI.
+"""UpdateWeightsFromDisk (and SGLang's /update_weights_from_disk).
 
 New weights without restarting the mesh: the gateway checks the arguments and calls
 `Scheduler.UpdateWeights` on every scheduler replica at once. Each checks the checkpoint (same
@@ -20,11 +20,10 @@ from pathlib import PurePosixPath
 
 import grpc
 
-from meshlm.common.channels import ChannelPool
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.mesh.dependencies import Dependencies
+from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.mesh.fanout import failures, on_every, partial_failure
 from meshlm.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -55,10 +54,9 @@ class WeightsUpdate:
 
 
 class WeightsRPCs:
-    deps: Dependencies
-    channels: ChannelPool
-    info: common_pb2.ModelInfo | None
-    _weights_lock: asyncio.Lock | None = None
+    def __init__(self, core: GatewayCore) -> None:
+        self.core = core
+        self.lock = asyncio.Lock()  # one update at a time from this gateway
 
     async def UpdateWeightsFromDisk(self, req: pb.UpdateWeightsRequest,
                                     ctx: CallContext) -> pb.UpdateWeightsResponse:
@@ -80,16 +78,14 @@ class WeightsRPCs:
         if load_format not in LOAD_FORMATS:
             raise invalid("load_format", f"must be one of {', '.join(LOAD_FORMATS)}; "
                                          f"got {load_format!r}")
-        schedulers = list(self.deps.addresses["scheduler"])
+        schedulers = list(self.core.deps.addresses["scheduler"])
         if not schedulers:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, "no scheduler is configured")
         request = scheduler_pb2.UpdateWeightsRequest(model_path=model_path,
                                                      load_format=load_format,
                                                      abort_all=abort_all)
-        if self._weights_lock is None:
-            self._weights_lock = asyncio.Lock()
-        async with self._weights_lock:
-            results = await on_every(self.channels, schedulers, lambda ch: (
+        async with self.lock:
+            results = await on_every(self.core.channels, schedulers, lambda ch: (
                 scheduler_pb2_grpc.SchedulerStub(ch).UpdateWeights(request,
                                                                    timeout=UPDATE_TIMEOUT)))
         replies = [r for r in results if isinstance(r, scheduler_pb2.UpdateWeightsResponse)]
@@ -116,27 +112,28 @@ class WeightsRPCs:
     async def follow_checkpoint(self) -> None:
         """Notice an update made through another gateway: ask one serving scheduler (in turn)
         which checkpoint it serves and, if it is not the one this gateway names, take it."""
-        address = self.deps.pick("scheduler")
-        if address is None or self.info is None:
+        address, model = self.core.deps.pick("scheduler"), self.core.model
+        if address is None or model is None:
             return
         try:
-            info = await scheduler_pb2_grpc.SchedulerStub(self.channels.get(address)).GetInfo(
+            info = await scheduler_pb2_grpc.SchedulerStub(self.core.channels.get(address)).GetInfo(
                 common_pb2.GetInfoRequest(), timeout=FOLLOW_INTERVAL)
         except grpc.aio.AioRpcError:
             return  # its health watch deals with a scheduler that does not answer
-        if info.model_path and info.model_path != self.info.model_path:
-            log.info("checkpoint_changed", model_path=info.model_path, was=self.info.model_path,
+        if info.model_path and info.model_path != model.model_path:
+            log.info("checkpoint_changed", model_path=info.model_path, was=model.model_path,
                      scheduler=address)
             self._note_checkpoint(info)
 
     def _note_checkpoint(self, scheduler_info: common_pb2.ModelInfo) -> None:
         """GetModelInfo names the new checkpoint: its path and config.json (the limits, from the
         tokenizer, do not change: the checkpoint had to match)."""
-        if self.info is None:
+        model = self.core.model
+        if model is None:
             return
-        facts = json.loads(self.info.json_info) if self.info.json_info else {}
+        facts = json.loads(model.json_info) if model.json_info else {}
         new = json.loads(scheduler_info.json_info) if scheduler_info.json_info else {}
         if "config" in new:
             facts["config"] = new["config"]
-        self.info.model_path = scheduler_info.model_path
-        self.info.json_info = json.dumps(facts)
+        model.model_path = scheduler_info.model_path
+        model.json_info = json.dumps(facts)

@@ -98,7 +98,7 @@ class _Handlers:
 
     async def _invoke(self, rpc: str, req: Any, ctx: CallContext) -> Any:
         """The reply of a unary RPC, or the async iterator of a server-streaming one."""
-        method = getattr(self.api, rpc, None)
+        method = self.api.handler(rpc)
         if method is None:
             raise MeshError(grpc.StatusCode.UNIMPLEMENTED, f"{rpc} is not implemented yet")
         result = method(req, ctx)
@@ -205,7 +205,7 @@ class _Handlers:
 
     async def health(self, request: Request) -> Response:
         try:
-            healthy = bool(self.api.is_healthy())
+            healthy = bool(self.api.core.is_healthy())
         except Exception:
             log.exception("health_check_failed")
             healthy = False
@@ -214,14 +214,7 @@ class _Handlers:
     async def models(self, request: Request) -> Response:
         """OpenAI's model list."""
         try:
-            if hasattr(self.api, "model_cards"):
-                cards = self.api.model_cards()
-                cards = await cards if inspect.isawaitable(cards) else cards
-            else:
-                reply = await self._invoke(
-                    "ListModels", sglang_pb2.ListModelsRequest(), call_context(request)
-                )
-                cards = reply.models
+            cards = self.api.info.model_cards()
             data = [self._model(c) for c in cards]
             return Response(orjson.dumps({"object": "list", "data": data}), media_type=JSON)
         except MeshError as e:

@@ -81,15 +81,15 @@ class _NativeHandlers:
         while generation is paused: the probe waits like any request)."""
         ctx = call_context(request)
         try:
-            if not self.api.is_healthy():
+            if not self.api.core.is_healthy():
                 raise MeshError(grpc.StatusCode.UNAVAILABLE,
-                                f"not ready: waiting for {self.api.missing() or 'model info'}")
-            model = await self.api.GetModelInfo(pb.GetModelInfoRequest(), ctx)
+                                f"not ready: waiting for {self.api.core.missing() or 'model info'}")
+            model = await self.api.info.GetModelInfo(pb.GetModelInfoRequest(), ctx)
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT):
                 if _is_generation(_json(model.json_info).get("config", {})):
                     await self._one_token(ctx)
                 else:
-                    await self.api.Embed(pb.EmbedRequest(input_ids=[0]), ctx)
+                    await self.api.generation.Embed(pb.EmbedRequest(input_ids=[0]), ctx)
         except TimeoutError:
             return _error(MeshError(grpc.StatusCode.UNAVAILABLE, "health_generate: no output "
                                     f"within {HEALTH_GENERATE_TIMEOUT:g} s"), status=503)
@@ -98,7 +98,7 @@ class _NativeHandlers:
         return Response(b"", status_code=200)
 
     async def _one_token(self, ctx: CallContext) -> None:
-        stream = self.api.Generate(pb.GenerateRequest(
+        stream = self.api.generation.Generate(pb.GenerateRequest(
             input_ids=[0], stream=True,
             sampling_params=pb.SamplingParams(max_new_tokens=1, temperature=0.0)), ctx)
         try:
@@ -107,7 +107,7 @@ class _NativeHandlers:
             await stream.aclose()  # aborts it in the mesh if it is still going
 
     async def get_model_info(self, request: Request) -> dict[str, Any]:
-        reply = await self.api.GetModelInfo(pb.GetModelInfoRequest(), call_context(request))
+        reply = await self.api.info.GetModelInfo(pb.GetModelInfoRequest(), call_context(request))
         info = _json(reply.json_info)
         config = info.get("config", {})
         return {
@@ -128,8 +128,8 @@ class _NativeHandlers:
         (GetLoad) and the version, as SGLang's server_args + internal_states + version."""
         ctx = call_context(request)
         info, loads = await asyncio.gather(
-            self.api.GetServerInfo(pb.GetServerInfoRequest(), ctx),
-            self.api.GetLoad(pb.GetLoadRequest(), ctx))
+            self.api.info.GetServerInfo(pb.GetServerInfoRequest(), ctx),
+            self.api.info.GetLoad(pb.GetLoadRequest(), ctx))
         return {**_json(info.json_info), "internal_states": _json(loads.json_info),
                 "version": _version()}
 
@@ -144,7 +144,7 @@ class _NativeHandlers:
                 raise invalid(key, "unknown query parameter; /get_load takes dp_rank")
         if "dp_rank" in params:
             req.dp_rank = _query_int(params["dp_rank"], "dp_rank")
-        reply = await self.api.GetLoad(req, call_context(request))
+        reply = await self.api.info.GetLoad(req, call_context(request))
         return [_load(entry) for entry in _json(reply.json_info)]
 
     async def abort_request(self, request: Request) -> dict[str, Any]:
@@ -155,7 +155,7 @@ class _NativeHandlers:
         abort_all = _boolean(doc, "abort_all", False)
         if not rid and not abort_all:
             raise invalid("rid", "give the rid of a request, or \"abort_all\": true")
-        reply = await self.api.Abort(pb.AbortRequest(rid=rid, abort_all=abort_all),
+        reply = await self.api.admin.Abort(pb.AbortRequest(rid=rid, abort_all=abort_all),
                                      call_context(request))
         return {"success": reply.success}
 
@@ -163,13 +163,13 @@ class _NativeHandlers:
         """{"mode": "abort" (default) | "retract" | "in_place"}."""
         doc = await _body(request, ("mode",))
         mode = _string(doc, "mode", "abort")
-        reply = await self.api.PauseGeneration(pb.PauseGenerationRequest(mode=mode),
+        reply = await self.api.pause.PauseGeneration(pb.PauseGenerationRequest(mode=mode),
                                                call_context(request))
         return {"message": reply.message, "status": "ok"}
 
     async def continue_generation(self, request: Request) -> dict[str, Any]:
         await _body(request, ())
-        reply = await self.api.ContinueGeneration(pb.ContinueGenerationRequest(),
+        reply = await self.api.pause.ContinueGeneration(pb.ContinueGenerationRequest(),
                                                   call_context(request))
         return {"message": reply.message, "status": "ok"}
 
@@ -203,7 +203,7 @@ class _NativeHandlers:
             run_id=run_id, event_dir=event_dir, enable_torch=False))
 
     async def _start_profile(self, start: profiler_pb2.ProfileStart) -> dict[str, Any]:
-        run = await self.api.start_profile(start)
+        run = await self.api.profile.start_profile(start)
         return {"status": "ok", "run_id": run.run_id, "event_dir": start.event_dir or None,
                 "trace_path_template": start.trace_path_template if start.enable_torch else None,
                 "message": f"Profiling run {run.run_id} started on {run.services} service(s).",
@@ -212,7 +212,7 @@ class _NativeHandlers:
     async def stop_profile(self, request: Request) -> dict[str, Any]:
         """{"run_id"} (optional: without it, whatever run is open stops everywhere)."""
         doc = await _body(request, ("run_id",))
-        run = await self.api.stop_profile(_string(doc, "run_id", ""))
+        run = await self.api.profile.stop_profile(_string(doc, "run_id", ""))
         return {"status": "ok" if run.services else "not_active", "run_id": run.run_id or None,
                 "files": run.files, "message": stop_message(run), "unreached": run.failed}
 
@@ -226,7 +226,7 @@ class _NativeHandlers:
         checkpoint there, 503: a scheduler did not answer)."""
         try:
             doc = await _body(request, ("model_path", "load_format", "abort_all_requests"))
-            update = await self.api.update_weights(
+            update = await self.api.weights.update_weights(
                 _string(doc, "model_path", ""), _string(doc, "load_format", ""),
                 abort_all=_boolean(doc, "abort_all_requests", False))
         except MeshError as e:
@@ -253,7 +253,7 @@ class _NativeHandlers:
             if not text:
                 raise invalid(where, "must not be empty")
         ctx = call_context(request)
-        replies = await asyncio.gather(*(self.api.Tokenize(
+        replies = await asyncio.gather(*(self.api.tokens.Tokenize(
             pb.TokenizeRequest(text=text, add_special_tokens=add_special), ctx)
             for text in prompts))
         tokens = [list(r.tokens) for r in replies]
@@ -279,7 +279,7 @@ class _NativeHandlers:
 
         async def one(i: int, ids: list[int]) -> str:
             try:
-                reply = await self.api.Detokenize(pb.DetokenizeRequest(tokens=ids), ctx,
+                reply = await self.api.tokens.Detokenize(pb.DetokenizeRequest(tokens=ids), ctx,
                                                   skip_special_tokens=skip)
             except MeshError as e:  # its message names "tokens[j]": say which list
                 if batch and e.message.startswith("tokens["):

@@ -28,13 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
-from meshlm.gateway.api.openai import (
-    Chunks,
-    chat_chunks,
-    completion_chunks,
-    embedding_response,
-)
-from meshlm.gateway.api.scoring import classify_response, rerank_response, score_response
+from meshlm.gateway.api.openai import Chunks
 from meshlm.gateway.front.disconnect import ClientGone, unless_disconnected
 from meshlm.gateway.front.http_call import call_context
 from meshlm.gateway.protocol.openai import (
@@ -58,26 +52,27 @@ def openai_routes(api: Any) -> list[BaseRoute]:
     """/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/classify, /v1/score,
     /v1/rerank (/v1/models is http_app's)."""
     return [
-        Route("/v1/chat/completions", partial(_generation, api, parse_chat, chat_chunks),
+        Route("/v1/chat/completions", partial(_generation, parse_chat, api.openai.chat_chunks),
               methods=["POST"]),
-        Route("/v1/completions", partial(_generation, api, parse_completion, completion_chunks),
+        Route("/v1/completions", partial(_generation, parse_completion,
+                                         api.openai.completion_chunks), methods=["POST"]),
+        Route("/v1/embeddings", partial(_reply, parse_embedding, api.openai.embedding_response),
               methods=["POST"]),
-        Route("/v1/embeddings", partial(_reply, api, parse_embedding, embedding_response),
+        Route("/v1/classify", partial(_reply, parse_classify, api.scoring.classify_response),
               methods=["POST"]),
-        Route("/v1/classify", partial(_reply, api, parse_classify, classify_response),
+        Route("/v1/score", partial(_reply, parse_score, api.scoring.score_response),
               methods=["POST"]),
-        Route("/v1/score", partial(_reply, api, parse_score, score_response), methods=["POST"]),
-        Route("/v1/rerank", partial(_reply, api, parse_rerank, rerank_response),
+        Route("/v1/rerank", partial(_reply, parse_rerank, api.scoring.rerank_response),
               methods=["POST"]),
     ]
 
 
-async def _generation(api: Any, parse: Callable[[bytes], GenerationRequest],
-                      run: Callable[[Any, Any], Chunks], request: Request) -> Response:
+async def _generation(parse: Callable[[bytes], GenerationRequest],
+                      run: Callable[[Any], Chunks], request: Request) -> Response:
     try:
         call_context(request)  # the deadline of a grpc-timeout header
         req = parse(await request.body())
-        chunks = run(api, req)
+        chunks = run(req)
         if not req.stream:
             last = await unless_disconnected(_last(chunks), request.receive)
             return Response(last.json_chunk, media_type=JSON)
@@ -94,13 +89,13 @@ async def _generation(api: Any, parse: Callable[[bytes], GenerationRequest],
         return _failure(e, request)
 
 
-async def _reply(api: Any, parse: Callable[[bytes], Any],
-                 run: Callable[[Any, Any], Awaitable[bytes]], request: Request) -> Response:
+async def _reply(parse: Callable[[bytes], Any], run: Callable[[Any], Awaitable[bytes]],
+                 request: Request) -> Response:
     """A route answered with one JSON body: parse it, run it (cancelled if the client goes)."""
     try:
         call_context(request)  # the deadline of a grpc-timeout header
         req = parse(await request.body())
-        body = await unless_disconnected(run(api, req), request.receive)
+        body = await unless_disconnected(run(req), request.receive)
         return Response(body, media_type=JSON)
     except Exception as e:  # noqa: BLE001 - every failure becomes an answer
         return _failure(e, request)

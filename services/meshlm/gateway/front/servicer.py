@@ -1,5 +1,6 @@
 """The public gRPC face: sglang.runtime.v1.SglangService, one method per RPC, each handing the
-request and the call's facts (metadata, peer, deadline) to the api layer.
+request and the call's facts (metadata, peer, deadline) to its family's method in the api
+layer (`api/gateway.py`).
 
 Errors are not handled here: the api raises MeshError and the server's error interceptor turns
 it into the status (`common/interceptors.py`). A call with a big request has its memory
@@ -16,7 +17,7 @@ import grpc
 
 from meshlm.common.deadline import set_deadline
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.api.generation import GatewayAPI
+from meshlm.gateway.api.gateway import GatewayAPI
 from meshlm.gateway.front.reclaim import Reclaimer
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
@@ -42,92 +43,92 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     async def TextGenerate(self, req: pb.TextGenerateRequest,
                            ctx: Context) -> AsyncIterator[pb.TextGenerateResponse]:
-        async for item in self._stream(self.api.TextGenerate, req, ctx):
+        async for item in self._stream(self.api.generation.TextGenerate, req, ctx):
             yield item
 
     async def Generate(self, req: pb.GenerateRequest,
                        ctx: Context) -> AsyncIterator[pb.GenerateResponse]:
-        async for item in self._stream(self.api.Generate, req, ctx):
+        async for item in self._stream(self.api.generation.Generate, req, ctx):
             yield item
 
     async def TextEmbed(self, req: pb.TextEmbedRequest, ctx: Context) -> pb.TextEmbedResponse:
-        return await self._unary(self.api.TextEmbed, req, ctx)
+        return await self._unary(self.api.generation.TextEmbed, req, ctx)
 
     async def Embed(self, req: pb.EmbedRequest, ctx: Context) -> pb.EmbedResponse:
-        return await self._unary(self.api.Embed, req, ctx)
+        return await self._unary(self.api.generation.Embed, req, ctx)
 
     async def Classify(self, req: pb.ClassifyRequest, ctx: Context) -> pb.ClassifyResponse:
-        return await self._unary(self.api.Classify, req, ctx)
+        return await self._unary(self.api.scoring.Classify, req, ctx)
 
     async def Tokenize(self, req: pb.TokenizeRequest, ctx: Context) -> pb.TokenizeResponse:
-        return await self._unary(self.api.Tokenize, req, ctx)
+        return await self._unary(self.api.tokens.Tokenize, req, ctx)
 
     async def Detokenize(self, req: pb.DetokenizeRequest, ctx: Context) -> pb.DetokenizeResponse:
-        return await self._unary(self.api.Detokenize, req, ctx)
+        return await self._unary(self.api.tokens.Detokenize, req, ctx)
 
     async def HealthCheck(self, req: pb.HealthCheckRequest, ctx: Context) -> pb.HealthCheckResponse:
-        return await self._unary(self.api.HealthCheck, req, ctx)
+        return await self._unary(self.api.info.HealthCheck, req, ctx)
 
     async def GetModelInfo(self, req: pb.GetModelInfoRequest,
                            ctx: Context) -> pb.GetModelInfoResponse:
-        return await self._unary(self.api.GetModelInfo, req, ctx)
+        return await self._unary(self.api.info.GetModelInfo, req, ctx)
 
     async def GetServerInfo(self, req: pb.GetServerInfoRequest,
                             ctx: Context) -> pb.GetServerInfoResponse:
-        return await self._unary(self.api.GetServerInfo, req, ctx)
+        return await self._unary(self.api.info.GetServerInfo, req, ctx)
 
     async def ListModels(self, req: pb.ListModelsRequest, ctx: Context) -> pb.ListModelsResponse:
-        return await self._unary(self.api.ListModels, req, ctx)
+        return await self._unary(self.api.info.ListModels, req, ctx)
 
     async def GetLoad(self, req: pb.GetLoadRequest, ctx: Context) -> pb.GetLoadResponse:
-        return await self._unary(self.api.GetLoad, req, ctx)
+        return await self._unary(self.api.info.GetLoad, req, ctx)
 
     async def Abort(self, req: pb.AbortRequest, ctx: Context) -> pb.AbortResponse:
-        return await self._unary(self.api.Abort, req, ctx)
+        return await self._unary(self.api.admin.Abort, req, ctx)
 
     async def FlushCache(self, req: pb.FlushCacheRequest, ctx: Context) -> pb.FlushCacheResponse:
-        return await self._unary(self.api.FlushCache, req, ctx)
+        return await self._unary(self.api.admin.FlushCache, req, ctx)
 
     async def PauseGeneration(self, req: pb.PauseGenerationRequest,
                               ctx: Context) -> pb.PauseGenerationResponse:
-        return await self._unary(self.api.PauseGeneration, req, ctx)
+        return await self._unary(self.api.pause.PauseGeneration, req, ctx)
 
     async def ContinueGeneration(self, req: pb.ContinueGenerationRequest,
                                  ctx: Context) -> pb.ContinueGenerationResponse:
-        return await self._unary(self.api.ContinueGeneration, req, ctx)
+        return await self._unary(self.api.pause.ContinueGeneration, req, ctx)
 
     async def ChatComplete(self, req: pb.OpenAIRequest,
                            ctx: Context) -> AsyncIterator[pb.OpenAIStreamChunk]:
-        async for item in self._stream(self.api.ChatComplete, req, ctx):
+        async for item in self._stream(self.api.openai.ChatComplete, req, ctx):
             yield item
 
     async def Complete(self, req: pb.OpenAIRequest,
                        ctx: Context) -> AsyncIterator[pb.OpenAIStreamChunk]:
-        async for item in self._stream(self.api.Complete, req, ctx):
+        async for item in self._stream(self.api.openai.Complete, req, ctx):
             yield item
 
     async def OpenAIEmbed(self, req: pb.OpenAIRequest, ctx: Context) -> pb.OpenAIResponse:
-        return await self._unary(self.api.OpenAIEmbed, req, ctx)
+        return await self._unary(self.api.openai.OpenAIEmbed, req, ctx)
 
     async def OpenAIClassify(self, req: pb.OpenAIRequest, ctx: Context) -> pb.OpenAIResponse:
-        return await self._unary(self.api.OpenAIClassify, req, ctx)
+        return await self._unary(self.api.scoring.OpenAIClassify, req, ctx)
 
     async def Score(self, req: pb.OpenAIRequest, ctx: Context) -> pb.OpenAIResponse:
-        return await self._unary(self.api.Score, req, ctx)
+        return await self._unary(self.api.scoring.Score, req, ctx)
 
     async def Rerank(self, req: pb.OpenAIRequest, ctx: Context) -> pb.OpenAIResponse:
-        return await self._unary(self.api.Rerank, req, ctx)
+        return await self._unary(self.api.scoring.Rerank, req, ctx)
 
     async def StartProfile(self, req: pb.StartProfileRequest,
                            ctx: Context) -> pb.StartProfileResponse:
-        return await self._unary(self.api.StartProfile, req, ctx)
+        return await self._unary(self.api.profile.StartProfile, req, ctx)
 
     async def StopProfile(self, req: pb.StopProfileRequest, ctx: Context) -> pb.StopProfileResponse:
-        return await self._unary(self.api.StopProfile, req, ctx)
+        return await self._unary(self.api.profile.StopProfile, req, ctx)
 
     async def UpdateWeightsFromDisk(self, req: pb.UpdateWeightsRequest,
                                     ctx: Context) -> pb.UpdateWeightsResponse:
-        return await self._unary(self.api.UpdateWeightsFromDisk, req, ctx)
+        return await self._unary(self.api.weights.UpdateWeightsFromDisk, req, ctx)
 
     async def _unary(self, rpc: Callable[[Any, CallContext], Awaitable[R]], req: Any,
                      ctx: Context) -> R:

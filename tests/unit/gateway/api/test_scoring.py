@@ -19,7 +19,9 @@ from starlette.applications import Starlette
 
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
+from meshlm.gateway.api.openai import OpenAIRPCs
 from meshlm.gateway.api.scoring import RERANK_PROMPT, ScoringRPCs
+from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.front.openai_routes import openai_routes
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.scoring_results import softmax
@@ -50,23 +52,26 @@ class FakeTokenizer:
 
 
 class FakeGateway(ScoringRPCs):
+    """The scoring RPCs over a fake that is their core and generation path at once."""
+
     def __init__(self, architecture: str = "LlamaForCausalLM") -> None:
         self.identity = SimpleNamespace(served_model_name="tiny")
         config = {"architectures": [architecture], "id2label": ID2LABEL}
-        self.info = common_pb2.ModelInfo(json_info=json.dumps({"config": config}))
+        self.model = common_pb2.ModelInfo(json_info=json.dumps({"config": config}))
         self.validated: list[ValidatedRequest] = []
+        super().__init__(self, self, TokenRPCs(self))  # type: ignore[arg-type]
 
-    async def _limits(self) -> Limits:
+    async def limits(self) -> Limits:
         return LIMITS
 
-    def _tokenizer_stub(self) -> FakeTokenizer:
+    def tokenizer(self) -> FakeTokenizer:
         return FakeTokenizer()
 
     @staticmethod
-    async def _call(call: Any) -> Any:
+    async def call(call: Any) -> Any:
         return await call
 
-    async def _generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
+    async def generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
         self.validated.append(v)
         prompt = v.text if v.text is not None else list(v.input_ids or [])
         if prompt == "long":
@@ -79,7 +84,7 @@ class FakeGateway(ScoringRPCs):
         yield Update(text="", token_ids=[7], final=final, error=None, prompt_tokens=len(prompt),
                      completion_tokens=1, cached_tokens=0, logprobs=logprobs), {"id": "x"}
 
-    async def _embed(self, v: ValidatedRequest) -> tuple[Update, dict[str, str]]:
+    async def embed(self, v: ValidatedRequest) -> tuple[Update, dict[str, str]]:
         self.validated.append(v)
         assert v.embed
         text = (v.text or "") + (v.text_pair or "") if v.input_ids is None else "ids"
@@ -276,7 +281,8 @@ def gw() -> FakeGateway:
 
 
 async def _client(gw: FakeGateway) -> httpx.AsyncClient:
-    transport = httpx.ASGITransport(app=Starlette(routes=openai_routes(gw)))
+    api = SimpleNamespace(scoring=gw, openai=OpenAIRPCs(gw, gw, gw.tokens))  # type: ignore[arg-type]
+    transport = httpx.ASGITransport(app=Starlette(routes=openai_routes(api)))
     return httpx.AsyncClient(transport=transport, base_url="http://gw")
 
 

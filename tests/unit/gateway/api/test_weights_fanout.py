@@ -51,12 +51,16 @@ class FakeChannels:
 
 
 class Gateway(WeightsRPCs):
+    """The weights RPCs over a core whose schedulers answer with `replies`."""
+
     def __init__(self, replies: dict[str, Reply]) -> None:
-        self.deps = SimpleNamespace(addresses={"scheduler": list(replies)})  # type: ignore
-        self.channels = FakeChannels(replies)  # type: ignore[assignment]
+        self.channels = FakeChannels(replies)
         self.info = common_pb2.ModelInfo(
             model_path="/models/a", max_model_len=2048,
             json_info=json.dumps({"config": {"name": "a"}, "max_model_len": 2048}))
+        super().__init__(SimpleNamespace(  # type: ignore[arg-type]
+            deps=SimpleNamespace(addresses={"scheduler": list(replies)}),
+            channels=self.channels, model=self.info))
 
 
 def ok(path: str, retracted: int) -> scheduler_pb2.UpdateWeightsResponse:

@@ -11,6 +11,7 @@ import grpc
 import httpx
 import orjson
 import pytest
+from flat_api import FlatApi
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -139,7 +140,8 @@ class FakeApi:
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    app = build_http_app(FakeApi(), metrics=GatewayMetrics(lambda: "tiny"), keys=KEYS)
+    app = build_http_app(FlatApi(FakeApi()), metrics=GatewayMetrics(lambda: "tiny"),
+                         keys=KEYS)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         yield c

@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from flat_api import FlatApi
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -117,7 +118,7 @@ class _CountingApi:
 async def test_batches_that_could_never_be_admitted_are_refused_at_once(
         path: str, body: dict[str, Any], count: int) -> None:
     api = _CountingApi()
-    app = build_http_app(api, bounds=Bounds(max_batch=16))
+    app = build_http_app(FlatApi(api), bounds=Bounds(max_batch=16))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://gw") as c:
         r = await c.post(path, json=body)
@@ -129,7 +130,7 @@ async def test_batches_that_could_never_be_admitted_are_refused_at_once(
 
 
 async def test_the_app_refuses_bodies_over_its_bound() -> None:
-    app = build_http_app(_CountingApi(), bounds=Bounds(max_body_bytes=LIMIT))
+    app = build_http_app(FlatApi(_CountingApi()), bounds=Bounds(max_body_bytes=LIMIT))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://gw") as c:
         for path in ("/generate", "/v1/chat/completions", "/v1/runtime/text_generate"):

@@ -13,6 +13,7 @@ import grpc
 import httpx
 import orjson
 import pytest
+from flat_api import FlatApi
 
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
@@ -166,7 +167,8 @@ def api() -> FakeApi:
 
 @pytest.fixture
 async def client(api: FakeApi) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=build_http_app(api), client=("10.0.0.7", 4242))
+    transport = httpx.ASGITransport(app=build_http_app(FlatApi(api)),
+                                    client=("10.0.0.7", 4242))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         yield c
 
@@ -472,7 +474,7 @@ async def _disconnect_after_first_chunk(
     """Drive the app over raw ASGI; the client disconnects once a body chunk arrived (at once
     for a non-streaming request). With `stall`, sending a second chunk never completes (a client
     that stopped reading), so the api stream is left suspended at a yield."""
-    app = build_http_app(api)
+    app = build_http_app(FlatApi(api))
     chunk_seen = asyncio.Event()
     if b'"stream": true' not in body:
         chunk_seen.set()

@@ -19,6 +19,8 @@ from starlette.applications import Starlette
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.openai import OpenAIRPCs
+from meshlm.gateway.api.scoring import ScoringRPCs
+from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.front.openai_routes import openai_routes
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.validation import Limits, ValidatedRequest
@@ -58,28 +60,34 @@ class FakeGateway(OpenAIRPCs):
 
     def __init__(self) -> None:
         self.identity = SimpleNamespace(served_model_name="tiny")
-        self.tokenizer = FakeTokenizer()
+        self.fake_tokenizer = FakeTokenizer()
         self.mode = "ok"
         self.validated: list[ValidatedRequest] = []
         self.ended: list[tuple[str, bool]] = []  # (prompt, ran to completion)
+        # The OpenAI RPCs over this fake as their core and generation path; the routes'
+        # api is this object too.
+        tokens = TokenRPCs(self)  # type: ignore[arg-type]
+        super().__init__(self, self, tokens)  # type: ignore[arg-type]
+        self.openai = self
+        self.scoring = ScoringRPCs(self, self, tokens)  # type: ignore[arg-type]
 
-    async def _limits(self) -> Limits:
+    async def limits(self) -> Limits:
         return LIMITS
 
-    def _tokenizer_stub(self) -> FakeTokenizer:
-        return self.tokenizer
+    def tokenizer(self) -> FakeTokenizer:
+        return self.fake_tokenizer
 
     @staticmethod
-    async def _call(call: Any) -> Any:
+    async def call(call: Any) -> Any:
         return await call
 
-    async def _embed(self, v: ValidatedRequest) -> tuple[Update, dict[str, str]]:
+    async def embed(self, v: ValidatedRequest) -> tuple[Update, dict[str, str]]:
         size = len(v.text) if v.text is not None else len(v.input_ids or [])
         update = Update(text="", token_ids=[], final=None, error=None, prompt_tokens=size,
                         completion_tokens=0, cached_tokens=0, embedding=[0.5, float(size)])
         return update, {"id": "e1", "prompt_tokens": str(size)}
 
-    async def _generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
+    async def generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
         self.validated.append(v)
         prompt = v.text if v.text is not None else self.mode
         completed = False
@@ -150,7 +158,7 @@ async def test_chat_reply_renders_the_template_in_the_tokenizer(
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "ab"},
                                 "logprobs": None, "finish_reason": "stop"}]
     assert body["usage"]["total_tokens"] == 5
-    [req] = gw.tokenizer.requests
+    [req] = gw.fake_tokenizer.requests
     assert orjson.loads(req.messages_json) == USER and req.add_generation_prompt
     [v] = gw.validated
     assert v.input_ids == CHAT_TOKENS and v.return_text

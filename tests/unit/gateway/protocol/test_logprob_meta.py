@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from flat_api import FlatApi
 
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.front.http_app import build_http_app
@@ -150,7 +151,7 @@ class _Api:
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=build_http_app(_Api()))
+    transport = httpx.ASGITransport(app=build_http_app(FlatApi(_Api())))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         yield c
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from helpers import collect_text, mesh_credentials, text_request, wait_until
 
-from meshlm.v1 import detokenizer_pb2, gateway_pb2, scheduler_pb2, tokenizer_pb2
+from meshlm.v1 import common_pb2, detokenizer_pb2, gateway_pb2, scheduler_pb2, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 MARKER = "MALFORMED-MARKER"
@@ -71,12 +71,14 @@ TARGETS = [
     Target("tokenizer", "tokenizer", "/meshlm.v1.Tokenizer/Tokenize",
            "unary", tokenizer_pb2.TokenizeRequest(text=MARKER)),
     Target("tokenizer", "tokenizer", "/meshlm.v1.Tokenizer/Submit", "stream_stream",
-           tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(rid=MARKER)]),
+           tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(
+               meta=common_pb2.RequestMeta(rid=MARKER))]),
            first=tokenizer_pb2.GenerateBatch()),
     Target("scheduler", "scheduler", "/meshlm.v1.Scheduler/Abort",
            "unary", scheduler_pb2.AbortRequest(rids=[MARKER])),
     Target("scheduler", "scheduler", "/meshlm.v1.Scheduler/Submit", "stream_unary",
-           scheduler_pb2.TokenizedBatch(requests=[scheduler_pb2.TokenizedRequest(rid=MARKER)]),
+           scheduler_pb2.TokenizedBatch(requests=[scheduler_pb2.TokenizedRequest(
+               meta=common_pb2.RequestMeta(rid=MARKER))]),
            first=scheduler_pb2.TokenizedBatch()),
     Target("detokenizer", "detokenizer", "/meshlm.v1.Detokenizer/Push", "stream_unary",
            detokenizer_pb2.TokenBatch(outputs=[detokenizer_pb2.TokenOutput(rid=MARKER)]),

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from opentelemetry import trace
 
 from meshlm.common import config as cfg
 from meshlm.common.channels import ChannelPool
@@ -27,7 +26,8 @@ from meshlm.common.service import (
 from meshlm.common.streams import StreamPool
 from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import context_of, tracer
-from meshlm.detokenizer.incremental import IncrementalDetokenizer, make_detokenizer
+from meshlm.detokenizer import wire
+from meshlm.detokenizer.decode_state import DecodeState
 from meshlm.detokenizer.token_texts import TokenTexts
 from meshlm.tokenizer.tokenization import TextTokenizer
 from meshlm.v1 import (
@@ -50,17 +50,6 @@ class DetokenizerConfig(ServiceConfig):
     port: int = cfg.field(MESH_PORTS["detokenizer"],
                           "mesh gRPC port (mutual TLS); 0 picks a free port")
     model_path: str = cfg.field("", "checkpoint directory (HF layout); empty = embedded default")
-
-
-@dataclass
-class DecodeState:
-    """Per-request state: where its text goes and how it is decoded."""
-
-    gateway: str
-    scheduler: str
-    decoder: IncrementalDetokenizer | None  # None: token ids only (Generate)
-    span: trace.Span
-    logprob_texts: bool = False  # return_text_in_logprobs
 
 
 class DetokenizerServicer(pb_grpc.DetokenizerServicer):
@@ -110,16 +99,9 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
                 state = self._open(out)
             if state is None:
                 continue  # already finished here (stop string) or unknown: nothing to deliver
-            text_out = gateway_pb2.TextOutput(
-                rid=out.rid, token_ids=out.token_ids, prompt_tokens=out.prompt_tokens,
-                completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
-            )
-            if out.embedding:
-                text_out.embedding.extend(out.embedding)
-            if out.HasField("logprobs"):
-                text_out.logprobs.CopyFrom(out.logprobs)
-                if state.logprob_texts:
-                    needs_texts.append((out.token_ids, text_out.logprobs))
+            text_out = wire.text_output(out)
+            if state.logprob_texts and out.HasField("logprobs"):
+                needs_texts.append((out.token_ids, text_out.logprobs))
             decoder = state.decoder
             if decoder is not None:
                 text_out.text = decoder.push(out.token_ids)
@@ -131,12 +113,7 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
             if out.finished and not text_out.finished:
                 if decoder is not None:
                     text_out.text += decoder.finish()
-                text_out.finished = True
-                text_out.finish_reason = out.finish_reason
-                if out.HasField("matched_token"):
-                    text_out.matched_token = out.matched_token
-                if out.HasField("error"):
-                    text_out.error.CopyFrom(out.error)
+                wire.end_as_scheduled(text_out, out)
             if text_out.finished:
                 self._close(out.rid, state, text_out.finish_reason)
             by_gateway.setdefault(state.gateway, []).append(text_out)
@@ -145,17 +122,10 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         return by_gateway, stops
 
     def _open(self, out: detokenizer_pb2.TokenOutput) -> DecodeState:
-        header = out.header
-        decoder = None
-        if header.return_text:
-            decoder = make_detokenizer(self._tok.tokenizer,
-                                       skip_special_tokens=header.skip_special_tokens,
-                                       stop=list(header.stop))
-        span = self._tracer.start_span("detokenizer.request", context=context_of(header.trace),
+        span = self._tracer.start_span("detokenizer.request",
+                                       context=context_of(out.header.trace),
                                        attributes={"meshlm.rid": out.rid})
-        state = DecodeState(gateway=header.route.gateway, scheduler=header.route.scheduler,
-                            decoder=decoder, span=span,
-                            logprob_texts=header.return_text_in_logprobs)
+        state = wire.decode_state(out.header, self._tok.tokenizer, span)
         self._states[out.rid] = state
         return state
 
@@ -177,11 +147,7 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         for rid, state in lost:
             self._close(rid, state, "error")
             by_scheduler.setdefault(state.scheduler, []).append(rid)
-            finals.append(gateway_pb2.TextOutput(
-                rid=rid, finished=True, finish_reason="error",
-                error=common_pb2.Status(code=grpc.StatusCode.UNAVAILABLE.value[0],
-                                        message=f"the detokenizer lost its stream to the "
-                                                f"gateway at {address}")))
+            finals.append(wire.lost_output(rid, address))
         log.warning("gateway_lost", gateway=address, requests=len(lost))
         for scheduler, rids in by_scheduler.items():
             self._abort_in_scheduler(scheduler, rids, "abort")

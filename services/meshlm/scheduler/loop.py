@@ -1,7 +1,8 @@
 """The scheduler's engine loop: requests in, engine steps on the engine thread, outputs out.
 
 `EngineLoop` owns what the service keeps per request beside the engine's own state (`Tracked`:
-route, header, deadline; aborts that came before their request) and runs the engine's step,
+the request's meta, with its route and deadline, sent on whole in its first output's header;
+aborts that came before their request) and runs the engine's step,
 schedule -> execute -> postprocess, with the forward pass on the engine thread (the executor's
 one worker) and all scheduling state on the event loop. Each step's outputs leave as one batch
 per detokenizer, put on a sink (the stream pool to the detokenizers). Control calls (flush,
@@ -29,7 +30,7 @@ from meshlm.scheduler import wire
 from meshlm.scheduler.engine.sequence import StepOutput
 from meshlm.scheduler.tracked import Code, Tracked
 from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT, EngineWatchdog
-from meshlm.v1 import detokenizer_pb2, scheduler_pb2
+from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
     from meshlm.scheduler.engine.engine import Engine
@@ -86,7 +87,7 @@ class EngineLoop:
 
     def submit(self, batch: scheduler_pb2.TokenizedBatch) -> None:
         """A tokenizer's batch: each request admitted (or refused), then the loop woken."""
-        self.events.record("recv", (r.rid for r in batch.requests))
+        self.events.record("recv", (r.meta.rid for r in batch.requests))
         for req in batch.requests:
             self.admit(req)
         self.wake.set()
@@ -95,45 +96,47 @@ class EngineLoop:
         """Track `req` and queue it in the engine, or end it at once: a duplicate rid, a
         stalled engine, an abort that came first, a passed deadline, a full queue, or a
         request the engine refuses."""
+        meta, prompt_tokens = req.meta, len(req.input_ids)
+        rid = meta.rid
         span = self._tracer.start_span(
             "scheduler.request", context=context_of(req.trace),
-            attributes={"meshlm.rid": req.rid, "meshlm.prompt_tokens": len(req.input_ids)},
+            attributes={"meshlm.rid": rid, "meshlm.prompt_tokens": prompt_tokens},
         )
         tracked = wire.tracked_of(req, span)
-        if not req.embed and not self.engine.model_config.has_lm_head:
+        if not meta.embed and not self.engine.model_config.has_lm_head:
             tracked.error_code = Code.FAILED_PRECONDITION
-        if req.rid in self.tracked:
+        if rid in self.tracked:
             span.end()
-            self._refuse_now(req, tracked, Code.ALREADY_EXISTS,
-                             f"rid {req.rid!r} is already running on this scheduler")
+            self._refuse_now(tracked, Code.ALREADY_EXISTS,
+                             f"rid {rid!r} is already running on this scheduler")
             return
         if self.watchdog.stalled:  # NOT_SERVING: only a request already on its way gets here
             span.end()
-            self._refuse_now(req, tracked, Code.UNAVAILABLE, self.watchdog.reason)
+            self._refuse_now(tracked, Code.UNAVAILABLE, self.watchdog.reason)
             return
-        self.tracked[req.rid] = tracked
-        if self.pre_aborted.pop(req.rid, None) is not None:
-            self._pending.append(_final(req.rid, len(req.input_ids), "abort"))
+        self.tracked[rid] = tracked
+        if self.pre_aborted.pop(rid, None) is not None:
+            self._pending.append(_final(rid, prompt_tokens, "abort"))
             return
-        refusal = self._refusal(req)
+        refusal = self._refusal(meta)
         if refusal is not None:
             tracked.error_code, message = refusal
-            self._pending.append(_final(req.rid, len(req.input_ids), "error", message))
+            self._pending.append(_final(rid, prompt_tokens, "error", message))
             return
         try:
-            if req.embed:
-                self.engine.add_embed_request(req.rid, list(req.input_ids))
+            if meta.embed:
+                self.engine.add_embed_request(rid, list(req.input_ids))
             else:
-                self.engine.add_request(req.rid, list(req.input_ids),
-                                        wire.engine_params(req.sampling), after=req.after or None)
+                self.engine.add_request(rid, list(req.input_ids),
+                                        wire.engine_params(meta.sampling), after=meta.after or None)
         except ValueError as exc:
-            self._pending.append(_final(req.rid, len(req.input_ids), "error", str(exc)))
+            self._pending.append(_final(rid, prompt_tokens, "error", str(exc)))
 
-    def _refusal(self, req: scheduler_pb2.TokenizedRequest) -> tuple[Code, str] | None:
+    def _refusal(self, meta: common_pb2.RequestMeta) -> tuple[Code, str] | None:
         """Why a request cannot be queued now: its deadline has passed, or the waiting queue
         is full (bounded admission: the client is told at once rather than queued without
         end)."""
-        if deadline.passed(req.deadline):
+        if deadline.passed(meta.deadline):
             return (Code.DEADLINE_EXCEEDED,
                     "the client's deadline passed before the request reached the scheduler")
         waiting = self.engine.num_waiting
@@ -143,13 +146,13 @@ class EngineLoop:
                     f"{self.max_queued}); retry later")
         return None
 
-    def _refuse_now(self, req: scheduler_pb2.TokenizedRequest, tracked: Tracked,
-                    code: Code, message: str) -> None:
+    def _refuse_now(self, tracked: Tracked, code: Code, message: str) -> None:
         """Answer an untracked request on its own route at once, not from the engine loop: a
         duplicate (the running request keeps the rid), or one that reaches a stalled engine."""
         tracked.error_code = code
-        out = wire.token_output(_final(req.rid, len(req.input_ids), "error", message), tracked)
-        self.sink.get(tracked.route.detokenizer).put_nowait([out])
+        out = wire.token_output(
+            _final(tracked.meta.rid, tracked.prompt_tokens, "error", message), tracked)
+        self.sink.get(tracked.meta.route.detokenizer).put_nowait([out])
 
     # -- requests ended ----------------------------------------------------------------------
 
@@ -187,13 +190,14 @@ class EngineLoop:
         self._next_expiry_check = now + EXPIRY_CHECK
         soonest = None
         for rid, tracked in self.tracked.items():
-            if not tracked.deadline or tracked.expired:
+            due = tracked.meta.deadline
+            if not due or tracked.expired:
                 continue
-            if tracked.deadline <= now:
+            if due <= now:
                 tracked.expired = True
                 self.engine.abort(rid)
-            elif soonest is None or tracked.deadline < soonest:
-                soonest = tracked.deadline
+            elif soonest is None or due < soonest:
+                soonest = due
         return None if soonest is None else max(soonest - now, EXPIRY_CHECK)
 
     def forfeit(self, reason: str) -> int:
@@ -310,7 +314,7 @@ class EngineLoop:
                 tracked.span.end()
                 if tracked.silent:
                     continue
-            by_detokenizer.setdefault(tracked.route.detokenizer, []).append(
+            by_detokenizer.setdefault(tracked.meta.route.detokenizer, []).append(
                 wire.token_output(out, tracked))
         for address, items in by_detokenizer.items():
             await self.sink.get(address).put(items)

@@ -25,23 +25,19 @@ class Code(IntEnum):
 
 @dataclass
 class Tracked:
-    """A live request as the engine loop sees it: where its outputs go, what its first output's
-    header says, and why it ends if the engine did not end it itself."""
+    """A live request as the engine loop sees it: its meta as the gateway built it (where its
+    outputs go, its deadline; sent on whole in its first output's header), and why it ends if
+    the engine did not end it itself."""
 
-    route: common_pb2.Route
-    return_text: bool
-    stop: list[str]
-    skip_special_tokens: bool
+    meta: common_pb2.RequestMeta
     prompt_tokens: int
     span: trace.Span
     header_sent: bool = False
     silent: bool = False  # finished elsewhere (stop string): its abort output is not sent
     first_token_at: float | None = None
-    return_text_in_logprobs: bool = False
     prompt_ids: list[int] = field(default_factory=list)  # kept until prompt logprobs are sent
     # Status code of an engine refusal: a generation request to an embedding-only model is
     # FAILED_PRECONDITION (the model cannot do it), any other refusal INVALID_ARGUMENT.
     error_code: Code = Code.INVALID_ARGUMENT
-    deadline: float = 0.0  # unix seconds the client waits until; 0 = none
     expired: bool = False  # aborted because the deadline passed: ends DEADLINE_EXCEEDED
     forfeit: str = ""  # given up by the watchdog (why): ends UNAVAILABLE

@@ -1,5 +1,6 @@
 """Wire <-> engine conversion for the scheduler (the one place it happens): a tokenized request's
-sampling params and header fields in, step outputs (logprobs included) and load figures out."""
+sampling params and meta in, step outputs (logprobs included, the meta sent on whole in each
+request's first output's header) and load figures out."""
 
 from __future__ import annotations
 
@@ -31,16 +32,13 @@ def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
 
 
 def tracked_of(req: scheduler_pb2.TokenizedRequest, span: trace.Span) -> Tracked:
-    """What the engine loop keeps of a request for its outputs: route, header fields, deadline,
-    and its prompt when prompt logprobs will need their ids."""
-    tracked = Tracked(
-        route=req.route, return_text=req.return_text, stop=list(req.sampling.stop),
-        skip_special_tokens=req.sampling.skip_special_tokens,
-        prompt_tokens=len(req.input_ids), span=span,
-        return_text_in_logprobs=req.sampling.return_text_in_logprobs,
-        deadline=req.deadline,
-    )
-    if req.sampling.return_logprob and req.sampling.logprob_start_len >= 0:
+    """What the engine loop keeps of a request for its outputs: its meta (a copy: a reference
+    would keep the whole received batch alive), and its prompt when prompt logprobs will need
+    their ids."""
+    meta = common_pb2.RequestMeta()
+    meta.CopyFrom(req.meta)
+    tracked = Tracked(meta=meta, prompt_tokens=len(req.input_ids), span=span)
+    if meta.sampling.return_logprob and meta.sampling.logprob_start_len >= 0:
         tracked.prompt_ids = list(req.input_ids)
     return tracked
 
@@ -66,12 +64,8 @@ def token_output(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutp
             tracked.prompt_ids = []
     if not tracked.header_sent:
         tracked.header_sent = True
-        msg.header.route.CopyFrom(tracked.route)
-        msg.header.stop.extend(tracked.stop)
-        msg.header.skip_special_tokens = tracked.skip_special_tokens
-        msg.header.return_text = tracked.return_text
+        msg.header.meta.CopyFrom(tracked.meta)
         msg.header.prompt_tokens = tracked.prompt_tokens
-        msg.header.return_text_in_logprobs = tracked.return_text_in_logprobs
         msg.header.trace.update(carrier_of(tracked.span))
     return msg
 

@@ -36,6 +36,7 @@ from meshlm.common.service import (
 )
 from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
+from meshlm.tokenizer import wire
 from meshlm.tokenizer.long_prompts import TooLong, encode_prompts
 from meshlm.tokenizer.tokenization import TextTokenizer
 from meshlm.tokenizer.workers import Workers
@@ -110,8 +111,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         small: list[tokenizer_pb2.GenerateRequest] = []
         big: list[tokenizer_pb2.GenerateRequest] = []
         for req in requests:
-            chars = len(req.text) + len(req.text_pair) if req.WhichOneof("prompt") == "text" else 0
-            (big if self.workers.is_big(chars) else small).append(req)
+            (big if self.workers.is_big(wire.prompt_chars(req)) else small).append(req)
         return small, big
 
     async def _reply(self, requests: list[tokenizer_pb2.GenerateRequest],
@@ -127,9 +127,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             await self._reply(requests, replies)
         except Exception:
             log.exception("tokenize_failed", requests=len(requests))
-            status = common_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0],
-                                       message="the tokenizer failed on this prompt")
-            replies.put_nowait([tokenizer_pb2.Rejection(rid=r.rid, status=status)
+            replies.put_nowait([wire.rejection(r.meta.rid, grpc.StatusCode.INTERNAL,
+                                               "the tokenizer failed on this prompt")
                                 for r in requests])
 
     async def _tokenize(self, requests: Sequence[tokenizer_pb2.GenerateRequest]
@@ -142,8 +141,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             group = [i for i in text_idx if requests[i].add_special_tokens == special]
             if not group:
                 continue
-            texts = [_text_of(requests[i]) for i in group]
-            chars = sum(len(requests[i].text) + len(requests[i].text_pair) for i in group)
+            texts = [wire.prompt_text(requests[i]) for i in group]
+            chars = sum(wire.prompt_chars(requests[i]) for i in group)
             encoded = await self.workers.run(chars, encode_prompts, self._tok, texts, special,
                                              self._tok.max_model_len - 1)
             for i, e in zip(group, encoded, strict=True):
@@ -153,43 +152,37 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     async def _forward(self, requests: list[tokenizer_pb2.GenerateRequest]
                        ) -> list[tokenizer_pb2.Rejection]:
         events = self.profiling.events
-        events.record("recv", (r.rid for r in requests))
+        events.record("recv", (r.meta.rid for r in requests))
         ids = await self._tokenize(requests)
         rejections: list[tokenizer_pb2.Rejection] = []
         by_scheduler: dict[str, list[scheduler_pb2.TokenizedRequest]] = {}
         now = time.time()
         for req, prompt in zip(requests, ids, strict=True):
+            meta = req.meta
             tokens = prompt.tokens if isinstance(prompt, TooLong) else len(prompt)
             with self._tracer.start_as_current_span(
                 "tokenizer.tokenize", context=context_of(req.trace),
-                attributes={"meshlm.rid": req.rid, "meshlm.prompt_tokens": tokens},
+                attributes={"meshlm.rid": meta.rid, "meshlm.prompt_tokens": tokens},
             ) as span:
-                sampling = req.sampling
+                sampling = meta.sampling
                 start = sampling.logprob_start_len if sampling.return_logprob else -1
                 code, problem = grpc.StatusCode.INVALID_ARGUMENT, (
                     prompt.message(self._tok.max_model_len) if isinstance(prompt, TooLong)
                     else self._tok.check_context(len(prompt), sampling.max_new_tokens,
                                                  logprob_start_len=start))
-                if problem is None and deadline.passed(req.deadline, now):
+                if problem is None and deadline.passed(meta.deadline, now):
                     code, problem = (grpc.StatusCode.DEADLINE_EXCEEDED,
                                      "the client's deadline passed before the request was "
                                      "tokenized")
                 if problem is not None or isinstance(prompt, TooLong):
                     span.set_status(trace.StatusCode.ERROR, problem)
-                    rejections.append(tokenizer_pb2.Rejection(rid=req.rid, status=common_pb2.Status(
-                        code=code.value[0], message=problem)))
+                    rejections.append(wire.rejection(meta.rid, code, problem or ""))
                     continue
-                by_scheduler.setdefault(req.route.scheduler, []).append(
-                    scheduler_pb2.TokenizedRequest(
-                        rid=req.rid, input_ids=prompt, sampling=req.sampling, stream=req.stream,
-                        return_text=req.return_text, route=req.route, trace=carrier_of(span),
-                        arrival_time=req.arrival_time, embed=req.embed, after=req.after,
-                        deadline=req.deadline,
-                    )
-                )
+                by_scheduler.setdefault(meta.route.scheduler, []).append(
+                    wire.tokenized(req, prompt, carrier_of(span)))
         for address, items in by_scheduler.items():
             await self._schedulers.get(address).put(items)
-            events.record("send", (r.rid for r in items))
+            events.record("send", (r.meta.rid for r in items))
         self.metrics.forwarded(len(requests) - len(rejections), sum(
             len(r.input_ids) for items in by_scheduler.values() for r in items), len(rejections))
         return rejections
@@ -232,11 +225,6 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
 
 
 _CHARS_PER_ID = 4  # about, to size a Detokenize job
-
-
-def _text_of(req: tokenizer_pb2.GenerateRequest) -> str | tuple[str, str]:
-    """A request's text, or its (text, text_pair) pair (cross-encoder input)."""
-    return (req.text, req.text_pair) if req.text_pair else req.text
 
 
 async def serve(config: TokenizerConfig) -> None:

@@ -35,7 +35,8 @@ def truncated(message: object) -> bytes:
 
 
 REQUEST = tokenizer_pb2.TokenizeRequest(text=MARKER)
-BATCH = tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(rid=MARKER)])
+BATCH = tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(
+    meta=common_pb2.RequestMeta(rid=MARKER))])
 MALFORMED = {"bad_utf8": bad_utf8, "truncated": truncated}
 
 
@@ -141,7 +142,8 @@ async def test_good_requests_of_every_kind_are_parsed_as_before(served):
     assert tokenizer_pb2.TokenizeResponse.FromString(reply).tokens == [5]
     assert [r async for r in channel.unary_stream("/test.Parse/UnaryStream")(raw, timeout=5)]
     assert [r async for r in channel.unary_stream("/test.Parse/Written")(raw, timeout=5)]
-    batch = tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(rid="r")])
+    batch = tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(
+        meta=common_pb2.RequestMeta(rid="r"))])
     raws = [batch.SerializeToString()] * 2
     await channel.stream_unary("/test.Parse/StreamUnary")(iter(raws), timeout=5)
     assert len([r async for r in channel.stream_stream("/test.Parse/StreamStream")(
@@ -174,7 +176,8 @@ async def test_a_malformed_unary_request_is_invalid_argument(served, caplog, kin
 async def test_a_malformed_message_mid_stream_ends_the_stream_invalid_argument(
         served, caplog, kind, method):
     channel, recorder = served
-    good = tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(rid="ok")])
+    good = tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(
+        meta=common_pb2.RequestMeta(rid="ok"))])
     raws = [good.SerializeToString(), MALFORMED[kind](BATCH), good.SerializeToString()]
     with caplog.at_level(logging.WARNING, logger="meshlm.common.parsing"):
         with pytest.raises(grpc.aio.AioRpcError) as err:

@@ -45,12 +45,13 @@ def _output(rid: str, ids: list[int], *, header: bool = False, texts: bool = Fal
     out = detokenizer_pb2.TokenOutput(rid=rid, token_ids=ids, finished=finished,
                                       finish_reason="length" if finished else "")
     if header:
-        out.header.route.gateway = "gw"
-        out.header.route.scheduler = "s"
-        out.header.return_text = True
-        out.header.skip_special_tokens = True
-        out.header.stop.extend(stop)
-        out.header.return_text_in_logprobs = texts
+        meta = out.header.meta
+        meta.route.gateway = "gw"
+        meta.route.scheduler = "s"
+        meta.return_text = True
+        meta.sampling.skip_special_tokens = True
+        meta.sampling.stop.extend(stop)
+        meta.sampling.return_text_in_logprobs = texts
     if logprobs is not None:
         out.logprobs.CopyFrom(logprobs)
     return out

@@ -59,7 +59,7 @@ async def test_embed_requests_answer_with_their_vector(running: tuple[EngineLoop
     assert out.finish_reason == "stop" and not out.token_ids and out.prompt_tokens == 10
     assert len(out.embedding) == loop.engine.model_config.hidden_size
     assert abs(sum(x * x for x in out.embedding) - 1.0) < 1e-4
-    assert out.HasField("header") and not out.header.return_text
+    assert out.HasField("header") and not out.header.meta.return_text
 
 
 # 16k positions: "free" must not reach its length limit before "running" passes its deadline,
@@ -74,9 +74,9 @@ async def test_a_request_past_its_deadline_ends_deadline_exceeded(
     long = {"deadline": time.time() + 0.5}
     late = tokenized("late", sample_prompt(8), deadline=time.time() - 1)
     ongoing = tokenized("running", sample_prompt(8), **long)
-    ongoing.sampling.max_new_tokens = 100_000  # far more than 0.5 s of steps
+    ongoing.meta.sampling.max_new_tokens = 100_000  # far more than 0.5 s of steps
     free = tokenized("free", sample_prompt(8))
-    free.sampling.max_new_tokens = 100_000
+    free.meta.sampling.max_new_tokens = 100_000
     _submit(loop, late, ongoing, free)
     outs = await outputs.finished({"late", "running"})
     for rid, what in (("late", "before the request reached the scheduler"),
@@ -153,12 +153,12 @@ class _FakeEngine:
 def test_admission_keeps_the_prompt_only_for_prompt_logprobs(start: int) -> None:
     engine = _FakeEngine()
     loop = EngineLoop(engine, None, None)  # type: ignore[arg-type]
-    loop.admit(scheduler_pb2.TokenizedRequest(
-        rid="r", input_ids=[1, 2, 3], route=common_pb2.Route(detokenizer="d"),
+    loop.admit(scheduler_pb2.TokenizedRequest(input_ids=[1, 2, 3], meta=common_pb2.RequestMeta(
+        rid="r", route=common_pb2.Route(detokenizer="d"),
         sampling=common_pb2.SamplingParams(top_p=1.0, max_new_tokens=2, return_logprob=True,
                                            logprob_start_len=start,
-                                           return_text_in_logprobs=True)))
+                                           return_text_in_logprobs=True))))
     tracked = loop.tracked["r"]
-    assert tracked.return_text_in_logprobs
+    assert tracked.meta.sampling.return_text_in_logprobs
     assert tracked.prompt_ids == ([1, 2, 3] if start >= 0 else [])
     assert engine.added[0][2].logprob_start_len == start

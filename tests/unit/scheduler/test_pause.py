@@ -232,7 +232,7 @@ async def test_service_retract_then_continue_matches_an_unpaused_run(
 ) -> None:
     servicer, outputs = served
     long = tokenized("long", sample_prompt(30))
-    long.sampling.max_new_tokens = 40
+    long.meta.sampling.max_new_tokens = 40
     await submit(servicer, long)
     await _tokens_seen(outputs, "long", 3)
     pause = await servicer.Pause(scheduler_pb2.PauseRequest(mode="retract"), None)
@@ -251,7 +251,7 @@ async def test_service_retract_then_continue_matches_an_unpaused_run(
     paused_tokens = [t for o in outs["long"] for t in o.token_ids]
     assert outs["long"][-1].finish_reason == "length" and len(paused_tokens) == 40
     plain = tokenized("plain", sample_prompt(30))
-    plain.sampling.max_new_tokens = 40
+    plain.meta.sampling.max_new_tokens = 40
     await submit(servicer, plain)
     plain_outs = await outputs.finished({"plain"})
     assert [t for o in plain_outs["plain"] for t in o.token_ids] == paused_tokens
@@ -262,7 +262,7 @@ async def test_service_abort_mode_ends_requests_and_refuses_unknown_modes(
 ) -> None:
     servicer, outputs = served
     busy = tokenized("busy", sample_prompt(20))
-    busy.sampling.max_new_tokens = 200
+    busy.meta.sampling.max_new_tokens = 200
     await submit(servicer, busy)
     await _tokens_seen(outputs, "busy", 1)
     with pytest.raises(MeshError, match="mode: must be one of abort, retract, in_place"):

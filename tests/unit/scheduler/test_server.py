@@ -19,7 +19,7 @@ async def test_flush_cache_is_refused_while_busy(served: tuple[SchedulerServicer
     await outputs.finished({"a"})
     assert (await servicer.FlushCache(flush, None)).success  # type: ignore[arg-type]
     busy = tokenized("b", prompt)
-    busy.sampling.max_new_tokens = 200
+    busy.meta.sampling.max_new_tokens = 200
     await submit(servicer, busy)
     reply = await servicer.FlushCache(flush, None)  # type: ignore[arg-type]
     assert not reply.success and "running" in reply.message

@@ -130,9 +130,10 @@ def _request(rid: str, max_new_tokens: int) -> scheduler_pb2.TokenizedRequest:
     sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1,
                                          repetition_penalty=1.0, max_new_tokens=max_new_tokens,
                                          ignore_eos=True, logprob_start_len=-1)
-    return scheduler_pb2.TokenizedRequest(rid=rid, input_ids=[(7 * i + 3) % 500 for i in range(20)],
-                                          sampling=sampling,
-                                          route=common_pb2.Route(detokenizer="d"))
+    meta = common_pb2.RequestMeta(rid=rid, sampling=sampling,
+                                  route=common_pb2.Route(detokenizer="d"))
+    return scheduler_pb2.TokenizedRequest(meta=meta,
+                                          input_ids=[(7 * i + 3) % 500 for i in range(20)])
 
 
 def _submit(loop: EngineLoop, *reqs: scheduler_pb2.TokenizedRequest) -> None:

@@ -303,7 +303,7 @@ async def test_service_updates_between_steps_one_at_a_time(
 ) -> None:
     servicer, outputs = service
     long = tokenized("long", sample_prompt(30))
-    long.sampling.max_new_tokens = 60
+    long.meta.sampling.max_new_tokens = 60
     await submit(servicer, long)
     await _tokens_seen(outputs, "long", 3)
     first, second = await asyncio.gather(servicer.UpdateWeights(_update(ckpt_b), None),
@@ -319,7 +319,7 @@ async def test_service_updates_between_steps_one_at_a_time(
     assert servicer.loop.engine.stats()["retracted_total"] >= 1
 
     busy = tokenized("busy", sample_prompt(20))
-    busy.sampling.max_new_tokens = 500
+    busy.meta.sampling.max_new_tokens = 500
     await submit(servicer, busy)
     await _tokens_seen(outputs, "busy", 1)
     reply = await servicer.UpdateWeights(_update(ckpt_b, "safetensors", abort_all=True), None)

@@ -29,9 +29,12 @@ def _step(**kw: object) -> StepOutput:
     return StepOutput(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def _tracked(**kw: object) -> Tracked:
-    return Tracked(route=common_pb2.Route(detokenizer="d"), return_text=True, stop=[],
-                   skip_special_tokens=True, prompt_tokens=4, span=trace.INVALID_SPAN,
+def _tracked(return_text_in_logprobs: bool = False, **kw: object) -> Tracked:
+    meta = common_pb2.RequestMeta(
+        route=common_pb2.Route(detokenizer="d"), return_text=True,
+        sampling=common_pb2.SamplingParams(skip_special_tokens=True,
+                                           return_text_in_logprobs=return_text_in_logprobs))
+    return Tracked(meta=meta, prompt_tokens=4, span=trace.INVALID_SPAN,
                    **kw)  # type: ignore[arg-type]
 
 
@@ -102,7 +105,7 @@ def test_token_output_header_and_prompt_ids_for_input_logprobs() -> None:
     tracked = _tracked(return_text_in_logprobs=True, prompt_ids=[1, 2, 3, 4])
     first = token_output(_step(output_logprobs=[-0.5], input_logprob_start=1,
                          input_logprobs=[-1.0, -2.0, -3.0]), tracked)
-    assert first.header.return_text_in_logprobs
+    assert first.header.meta.sampling.return_text_in_logprobs
     assert list(first.logprobs.input_token_ids) == [2, 3, 4]
     assert tracked.prompt_ids == []  # sent once: not kept for the request's lifetime
     second = token_output(_step(output_logprobs=[-0.75]), tracked)
@@ -110,15 +113,28 @@ def test_token_output_header_and_prompt_ids_for_input_logprobs() -> None:
 
 
 def test_tracked_keeps_the_prompt_only_for_prompt_logprobs() -> None:
-    req = scheduler_pb2.TokenizedRequest(
-        rid="r", input_ids=[1, 2, 3], route=common_pb2.Route(detokenizer="d"), deadline=5.0,
+    req = scheduler_pb2.TokenizedRequest(input_ids=[1, 2, 3], meta=common_pb2.RequestMeta(
+        rid="r", route=common_pb2.Route(detokenizer="d"), deadline=5.0,
         sampling=common_pb2.SamplingParams(top_p=1.0, return_logprob=True, logprob_start_len=-1,
-                                           stop=["x"], skip_special_tokens=True))
+                                           stop=["x"], skip_special_tokens=True)))
     tracked = tracked_of(req, trace.INVALID_SPAN)
-    assert tracked.prompt_ids == [] and tracked.prompt_tokens == 3 and tracked.deadline == 5.0
-    assert tracked.stop == ["x"] and tracked.skip_special_tokens
-    req.sampling.logprob_start_len = 0
+    assert tracked.prompt_ids == [] and tracked.prompt_tokens == 3 and tracked.meta.deadline == 5.0
+    assert tracked.meta.sampling.stop == ["x"] and tracked.meta.sampling.skip_special_tokens
+    req.meta.sampling.logprob_start_len = 0
     assert tracked_of(req, trace.INVALID_SPAN).prompt_ids == [1, 2, 3]
+
+
+def test_the_first_outputs_header_carries_the_requests_meta_whole() -> None:
+    meta = common_pb2.RequestMeta(
+        rid="r", stream=True, return_text=True, arrival_time=1.5, after="r0", deadline=9.0,
+        route=common_pb2.Route(gateway="g", scheduler="s", detokenizer="d"),
+        sampling=common_pb2.SamplingParams(top_p=1.0, stop=["x"], skip_special_tokens=True))
+    req = scheduler_pb2.TokenizedRequest(meta=meta, input_ids=[1, 2, 3])
+    tracked = tracked_of(req, trace.INVALID_SPAN)
+    req.meta.rid = "changed"  # the tracked meta is a copy, not a view of the received batch
+    first = token_output(_step(), tracked)
+    assert first.header.meta == meta and first.header.prompt_tokens == 3
+    assert not token_output(_step(), tracked).HasField("header")
 
 
 def test_error_outputs_carry_grpcs_status_numbers() -> None:

@@ -26,7 +26,7 @@ class _Scheduler:
         self.arrived = asyncio.Event()
 
     async def put(self, items: list[scheduler_pb2.TokenizedRequest]) -> None:
-        self.rids += [r.rid for r in items]
+        self.rids += [r.meta.rid for r in items]
         self.arrived.set()
 
 
@@ -58,9 +58,9 @@ def tok() -> TextTokenizer:
 
 def _request(rid: str, text: str) -> tokenizer_pb2.GenerateRequest:
     return tokenizer_pb2.GenerateRequest(
-        rid=rid, text=text, add_special_tokens=True,
-        sampling=common_pb2.SamplingParams(max_new_tokens=4, logprob_start_len=-1),
-        route=common_pb2.Route(scheduler="s:1"))
+        text=text, add_special_tokens=True, meta=common_pb2.RequestMeta(
+            rid=rid, sampling=common_pb2.SamplingParams(max_new_tokens=4, logprob_start_len=-1),
+            route=common_pb2.Route(scheduler="s:1")))
 
 
 async def _batches(queue: asyncio.Queue[tokenizer_pb2.GenerateBatch | None]

@@ -1,5 +1,6 @@
 """Gateway -> tokenizer conversion (the one place it happens): a validated public request, one
-of its samples, becomes the tokenizer's GenerateRequest."""
+of its samples, becomes the tokenizer's GenerateRequest, with the RequestMeta that every hop
+after this one forwards whole."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ def tokenizer_request(v: ValidatedRequest, child: Child, route: common_pb2.Route
                       trace: dict[str, str], arrival: float,
                       expires: float | None) -> tokenizer_pb2.GenerateRequest:
     """Sample `child` of `v` on `route`, under the gateway span `trace`; `arrival` and
-    `expires` are unix seconds (None: no deadline)."""
-    msg = tokenizer_pb2.GenerateRequest(
+    `expires` are unix seconds (None: no deadline). Its RequestMeta is built here, once: every
+    later hop forwards it whole."""
+    meta = common_pb2.RequestMeta(
         rid=child.rid, sampling=child.sampling, stream=v.stream, return_text=v.return_text,
-        route=route, trace=trace, add_special_tokens=True, arrival_time=arrival,
-        embed=v.embed, after=child.after, deadline=deadline.wire(expires),
+        route=route, arrival_time=arrival, embed=v.embed, after=child.after,
+        deadline=deadline.wire(expires),
     )
+    msg = tokenizer_pb2.GenerateRequest(meta=meta, trace=trace, add_special_tokens=True)
     if v.text is not None:
         msg.text = v.text
         if v.text_pair is not None:

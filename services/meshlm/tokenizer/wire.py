@@ -1,0 +1,32 @@
+"""Wire conversion for the tokenizer (the one place it happens): what a gateway's GenerateRequest
+asks to have tokenized, and what answers it: the scheduler's TokenizedRequest (the gateway's
+RequestMeta forwarded whole, with the prompt's ids and this hop's trace context added) or a
+Rejection back to the gateway."""
+
+from __future__ import annotations
+
+import grpc
+
+from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
+
+
+def prompt_chars(req: tokenizer_pb2.GenerateRequest) -> int:
+    """The characters to tokenize (text and text pair); 0 for a prompt given as ids."""
+    return len(req.text) + len(req.text_pair) if req.WhichOneof("prompt") == "text" else 0
+
+
+def prompt_text(req: tokenizer_pb2.GenerateRequest) -> str | tuple[str, str]:
+    """A text request's text, or its (text, text_pair) pair (cross-encoder input)."""
+    return (req.text, req.text_pair) if req.text_pair else req.text
+
+
+def tokenized(req: tokenizer_pb2.GenerateRequest, ids: list[int],
+              trace: dict[str, str]) -> scheduler_pb2.TokenizedRequest:
+    """`req` for its scheduler: its meta as the gateway built it, the prompt's `ids`, and the
+    W3C context of this hop's span (`trace`)."""
+    return scheduler_pb2.TokenizedRequest(meta=req.meta, input_ids=ids, trace=trace)
+
+
+def rejection(rid: str, code: grpc.StatusCode, message: str) -> tokenizer_pb2.Rejection:
+    return tokenizer_pb2.Rejection(rid=rid, status=common_pb2.Status(code=code.value[0],
+                                                                     message=message))

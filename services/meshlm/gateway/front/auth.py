@@ -17,11 +17,10 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
-import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from meshlm.common.errors import MeshError
-from meshlm.gateway.protocol import transcode
+from meshlm.gateway.front.errors import Shape, error_response
 
 HEADER = "authorization"
 SCHEME = "bearer"
@@ -136,17 +135,13 @@ class ApiKeyMiddleware:
         if problem is None:
             await self.app(scope, receive, send)
             return
-        body = refusal_body(scope["path"], problem)
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]})
-        await send({"type": "http.response.body", "body": body})
+        response = error_response(_shape(scope["path"]),
+                                  MeshError(grpc.StatusCode.UNAUTHENTICATED, problem),
+                                  headers={"www-authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
-def refusal_body(path: str, problem: str) -> bytes:
-    """The 401 body for `path`: OpenAI's error object on OpenAI routes, else Status JSON."""
-    if path.startswith(OPENAI_PREFIX) and not path.startswith(TRANSCODED_PREFIX):
-        return orjson.dumps({"error": {"message": problem, "type": "invalid_request_error",
-                                       "param": None, "code": "invalid_api_key"}})
-    return transcode.status_json(MeshError(grpc.StatusCode.UNAUTHENTICATED, problem))
+def _shape(path: str) -> Shape:
+    """OpenAI's error object on OpenAI routes, else Status JSON."""
+    openai = path.startswith(OPENAI_PREFIX) and not path.startswith(TRANSCODED_PREFIX)
+    return Shape.OPENAI if openai else Shape.STATUS

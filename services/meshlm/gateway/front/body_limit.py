@@ -10,10 +10,12 @@ body's request is over, its memory is reclaimed (`front/reclaim.py`).
 
 from __future__ import annotations
 
-import orjson
+import grpc
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
+from meshlm.gateway.front.errors import Shape, error_response
 from meshlm.gateway.front.reclaim import Reclaimer
 
 log = get_logger(__name__)
@@ -67,12 +69,13 @@ class BodyLimit:
         message = (f"request body: {'declared ' if how == 'content-length' else 'over '}"
                    f"{size} bytes, more than this gateway's limit of {self.limit} bytes "
                    f"(raise it with {FLAG} or {ENV})")
-        payload = orjson.dumps({"error": {"message": message, "code": 413,
-                                          "type": "RESOURCE_EXHAUSTED"}})
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
+        response = error_response(Shape.NATIVE, MeshError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                          message), status=413)
+        await response(scope, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.request", "body": b"", "more_body": False}
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -6,8 +6,9 @@ http_server.py and OpenAI-serving tokenize; ../shared/seeds/003_*.txt for the ro
 
 The handlers are thin: parse the body, call the GatewayAPI method that the gRPC RPC calls, shape
 the reply. Unknown body fields are refused (a mistyped "mode" must not pause in the default
-mode). Errors are /generate's: {"error": {"message", "code", "type"}} with the mapped HTTP
-status, the message naming the field.
+mode). Handlers raise; errors are answered as /generate's, {"error": {"message", "code",
+"type"}} with the mapped HTTP status and the message naming the field (`front/errors.py`), but
+/update_weights_from_disk's in SGLang's reply shape ({"success": false, ...}).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from meshlm.common.errors import MeshError, invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.profile import default_output_dir, stop_message
+from meshlm.gateway.front.errors import Shape
 from meshlm.gateway.front.http_call import call_context
-from meshlm.gateway.front.sse import native_error
 from meshlm.gateway.protocol import transcode
 from meshlm.v1 import profiler_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -45,6 +46,7 @@ MAX_PROMPTS = 1024  # prompts (or token lists) in one /tokenize or /detokenize c
 _INT32 = 2**31
 
 Handler = Callable[[Request], Awaitable[Any]]
+OWN_SHAPES = {"/update_weights_from_disk": Shape.WEIGHTS}  # not the family's error shape
 
 
 def native_routes(api: Any) -> list[BaseRoute]:
@@ -52,20 +54,20 @@ def native_routes(api: Any) -> list[BaseRoute]:
     h = _NativeHandlers(api)
     get, post = ["GET"], ["POST"]
     return [
-        Route("/health_generate", _guarded(h.health_generate), methods=get),
-        Route("/get_model_info", _guarded(h.get_model_info), methods=get),
-        Route("/get_server_info", _guarded(h.get_server_info), methods=get),
-        Route("/get_load", _guarded(h.get_load), methods=get),
-        Route("/abort_request", _guarded(h.abort_request), methods=post),
-        Route("/pause_generation", _guarded(h.pause_generation), methods=post),
-        Route("/continue_generation", _guarded(h.continue_generation), methods=post),
-        Route("/tokenize", _guarded(h.tokenize), methods=post),
-        Route("/detokenize", _guarded(h.detokenize), methods=post),
-        Route("/start_profile", _guarded(h.start_profile), methods=post),
-        Route("/stop_profile", _guarded(h.stop_profile), methods=post),
-        Route("/start_request_profile", _guarded(h.start_request_profile), methods=post),
-        Route("/stop_request_profile", _guarded(h.stop_request_profile), methods=post),
-        Route("/update_weights_from_disk", _guarded(h.update_weights_from_disk), methods=post),
+        Route("/health_generate", _json(h.health_generate), methods=get),
+        Route("/get_model_info", _json(h.get_model_info), methods=get),
+        Route("/get_server_info", _json(h.get_server_info), methods=get),
+        Route("/get_load", _json(h.get_load), methods=get),
+        Route("/abort_request", _json(h.abort_request), methods=post),
+        Route("/pause_generation", _json(h.pause_generation), methods=post),
+        Route("/continue_generation", _json(h.continue_generation), methods=post),
+        Route("/tokenize", _json(h.tokenize), methods=post),
+        Route("/detokenize", _json(h.detokenize), methods=post),
+        Route("/start_profile", _json(h.start_profile), methods=post),
+        Route("/stop_profile", _json(h.stop_profile), methods=post),
+        Route("/start_request_profile", _json(h.start_request_profile), methods=post),
+        Route("/stop_request_profile", _json(h.stop_request_profile), methods=post),
+        Route("/update_weights_from_disk", _json(h.update_weights_from_disk), methods=post),
     ]
 
 
@@ -86,15 +88,15 @@ class _NativeHandlers:
                                 f"not ready: waiting for {self.api.core.missing() or 'model info'}")
             model = await self.api.info.GetModelInfo(pb.GetModelInfoRequest(), ctx)
             async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT):
-                if _is_generation(_json(model.json_info).get("config", {})):
+                if _is_generation(_parsed(model.json_info).get("config", {})):
                     await self._one_token(ctx)
                 else:
                     await self.api.generation.Embed(pb.EmbedRequest(input_ids=[0]), ctx)
         except TimeoutError:
-            return _error(MeshError(grpc.StatusCode.UNAVAILABLE, "health_generate: no output "
-                                    f"within {HEALTH_GENERATE_TIMEOUT:g} s"), status=503)
-        except MeshError as e:
-            return _error(e, status=503)
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, "health_generate: no output within "
+                                                         f"{HEALTH_GENERATE_TIMEOUT:g} s") from None
+        except MeshError as e:  # whatever failed, the mesh is not healthy: 503
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, e.message) from None
         return Response(b"", status_code=200)
 
     async def _one_token(self, ctx: CallContext) -> None:
@@ -108,7 +110,7 @@ class _NativeHandlers:
 
     async def get_model_info(self, request: Request) -> dict[str, Any]:
         reply = await self.api.info.GetModelInfo(pb.GetModelInfoRequest(), call_context(request))
-        info = _json(reply.json_info)
+        info = _parsed(reply.json_info)
         config = info.get("config", {})
         return {
             "model_path": reply.model_path,
@@ -130,7 +132,7 @@ class _NativeHandlers:
         info, loads = await asyncio.gather(
             self.api.info.GetServerInfo(pb.GetServerInfoRequest(), ctx),
             self.api.info.GetLoad(pb.GetLoadRequest(), ctx))
-        return {**_json(info.json_info), "internal_states": _json(loads.json_info),
+        return {**_parsed(info.json_info), "internal_states": _parsed(loads.json_info),
                 "version": _version()}
 
     async def get_load(self, request: Request) -> list[dict[str, Any]]:
@@ -145,7 +147,7 @@ class _NativeHandlers:
         if "dp_rank" in params:
             req.dp_rank = _query_int(params["dp_rank"], "dp_rank")
         reply = await self.api.info.GetLoad(req, call_context(request))
-        return [_load(entry) for entry in _json(reply.json_info)]
+        return [_load(entry) for entry in _parsed(reply.json_info)]
 
     async def abort_request(self, request: Request) -> dict[str, Any]:
         """{"rid": ..., "abort_all": bool} -> {"success": bool}: false when no request with
@@ -218,24 +220,18 @@ class _NativeHandlers:
 
     stop_request_profile = stop_profile  # a run is one session: both stop all of it
 
-    async def update_weights_from_disk(self, request: Request) -> Response:
+    async def update_weights_from_disk(self, request: Request) -> dict[str, Any]:
         """{"model_path", "load_format" (auto | safetensors | dummy), "abort_all_requests"
         (false: running requests are retracted and recomputed on the new weights)} ->
         SGLang's {"success", "message", "num_paused_requests"}; a failure has success false and
         the error's HTTP status (400: bad argument or incompatible checkpoint, 404: no
         checkpoint there, 503: a scheduler did not answer)."""
-        try:
-            doc = await _body(request, ("model_path", "load_format", "abort_all_requests"))
-            update = await self.api.weights.update_weights(
-                _string(doc, "model_path", ""), _string(doc, "load_format", ""),
-                abort_all=_boolean(doc, "abort_all_requests", False))
-        except MeshError as e:
-            return Response(orjson.dumps({"success": False, "message": e.message,
-                                          "num_paused_requests": 0}),
-                            status_code=e.http_status, media_type=JSON)
-        return Response(orjson.dumps({"success": True, "message": update.message,
-                                      "num_paused_requests": update.retracted}),
-                        media_type=JSON)
+        doc = await _body(request, ("model_path", "load_format", "abort_all_requests"))
+        update = await self.api.weights.update_weights(
+            _string(doc, "model_path", ""), _string(doc, "load_format", ""),
+            abort_all=_boolean(doc, "abort_all_requests", False))
+        return {"success": True, "message": update.message,
+                "num_paused_requests": update.retracted}
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """{"prompt": str | [str, ...], "add_special_tokens": true} ->
@@ -294,26 +290,15 @@ class _NativeHandlers:
 # ---- helpers ----------------------------------------------------------------------------------
 
 
-def _guarded(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """The endpoint: the handler's reply as JSON, its MeshError as a native error body."""
+def _json(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """The endpoint: the handler's reply as JSON (a Response as it is)."""
     @wraps(handler)
     async def endpoint(request: Request) -> Response:
-        try:
-            reply = await handler(request)
-        except MeshError as e:
-            return _error(e)
-        except Exception:
-            log.exception("http_request_failed", path=request.url.path)
-            return _error(MeshError(grpc.StatusCode.INTERNAL, "internal error"))
+        reply = await handler(request)
         if isinstance(reply, Response):
             return reply
         return Response(orjson.dumps(reply), media_type=JSON)
     return endpoint
-
-
-def _error(err: MeshError, status: int | None = None) -> Response:
-    return Response(orjson.dumps(native_error(err)), status_code=status or err.http_status,
-                    media_type=JSON)
 
 
 async def _body(request: Request, known: tuple[str, ...]) -> dict[str, Any]:
@@ -371,7 +356,7 @@ def _check_ids(ids: Any, where: str) -> None:
             raise invalid(f"{where}[{j}]", f"token id {t} is out of range")
 
 
-def _json(text: str) -> Any:
+def _parsed(text: str) -> Any:
     return json.loads(text) if text else {}
 
 

@@ -1,11 +1,11 @@
-"""OpenAI-compatible HTTP routes: POST /v1/chat/completions, /v1/completions, /v1/embeddings,
-and SGLang's /v1/classify, /v1/score and /v1/rerank (one JSON reply each).
+"""OpenAI-compatible HTTP routes: GET /v1/models, POST /v1/chat/completions, /v1/completions,
+/v1/embeddings, and SGLang's /v1/classify, /v1/score and /v1/rerank (one JSON reply each).
 
 Thin adapters over the implementation the RPCs use (`api/openai.py`): the body is parsed once
 and the chunks come back as OpenAIStreamChunk. Not streaming, the one chunk is the JSON reply;
 streaming, each chunk is a Server-Sent Event and `data: [DONE]` ends the stream. Failures before
-the first chunk (bad field, unknown model, context too long) are HTTP errors with OpenAI's error
-JSON; a later one is an `{"error": ...}` event before [DONE].
+the first chunk (bad field, unknown model, context too long) are raised, and answered with
+OpenAI's error JSON (`front/errors.py`); a later one is an `{"error": ...}` event before [DONE].
 
 A request's chunk stream runs from start to end in one task (its tracing span opens and closes
 in one context), handing chunks over through a short queue; when the client goes away that
@@ -15,6 +15,7 @@ task is cancelled, which aborts the request in the mesh.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
@@ -29,7 +30,8 @@ from starlette.types import Receive, Scope, Send
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
 from meshlm.gateway.api.openai import Chunks
-from meshlm.gateway.front.disconnect import ClientGone, unless_disconnected
+from meshlm.gateway.front.disconnect import unless_disconnected
+from meshlm.gateway.front.errors import Shape, error_body, failure
 from meshlm.gateway.front.http_call import call_context
 from meshlm.gateway.protocol.openai import (
     GenerationRequest,
@@ -37,7 +39,6 @@ from meshlm.gateway.protocol.openai import (
     parse_completion,
     parse_embedding,
 )
-from meshlm.gateway.protocol.openai_errors import error_body
 from meshlm.gateway.protocol.openai_logprobs import dumps
 from meshlm.gateway.protocol.scoring import parse_classify, parse_rerank, parse_score
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -49,9 +50,9 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def openai_routes(api: Any) -> list[BaseRoute]:
-    """/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/classify, /v1/score,
-    /v1/rerank (/v1/models is http_app's)."""
+    """The routes over `api` (a GatewayAPI)."""
     return [
+        Route("/v1/models", partial(_models, api, int(time.time())), methods=["GET"]),
         Route("/v1/chat/completions", partial(_generation, parse_chat, api.openai.chat_chunks),
               methods=["POST"]),
         Route("/v1/completions", partial(_generation, parse_completion,
@@ -67,57 +68,46 @@ def openai_routes(api: Any) -> list[BaseRoute]:
     ]
 
 
+async def _models(api: Any, created: int, request: Request) -> Response:
+    """OpenAI's model list: the served model."""
+    data = [{
+        "id": card.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "meshlm",
+        "root": card.root or card.id,
+        "parent": card.parent if card.HasField("parent") else None,
+        "max_model_len": card.max_model_len if card.HasField("max_model_len") else None,
+    } for card in api.info.model_cards()]
+    return Response(dumps({"object": "list", "data": data}), media_type=JSON)
+
+
 async def _generation(parse: Callable[[bytes], GenerationRequest],
                       run: Callable[[Any], Chunks], request: Request) -> Response:
+    call_context(request)  # the deadline of a grpc-timeout header
+    req = parse(await request.body())
+    chunks = run(req)
+    if not req.stream:
+        last = await unless_disconnected(_last(chunks), request.receive)
+        return Response(last.json_chunk, media_type=JSON)
+    producer = _Producer(chunks)
     try:
-        call_context(request)  # the deadline of a grpc-timeout header
-        req = parse(await request.body())
-        chunks = run(req)
-        if not req.stream:
-            last = await unless_disconnected(_last(chunks), request.receive)
-            return Response(last.json_chunk, media_type=JSON)
-        producer = _Producer(chunks)
-        try:
-            first = await unless_disconnected(producer.next(), request.receive)
-        except BaseException:
-            await producer.close()
-            raise
-        if first is None:  # cannot happen: a stream ends with its finish chunk
-            raise MeshError(grpc.StatusCode.INTERNAL, "the stream ended without a chunk")
-        return _EventStream(producer, first)
-    except Exception as e:  # noqa: BLE001 - every failure becomes an answer
-        return _failure(e, request)
+        first = await unless_disconnected(producer.next(), request.receive)
+    except BaseException:
+        await producer.close()
+        raise
+    if first is None:  # cannot happen: a stream ends with its finish chunk
+        raise MeshError(grpc.StatusCode.INTERNAL, "the stream ended without a chunk")
+    return _EventStream(producer, first, request.url.path)
 
 
 async def _reply(parse: Callable[[bytes], Any], run: Callable[[Any], Awaitable[bytes]],
                  request: Request) -> Response:
     """A route answered with one JSON body: parse it, run it (cancelled if the client goes)."""
-    try:
-        call_context(request)  # the deadline of a grpc-timeout header
-        req = parse(await request.body())
-        body = await unless_disconnected(run(req), request.receive)
-        return Response(body, media_type=JSON)
-    except Exception as e:  # noqa: BLE001 - every failure becomes an answer
-        return _failure(e, request)
-
-
-def _failure(exc: Exception, request: Request) -> Response:
-    """The answer to a route that raised (inside its `except`): 499 when the client went
-    away, a MeshError's status, else a logged 500."""
-    if isinstance(exc, ClientGone):
-        return Response(status_code=499)
-    if isinstance(exc, MeshError):
-        return _error(exc)
-    log.exception("http_request_failed", path=request.url.path)
-    return _error(_internal())
-
-
-def _error(err: MeshError) -> Response:
-    return Response(dumps(error_body(err)), status_code=err.http_status, media_type=JSON)
-
-
-def _internal() -> MeshError:
-    return MeshError(grpc.StatusCode.INTERNAL, "internal error")
+    call_context(request)  # the deadline of a grpc-timeout header
+    req = parse(await request.body())
+    body = await unless_disconnected(run(req), request.receive)
+    return Response(body, media_type=JSON)
 
 
 async def _last(chunks: Chunks) -> pb.OpenAIStreamChunk:
@@ -171,22 +161,20 @@ def _event(data: bytes) -> bytes:
 class _EventStream(StreamingResponse):
     """The SSE response of a streaming request; however it ends, the producer is closed."""
 
-    def __init__(self, producer: _Producer, first: pb.OpenAIStreamChunk) -> None:
-        super().__init__(self._events(producer, first), media_type="text/event-stream",
+    def __init__(self, producer: _Producer, first: pb.OpenAIStreamChunk, path: str) -> None:
+        super().__init__(self._events(producer, first, path), media_type="text/event-stream",
                          headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
         self.producer = producer
 
     @staticmethod
-    async def _events(producer: _Producer, first: pb.OpenAIStreamChunk) -> AsyncIterator[bytes]:
+    async def _events(producer: _Producer, first: pb.OpenAIStreamChunk,
+                      path: str) -> AsyncIterator[bytes]:
         yield _event(first.json_chunk)
         try:
             while (chunk := await producer.next()) is not None:
                 yield _event(chunk.json_chunk)
-        except MeshError as e:
-            yield _event(dumps(error_body(e)))
-        except Exception:
-            log.exception("http_stream_failed")
-            yield _event(dumps(error_body(_internal())))
+        except Exception as e:  # noqa: BLE001 - the stream's error event says it
+            yield _event(dumps(error_body(Shape.OPENAI, failure(e, path))))
         yield SSE_DONE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -18,7 +18,6 @@ from typing import Any
 
 import orjson
 
-from meshlm.common.errors import MeshError
 from meshlm.gateway.protocol.logprob_meta import LOGPROB_KEYS
 from sglang.runtime.v1 import sglang_pb2
 
@@ -34,11 +33,6 @@ EmbedMessage = sglang_pb2.TextEmbedResponse | sglang_pb2.EmbedResponse
 
 def sse_event(payload: Any) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-def native_error(err: MeshError) -> dict[str, Any]:
-    """SGLang/OpenAI-style error body: {"error": {"message", "code": <HTTP>, "type": <gRPC>}}."""
-    return {"error": {"message": err.message, "code": err.http_status, "type": err.code.name}}
 
 
 class NativeOutput:

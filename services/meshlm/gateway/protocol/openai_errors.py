@@ -48,7 +48,7 @@ def model_not_found(model: str, served: str) -> MeshError:
                      f"model: the model `{model}` does not exist; this server serves `{served}`")
 
 
-_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+_TYPES = {403: "permission_error", 429: "rate_limit_error"}
 
 
 def error_body(err: MeshError) -> dict[str, Any]:
@@ -59,6 +59,8 @@ def error_body(err: MeshError) -> dict[str, Any]:
         code = "model_not_found"
     elif "context length" in err.message:
         code = "context_length_exceeded"
+    elif err.code == grpc.StatusCode.UNAUTHENTICATED:  # as OpenAI answers a missing or bad key
+        code = "invalid_api_key"
     else:
         code = err.code.name.lower()
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")

@@ -15,14 +15,13 @@ import grpc
 import httpx
 import orjson
 import pytest
-from starlette.applications import Starlette
 
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.openai import OpenAIRPCs
 from meshlm.gateway.api.scoring import RERANK_PROMPT, ScoringRPCs
 from meshlm.gateway.api.tokens import TokenRPCs
-from meshlm.gateway.front.openai_routes import openai_routes
+from meshlm.gateway.front.http_app import build_http_app
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.scoring_results import softmax
 from meshlm.gateway.protocol.validation import Limits, ValidatedRequest
@@ -282,7 +281,7 @@ def gw() -> FakeGateway:
 
 async def _client(gw: FakeGateway) -> httpx.AsyncClient:
     api = SimpleNamespace(scoring=gw, openai=OpenAIRPCs(gw, gw, gw.tokens))  # type: ignore[arg-type]
-    transport = httpx.ASGITransport(app=Starlette(routes=openai_routes(api)))
+    transport = httpx.ASGITransport(app=build_http_app(api))
     return httpx.AsyncClient(transport=transport, base_url="http://gw")
 
 

@@ -14,14 +14,13 @@ import grpc
 import httpx
 import orjson
 import pytest
-from starlette.applications import Starlette
 
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.openai import OpenAIRPCs
 from meshlm.gateway.api.scoring import ScoringRPCs
 from meshlm.gateway.api.tokens import TokenRPCs
-from meshlm.gateway.front.openai_routes import openai_routes
+from meshlm.gateway.front.http_app import build_http_app
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.validation import Limits, ValidatedRequest
 from meshlm.v1 import gateway_pb2, tokenizer_pb2
@@ -125,7 +124,7 @@ def gw() -> FakeGateway:
 
 @pytest.fixture
 async def client(gw: FakeGateway) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(app=Starlette(routes=openai_routes(gw)))
+    transport = httpx.ASGITransport(app=build_http_app(gw))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
         yield c
 
@@ -284,7 +283,7 @@ async def test_rpcs_stream_chunks_with_the_last_one_finished(gw: FakeGateway) ->
 async def _disconnect_after_first_chunk(gw: FakeGateway, path: str, doc: dict[str, Any]) -> None:
     """Drive the app over raw ASGI; the client leaves once a body chunk arrived (at once for a
     request that does not stream)."""
-    app = Starlette(routes=openai_routes(gw))
+    app = build_http_app(gw)
     chunk_seen = asyncio.Event()
     if not doc.get("stream"):
         chunk_seen.set()

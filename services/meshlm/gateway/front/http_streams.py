@@ -1,0 +1,146 @@
+"""The HTTP front's streamed answers: NDJSON of a transcoded server stream, SGLang's SSE of
+/generate (several prompts' streams merged), and the response that closes the api iterator
+however the stream ends (which aborts an unfinished request)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from meshlm.gateway.front.disconnect import ClientGone, unless_disconnected
+from meshlm.gateway.front.errors import Shape, error_body, failure
+from meshlm.gateway.front.sse import SSE_DONE, NativeChoices, sse_event
+from meshlm.gateway.protocol import transcode
+
+EMPTY = object()  # what `first` gives for a stream that ended without a message
+
+
+async def first(stream: AsyncIterator[Any]) -> Any:
+    """The stream's first message (EMPTY if none); closes the stream when that fails."""
+    try:
+        return await anext(stream)
+    except StopAsyncIteration:
+        return EMPTY
+    except BaseException:
+        await aclose(stream)
+        raise
+
+
+async def aclose(stream: Any) -> None:
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
+class Streams:
+    """The api streams of one /generate call (one per prompt), closed together."""
+
+    def __init__(self, streams: list[AsyncIterator[Any]]) -> None:
+        self.streams = streams
+
+    async def aclose(self) -> None:
+        for stream in self.streams:
+            await aclose(stream)
+
+
+async def first_of_each(streams: list[AsyncIterator[Any]]) -> list[Any]:
+    """Each stream's first message, fetched concurrently; the first failure is raised (the
+    caller closes the streams)."""
+    firsts = await asyncio.gather(*(first(s) for s in streams), return_exceptions=True)
+    for got in firsts:
+        if isinstance(got, BaseException):
+            raise got
+    return firsts
+
+
+async def drain(parts: list[tuple[NativeChoices, AsyncIterator[Any]]]) -> None:
+    """Fold every stream into its choices, concurrently; the first failure cancels the rest."""
+    async def one(out: NativeChoices, stream: AsyncIterator[Any]) -> None:
+        async for message in stream:
+            out.add(message)
+
+    tasks = [asyncio.ensure_future(one(out, stream)) for out, stream in parts]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def ndjson(head: Any, stream: AsyncIterator[Any], path: str) -> AsyncIterator[bytes]:
+    """A server stream whose first message was `head` as NDJSON: {"result": message} lines;
+    after a failure, one {"error": Status JSON} line."""
+    if head is EMPTY:
+        return
+    yield transcode.result_line(head)
+    try:
+        async for message in stream:
+            yield transcode.result_line(message)
+    except Exception as e:  # noqa: BLE001 - the stream's last line says it
+        yield transcode.error_line(failure(e, path))
+
+
+async def sse(parts: list[tuple[NativeChoices, Any, AsyncIterator[Any]]]
+              ) -> AsyncIterator[bytes]:
+    """SSE events of every prompt's stream, in arrival order, then [DONE]; a failed stream
+    ends with an error event (the others go on). The queue is bounded, so a client that
+    stops reading stops the streams too (backpressure, no buffering without limit)."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=2 * len(parts))
+
+    async def pump(out: NativeChoices, head: Any, stream: AsyncIterator[Any]) -> None:
+        try:
+            if head is not EMPTY:
+                await queue.put(sse_event(out.add(head).to_dict()))
+                async for message in stream:
+                    await queue.put(sse_event(out.add(message).to_dict()))
+        except Exception as e:  # noqa: BLE001 - the stream's error event says it
+            await queue.put(sse_event(error_body(Shape.NATIVE, failure(e, "/generate"))))
+        await queue.put(None)  # not when cancelled: then nobody reads the queue any more
+
+    tasks = [asyncio.ensure_future(pump(*part)) for part in parts]
+    try:
+        running = len(tasks)
+        while running:
+            event = await queue.get()
+            if event is None:
+                running -= 1
+            else:
+                yield event
+        yield SSE_DONE
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class StreamResponse(Response):
+    """Streams `chunks`. Whether the stream ends, fails or the client leaves, closes `chunks`
+    and then the api iterator `source` (which aborts the request if it is not finished)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], source: Any, media_type: str) -> None:
+        self.chunks = chunks
+        self.source = source
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await unless_disconnected(self._pump(send), receive)
+        except (ClientGone, OSError):
+            pass  # the client went away: nobody to tell
+        finally:
+            await aclose(self.chunks)
+            await aclose(self.source)
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

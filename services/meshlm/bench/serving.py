@@ -30,7 +30,8 @@ import httpx
 import orjson
 
 from meshlm.bench.workload import BenchRequest
-from meshlm.launch.process import exit_status, free_port, spawn, terminate
+from meshlm.launch.addresses import free_port
+from meshlm.launch.spawn import exit_status, spawn, terminate
 
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",

@@ -21,7 +21,8 @@ from prometheus_client import start_http_server
 from meshlm.common import config as cfg
 from meshlm.common.logs import get_logger, setup_logging
 from meshlm.common.metrics import LauncherMetrics
-from meshlm.launch.mesh import API_KEY_ENV, Mesh, MeshOptions, MeshStartError
+from meshlm.launch.mesh import API_KEY_ENV, Mesh, MeshOptions
+from meshlm.launch.readiness import MeshStartError
 from meshlm.launch.supervisor import RestartPolicy, Supervisor
 
 log = get_logger(__name__)

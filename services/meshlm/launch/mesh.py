@@ -28,9 +28,11 @@ from types import TracebackType
 from typing import Any
 
 from meshlm.common.logs import get_logger
+from meshlm.launch.addresses import WILDCARD_HOSTS, free_port
 from meshlm.launch.certs import DevCerts, ensure_dev_certs
 from meshlm.launch.mesh_secrets import ensure_redis_password
-from meshlm.launch.process import WILDCARD_HOSTS, ReadinessProbe, ServiceProcess, free_port
+from meshlm.launch.process import ServiceProcess
+from meshlm.launch.readiness import wait_until_ready
 from meshlm.launch.redis_server import RedisServer
 
 log = get_logger(__name__)
@@ -38,10 +40,6 @@ log = get_logger(__name__)
 BACKENDS = ("tokenizer", "scheduler", "detokenizer")
 API_KEY_ENV = "MESHLM_API_KEY"
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-class MeshStartError(RuntimeError):
-    """A service did not become ready; the message ends with the tail of its log."""
 
 
 @dataclass
@@ -224,7 +222,8 @@ class Mesh:
     def wait_ready(self, *procs: ServiceProcess, cancel: threading.Event | None = None) -> None:
         """Wait until every one of `procs` is ready (one deadline for all); if one exits, the
         deadline passes or `cancel` is set, stop them all and raise MeshStartError."""
-        self._wait_ready(list(procs), cancel)
+        wait_until_ready(list(procs), self.certs, self.options.startup_timeout,
+                         self.options.stop_timeout, cancel)
 
     def start_gateway(self, name: str, tls: bool = False, **flags: Any) -> ServiceProcess:
         """Another gateway over the same backends and redis, on free ports unless `flags` say
@@ -350,51 +349,13 @@ class Mesh:
     def _launch(self, procs: list[ServiceProcess], append_log: bool = False) -> None:
         """Start `procs` together and wait until all are ready (one deadline for all)."""
         self._spawn(procs, append_log)
-        self._wait_ready(procs)
+        wait_until_ready(procs, self.certs, self.options.startup_timeout,
+                         self.options.stop_timeout)
 
     def _spawn(self, procs: list[ServiceProcess], append_log: bool = False) -> None:
         for p in procs:
             p.start(append_log=append_log)
             log.info("service_started", name=p.name, pid=p.pid, log=str(p.log_path))
-
-    def _wait_ready(self, procs: list[ServiceProcess], cancel: threading.Event | None = None,
-                    ) -> None:
-        deadline = time.monotonic() + self.options.startup_timeout
-        probes = {p.name: ReadinessProbe(p, self.certs) for p in procs}
-        pending = list(procs)
-        try:
-            while pending:
-                for p in list(pending):
-                    if p.returncode is not None:
-                        p.stop(0)  # reap it and let the reader finish the log
-                        raise _failure(p, f"exited with code {p.returncode} during start-up",
-                                       probes[p.name])
-                    remaining = deadline - time.monotonic()
-                    if probes[p.name].ready(timeout=max(0.1, min(1.0, remaining))):
-                        pending.remove(p)
-                        log.info("service_ready", name=p.name, address=p.address,
-                                 seconds=round(time.monotonic() - p.started_at, 3))
-                if pending and time.monotonic() >= deadline:
-                    raise _failure(pending[0], f"not ready within {self.options.startup_timeout}s",
-                                   probes[pending[0].name])
-                if pending and cancel is not None and cancel.is_set():
-                    raise MeshStartError(f"start of {pending[0].name} cancelled")
-                if pending:
-                    time.sleep(0.05)
-        except BaseException:
-            for p in procs:  # no half-started batch is left behind (restart, start_gateway)
-                p.stop(self.options.stop_timeout)
-            raise
-        finally:
-            for probe in probes.values():
-                probe.close()
-
-
-def _failure(proc: ServiceProcess, reason: str, probe: ReadinessProbe) -> MeshStartError:
-    detail = f" (last check: {probe.last_error})" if probe.last_error else ""
-    return MeshStartError(
-        f"{proc.name} {reason}{detail}; last lines of {proc.log_path}:\n{proc.tail()}"
-    )
 
 
 def _extra_sans(host: str) -> list[str]:

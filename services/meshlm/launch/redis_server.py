@@ -21,7 +21,8 @@ from pathlib import Path
 from types import TracebackType
 
 from meshlm.common.logs import get_logger
-from meshlm.launch.process import free_port, spawn, terminate
+from meshlm.launch.addresses import free_port
+from meshlm.launch.spawn import spawn, terminate
 
 log = get_logger(__name__)
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import LauncherMetrics
-from meshlm.launch.mesh import Mesh, MeshStartError
+from meshlm.launch.mesh import Mesh
+from meshlm.launch.readiness import MeshStartError
 
 log = get_logger(__name__)
 

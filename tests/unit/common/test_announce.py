@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from meshlm.common.announce import STALE_AFTER, Announcer, members_key
-from meshlm.launch.process import free_port
+from meshlm.launch.addresses import free_port
 from meshlm.launch.redis_server import RedisServer
 
 

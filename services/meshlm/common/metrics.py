@@ -1,4 +1,4 @@
-"""Prometheus metrics of every service role, defined in this one module.
+"""Prometheus metrics of every service role.
 
 The names are the ones users' dashboards already know, vLLM's `vllm:*` and SGLang's `sglang:*`,
 labelled `model_name`; figures only meshlm has are `meshlm:*`. One class per role:
@@ -8,7 +8,7 @@ labelled `model_name`; figures only meshlm has are `meshlm:*`. One class per rol
   requests by reason), plus each scheduler's load gauges, fetched at every scrape and labelled
   `engine` (the scheduler's dp_rank, as vLLM labels its engine cores).
 - SchedulerMetrics: the engine's load, KV cache and totals, read from `Engine.stats()` at scrape
-  time (no per-step cost).
+  time (no per-step cost; the figures are listed in metrics_engine.py).
 - TokenizerMetrics, DetokenizerMetrics: meshlm's own work counters.
 - LauncherMetrics: restarts and up/down of each service the launcher (`make run`) supervises.
 
@@ -18,20 +18,18 @@ scheduler's port and, labelled `engine`, each gateway's /metrics).
 
 Every instance owns its CollectorRegistry (no process-global state, so tests can build many).
 The gateway serves its registry at /metrics on its HTTP port; every service can also serve its
-own on `--metrics-port` (MetricsServer).
+own on `--metrics-port` (metrics_server.py's MetricsServer). Histogram buckets are in
+metrics_buckets.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -42,47 +40,23 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
-from prometheus_client.registry import Collector
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
 
 from meshlm.common.logs import get_logger
+from meshlm.common.metrics_buckets import (
+    SGLANG_E2E_BUCKETS,
+    SGLANG_ITL_BUCKETS,
+    SGLANG_TTFT_BUCKETS,
+    TOKEN_BUCKETS,
+    VLLM_E2E_BUCKETS,
+    VLLM_ITL_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+)
+from meshlm.common.metrics_engine import EngineCollector
 
 log = get_logger(__name__)
 
 MODEL = ["model_name"]
-
-# Buckets as vLLM and SGLang define them, so histograms line up with existing dashboards.
-VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
-VLLM_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-SGLANG_TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
-SGLANG_ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035,
-                      0.040, 0.060, 0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0,
-                      8.0)
-SGLANG_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400,
-                      600, 1200, 1800, 2400)
-
-
-def buckets_1_2_5(limit: int) -> tuple[int, ...]:
-    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count buckets)."""
-    out: list[int] = []
-    scale = 1
-    while True:
-        for m in (1, 2, 5):
-            if m * scale > limit:
-                return tuple(out)
-            out.append(m * scale)
-        scale *= 10
-
-
-TOKEN_BUCKETS = buckets_1_2_5(1_000_000)
-
 
 class ServiceMetrics:
     """A service's registry (with the process and Python collectors) and how it is scraped."""
@@ -250,8 +224,8 @@ class GatewayMetrics(ServiceMetrics):
                                 "requests.", [*MODEL, "finished_reason"])
         self._finished = counter("sglang:num_requests", "Number of requests processed.")
         self._aborted = counter("sglang:num_aborted_requests", "Number of requests aborted.")
-        r.register(_EngineCollector(["model_name", "engine"], lambda: self._engines,
-                                    counters=False))
+        r.register(EngineCollector(["model_name", "engine"], lambda: self._engines,
+                                   counters=False))
         if registry_degraded is not None:
             Gauge("meshlm:registry_degraded", "1 while the RID registry (Redis) is unreachable "
                   "and the gateway runs on local knowledge.", registry=r).set_function(
@@ -292,75 +266,14 @@ class GatewayMetrics(ServiceMetrics):
 
 # ---- the scheduler ---------------------------------------------------------------------------
 
-# (name, help, value from Engine.stats()): gauges of the engine's state...
-ENGINE_GAUGES: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
-    ("vllm:num_requests_running", "Number of requests in model execution batches.",
-     lambda s: s["running"]),
-    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-     lambda s: s["waiting"]),
-    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-     lambda s: s["token_usage"]),
-    ("vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. DEPRECATED: use "
-     "vllm:kv_cache_usage_perc.", lambda s: s["token_usage"]),
-    ("sglang:num_running_reqs", "The number of running requests.", lambda s: s["running"]),
-    ("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
-     lambda s: s["waiting"]),
-    ("sglang:token_usage", "The token usage.", lambda s: s["token_usage"]),
-    ("sglang:num_used_tokens", "The number of used tokens.", lambda s: s["kv_tokens_used"]),
-    ("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.",
-     lambda s: s["kv_blocks_total"] * s["kv_block_size"]),
-)
-# ...and its totals (the scheduler's port only: the gateway counts tokens as clients get them).
-ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
-    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-     lambda s: s["preempted_total"]),
-    ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-     lambda s: s["prompt_tokens_total"]),
-    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-     lambda s: s["cached_tokens_total"]),
-    ("meshlm:engine_generation_tokens", "Tokens the engine generated (also those of requests "
-     "later stopped or aborted).", lambda s: s["generated_tokens_total"]),
-    ("meshlm:engine_finished_requests", "Requests the engine ended, aborts and errors "
-     "included.", lambda s: s["finished_total"]),
-    ("meshlm:engine_aborted_requests", "Requests the engine ended by abort.",
-     lambda s: s["aborted_total"]),
-)
-
-
-class _EngineCollector(Collector):
-    """Engine figures from `rows()`: (label values, Engine.stats()) per engine, read at scrape
-    time. A figure missing from a stats dict is left out for that engine."""
-
-    def __init__(self, labels: list[str],
-                 rows: Callable[[], list[tuple[list[str], dict[str, Any]]]],
-                 counters: bool) -> None:
-        self._labels = labels
-        self._rows = rows
-        self._counters = counters
-
-    def collect(self) -> Iterator[Metric]:
-        rows = self._rows()
-        families: list[tuple[GaugeMetricFamily | CounterMetricFamily,
-                             Callable[[dict[str, Any]], float]]] = [
-            (GaugeMetricFamily(name, doc, labels=self._labels), value)
-            for name, doc, value in ENGINE_GAUGES]
-        if self._counters:
-            families += [(CounterMetricFamily(name, doc, labels=self._labels), value)
-                         for name, doc, value in ENGINE_COUNTERS]
-        for family, value in families:
-            for labels, stats in rows:
-                with contextlib.suppress(KeyError, TypeError):
-                    family.add_metric(labels, float(value(stats)))
-            yield family
-
 
 class SchedulerMetrics(ServiceMetrics):
     """The engine's gauges and totals, read from `stats()` (Engine.stats) at each scrape."""
 
     def __init__(self, model_name: str, stats: Callable[[], dict[str, Any]]) -> None:
         super().__init__()
-        self.registry.register(_EngineCollector(MODEL, lambda: [([model_name], stats())],
-                                                counters=True))
+        self.registry.register(EngineCollector(MODEL, lambda: [([model_name], stats())],
+                                               counters=True))
 
 
 # ---- the tokenizer and the detokenizer -------------------------------------------------------
@@ -416,62 +329,3 @@ class LauncherMetrics(ServiceMetrics):
                                 "service that exited on its own.", labels, registry=self.registry)
         self.up = Gauge("meshlm:service_up", "1 while the service's process runs, 0 from its "
                         "exit until it is started again.", labels, registry=self.registry)
-
-
-# ---- serving a registry on its own port ------------------------------------------------------
-
-
-class MetricsServer:
-    """GET /metrics on a port of its own (plain HTTP), served on the service's event loop, so
-    collectors read service state from the thread that owns it."""
-
-    def __init__(self, metrics: ServiceMetrics) -> None:
-        self.metrics = metrics
-        self.address = ""  # host:port once started
-        self._server: uvicorn.Server | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    async def start(self, host: str, port: int) -> str:
-        """Bind and serve; returns the bound host:port."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host.strip("[]"), port))
-        sock.listen(128)
-        sock.setblocking(False)
-        self._server = _Server(uvicorn.Config(
-            self._app, log_config=None, access_log=False, lifespan="off", loop="none",
-            interface="asgi3", proxy_headers=False))
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="metrics")
-        port = sock.getsockname()[1]
-        bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
-        self.address = f"{bracketed}:{port}"
-        return self.address
-
-    async def stop(self) -> None:
-        if self._server is None or self._task is None:
-            return
-        self._server.should_exit = True
-        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(self._task, 2.0)
-
-    async def _app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        if scope["path"] != "/metrics":
-            response = Response(b"not found: scrape /metrics\n", 404, media_type="text/plain")
-        elif scope["method"] not in ("GET", "HEAD"):
-            response = Response(b"", 405, headers={"allow": "GET, HEAD"})
-        else:
-            accept = dict(scope["headers"]).get(b"accept", b"").decode("latin-1")
-            body, content_type = await self.metrics.scrape(accept)
-            response = Response(body, media_type=content_type)
-        await response(scope, receive, send)
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its signal handlers: the service's own shutdown stops it."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 from meshlm.common import config as cfg
 from meshlm.common.announce import Announcer
 from meshlm.common.logs import get_logger, setup_logging
-from meshlm.common.metrics import MetricsServer, ServiceMetrics
+from meshlm.common.metrics import ServiceMetrics
+from meshlm.common.metrics_server import MetricsServer
 from meshlm.common.redis_client import RedisAuth
 from meshlm.common.server import GrpcServer, wait_for_signal
 from meshlm.common.streams import BatchedStream, StreamPool

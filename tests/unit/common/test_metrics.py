@@ -12,15 +12,14 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshlm.common.metrics import (
-    ENGINE_COUNTERS,
-    ENGINE_GAUGES,
     DetokenizerMetrics,
     GatewayMetrics,
-    MetricsServer,
     SchedulerMetrics,
     TokenizerMetrics,
-    buckets_1_2_5,
 )
+from meshlm.common.metrics_buckets import buckets_1_2_5
+from meshlm.common.metrics_engine import ENGINE_COUNTERS, ENGINE_GAUGES
+from meshlm.common.metrics_server import MetricsServer
 from meshlm.scheduler.engine.policy import BatchPlanner
 
 M = {"model_name": "tiny"}

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshlm.common.default_model import CORPUS
+from meshlm.common.default_corpus import CORPUS
 
 WORDS = CORPUS.split()
 

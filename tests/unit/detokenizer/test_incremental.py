@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from meshlm.common.default_model import CORPUS, build_tokenizer
+from meshlm.common.default_corpus import CORPUS
+from meshlm.common.default_model import build_tokenizer
 from meshlm.detokenizer.incremental import (
     DecodeStreamDetokenizer,
     IncrementalDetokenizer,

@@ -43,16 +43,9 @@ from collections.abc import Iterator
 
 import pytest
 from containers import REDIS_IMAGE, docker, require_docker
-from kubelet import (
-    CLIENT_SNIPPET,
-    KUBECTL,
-    MESHLM_REPO,
-    REDIS_REPO,
-    STARTUP_DEADLINE,
-    Cluster,
-    image_repo,
-    render,
-)
+from kubelet.cluster import STARTUP_DEADLINE, Cluster
+from kubelet.manifests import KUBECTL, MESHLM_REPO, REDIS_REPO, image_repo, render
+from kubelet.snippets import CLIENT_SNIPPET
 
 if KUBECTL is None:
     pytest.skip("kubectl is not installed: cannot render deploy/k8s with `kubectl kustomize`",

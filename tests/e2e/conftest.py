@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from k8s_objects import TARGETS
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from meshlm.launch.mesh import Mesh, MeshOptions
@@ -99,3 +100,9 @@ def meshlm_image(tmp_path_factory) -> str:
     built = build_image(tag, tmp_path_factory.mktemp("image"))
     print(f"\nimage {tag}: built in {built['seconds']:.1f} s, {built['bytes'] / 1e6:.0f} MB")
     return tag
+
+
+@pytest.fixture(params=list(TARGETS))
+def target(request) -> str:
+    """Each kustomize target of deploy/k8s (the base and every overlay), for the k8s tests."""
+    return request.param

@@ -24,7 +24,6 @@ from k8s_objects import (
     KUBECTL,
     MESH_LABEL,
     ROLES,
-    TARGETS,
     config,
     container_port,
     deployments,
@@ -50,11 +49,6 @@ CRD_KINDS = {
     ("cert-manager.io/v1", "Issuer"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
 }
-
-
-@pytest.fixture(params=list(TARGETS))
-def target(request) -> str:
-    return request.param
 
 
 def test_top_level_renders_the_base():

@@ -11,7 +11,6 @@ import pytest
 from k8s_objects import (
     KUBECTL,
     MESH_LABEL,
-    TARGETS,
     allowed_from,
     meshlm_containers,
     mounted_file,
@@ -24,11 +23,6 @@ from k8s_objects import (
 if KUBECTL is None:
     pytest.skip("kubectl is not installed: cannot render deploy/k8s with `kubectl kustomize`",
                 allow_module_level=True)
-
-
-@pytest.fixture(params=list(TARGETS))
-def target(request) -> str:
-    return request.param
 
 
 def test_pod_security(target):

@@ -13,7 +13,6 @@ import pytest
 from k8s_objects import (
     KUBECTL,
     ROLES,
-    TARGETS,
     config,
     container_port,
     meshlm_containers,
@@ -29,11 +28,6 @@ from k8s_objects import (
 if KUBECTL is None:
     pytest.skip("kubectl is not installed: cannot render deploy/k8s with `kubectl kustomize`",
                 allow_module_level=True)
-
-
-@pytest.fixture(params=list(TARGETS))
-def target(request) -> str:
-    return request.param
 
 
 def test_internal_services_match_config(target):

@@ -212,7 +212,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         try:
             text = await self.workers.run(len(request.messages_json),
                                           self._tok.apply_chat_template, messages,
-                                          request.add_generation_prompt)
+                                          request.add_generation_prompt,
+                                          request.continue_final_message)
         except ValueError as e:
             raise invalid("messages", str(e)) from None
         # Templates write their own special tokens (bos).

@@ -141,20 +141,30 @@ class TextTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> str:
         """Render a conversation to a prompt string with the checkpoint's chat template.
 
-        Raises ValueError when the checkpoint has no template or the template rejects the
-        messages (its `raise_exception(...)` or a Jinja error).
+        `continue_final_message`: the last message is left open for the model to continue,
+        the rendering cut just after its content (see `_open_final_message`); it cannot be
+        combined with `add_generation_prompt`.
+
+        Raises ValueError when the checkpoint has no template, the template rejects the
+        messages (its `raise_exception(...)` or a Jinja error), or the final message cannot
+        be continued.
         """
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if self._chat_template is None:
             raise ValueError(
                 f"the model at {self._model_path} has no chat template; "
                 "send a plain text prompt instead"
             )
         try:
-            return _compile(self._chat_template).render(
+            text: str = _compile(self._chat_template).render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token or "",
@@ -163,6 +173,7 @@ class TextTokenizer:
             )
         except (TemplateError, TypeError, ValueError, LookupError, AttributeError) as e:
             raise ValueError(f"the chat template failed: {e}") from e
+        return _open_final_message(text, messages) if continue_final_message else text
 
     # -- checks -----------------------------------------------------------------------------
 
@@ -296,6 +307,27 @@ def _pick_template(value: Any) -> str | None:
         template = named.get("default")
         return template if isinstance(template, str) else None
     return None
+
+
+def _open_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """`text` (a conversation rendered without a generation prompt) cut just after the final
+    message's content, so that whatever the template writes to close the message is gone and
+    generation continues that message (as transformers' `continue_final_message` does). A
+    template may trim the content: it is looked for stripped, and its trailing whitespace is
+    kept only where the template kept it."""
+    final = messages[-1].get("content") if messages and isinstance(messages[-1], dict) else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not write the final message's "
+            "content verbatim, so it cannot be continued"
+        )
+    kept = final.lstrip()
+    if text[at : at + len(kept)] != kept:
+        kept = final.strip()
+    return text[: at + len(kept)]
 
 
 def _raise_exception(message: str) -> None:

@@ -127,6 +127,32 @@ def test_chat_template(tok: TextTokenizer) -> None:
     assert prompt_tail[0] == tok.tokenizer.token_to_id("<|im_start|>")
 
 
+def test_continue_final_message_leaves_it_open(tok: TextTokenizer, model_dir: Path,
+                                                tmp_path: Path) -> None:
+    """The rendering ends just after the final message's content (transformers' rule): what
+    closes the message is cut; trailing spaces stay only where the template kept them."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once "}]
+    opened = tok.apply_chat_template(messages, add_generation_prompt=False,
+                                     continue_final_message=True)
+    # The default ChatML template trims contents.
+    assert opened == "<|begin_of_text|><|im_start|>user\nHi<|im_end|>\n" \
+                     "<|im_start|>assistant\nOnce"
+    verbatim = _copy_checkpoint(model_dir, tmp_path / "a", chat_template=(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"))
+    plain = TextTokenizer.from_pretrained(verbatim)
+    assert plain.apply_chat_template(messages, False, True) == "<user>Hi</user><assistant>Once "
+    with pytest.raises(ValueError, match="cannot both be set"):
+        tok.apply_chat_template(messages, add_generation_prompt=True,
+                                continue_final_message=True)
+    with pytest.raises(ValueError, match="needs a final message with text"):
+        tok.apply_chat_template([*messages[:1], {"role": "assistant", "content": " "}],
+                                False, True)
+    upper = _copy_checkpoint(model_dir, tmp_path / "b", chat_template=(
+        "{% for m in messages %}{{ m.content | upper }}{% endfor %}"))
+    with pytest.raises(ValueError, match="does not write the final message"):
+        TextTokenizer.from_pretrained(upper).apply_chat_template(messages, False, True)
+
+
 def test_check_context(tok: TextTokenizer) -> None:
     assert tok.check_context(10, 100) is None
     assert tok.check_context(2000, 48) is None

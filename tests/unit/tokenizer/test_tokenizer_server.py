@@ -1,10 +1,12 @@
 """The tokenizer's Submit stream over fake schedulers: a big prompt is tokenized as a job of its
 own, so the small requests behind it on the same stream are forwarded first; one that cannot
-fit the context is refused (counted piece by piece), the others go on."""
+fit the context is refused (counted piece by piece), the others go on. ApplyChatTemplate with
+the final message left open, and its refusals naming "messages"."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -12,6 +14,7 @@ import grpc
 import pytest
 
 from meshlm.common.default_model import ensure_default_model
+from meshlm.common.errors import MeshError
 from meshlm.tokenizer.server import TokenizerServicer
 from meshlm.tokenizer.tokenization import TextTokenizer
 from meshlm.tokenizer.workers import Workers
@@ -115,6 +118,26 @@ async def test_a_prompt_that_cannot_fit_is_refused_the_others_go_on(tok: TextTok
         assert rejection.status.message.startswith("text: the prompt is more than")
         assert "context length is 2048" in rejection.status.message
         assert sorted(scheduler.rids) == ["medium", "short"]
+    finally:
+        workers.close()
+
+
+async def test_apply_chat_template_can_leave_the_final_message_open(tok: TextTokenizer) -> None:
+    workers = Workers(big_chars=BIG)
+    servicer, _ = _servicer(tok, workers)
+    messages = json.dumps([{"role": "user", "content": "Hi"},
+                           {"role": "assistant", "content": "Once upon"}])
+    try:
+        reply = await servicer.ApplyChatTemplate(tokenizer_pb2.ChatTemplateRequest(
+            messages_json=messages, continue_final_message=True), None)  # type: ignore[arg-type]
+        text = tok.decode(reply.tokens, skip_special_tokens=False)
+        assert text.endswith("<|im_start|>assistant\nOnce upon")
+        with pytest.raises(MeshError) as info:
+            await servicer.ApplyChatTemplate(tokenizer_pb2.ChatTemplateRequest(
+                messages_json=messages, continue_final_message=True,
+                add_generation_prompt=True), None)  # type: ignore[arg-type]
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.message.startswith("messages: continue_final_message")
     finally:
         workers.close()
 

@@ -88,11 +88,11 @@ def test_chat_streaming_role_first_then_content_finish_and_usage(client, model) 
         stream_options={"include_usage": True}))
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
     first = chunks[0].choices[0]
-    assert first.delta.role == "assistant" and first.delta.content is None
+    assert first.delta.role == "assistant" and first.delta.content == ""
     *body, finish, usage = chunks
+    # The finish comes with the last text.
     assert finish.choices[0].finish_reason == whole.choices[0].finish_reason
-    assert finish.choices[0].delta.content is None
-    assert "".join(c.choices[0].delta.content or "" for c in body) == \
+    assert "".join(c.choices[0].delta.content or "" for c in [*body, finish]) == \
         whole.choices[0].message.content
     assert all(c.choices[0].finish_reason is None and c.usage is None for c in body)
     assert usage.choices == [] and usage.usage is not None
@@ -285,7 +285,8 @@ def test_chat_complete_rpc(mesh, stub, client, model) -> None:
         {**request, "stream": True}).encode()), timeout=120))
     assert [c.finished for c in chunks] == [False] * (len(chunks) - 1) + [True]
     events = [json.loads(c.json_chunk) for c in chunks]
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": "",
+                                                "reasoning_content": None}
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == \
         http.choices[0].message.content
     # The same RPC transcoded to HTTP: NDJSON lines of {"result": chunk}, bytes as base64.

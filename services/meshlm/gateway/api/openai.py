@@ -7,7 +7,8 @@ checked by the gateway's own validation, run it through the gateway's generation
 (`GenerationRPCs.generate`: n > 1 fan-out, logprobs, abort when the caller goes away) and fold
 the updates into OpenAI's shapes (`protocol/openai_responses.py`). A chat conversation is
 rendered to token ids by a tokenizer (`Tokenizer.ApplyChatTemplate`, the checkpoint's
-template); the gateway never renders templates itself.
+template, with the generation prompt or the final message left open to continue); the gateway
+never renders templates itself.
 
 Streams of OpenAIStreamChunk: not streaming, one chunk holding the whole response; streaming,
 one chunk per OpenAI stream chunk. The last chunk has `finished` set. Errors are MeshErrors whose
@@ -100,8 +101,10 @@ class OpenAIRPCs:
         # The conversation's text, before a tokenizer renders and encodes it.
         check_prompt_chars(text_chars(req.messages), limits, "messages")
         reply = await self.core.call(self.core.tokenizer().ApplyChatTemplate(
-            tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(req.messages).decode(),
-                                              add_generation_prompt=True),
+            tokenizer_pb2.ChatTemplateRequest(
+                messages_json=orjson.dumps(req.messages).decode(),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message),
             timeout=deadline.timeout()))
         tokens = list(reply.tokens)
         # OpenAI's default: whatever room the context leaves.
@@ -109,7 +112,7 @@ class OpenAIRPCs:
         v = _validated(public_request(req, tokens, max_new_tokens=room), limits, req.names)
         answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
                             stream=req.stream, include_usage=req.include_usage,
-                            top_logprobs=req.top_logprobs)
+                            top_logprobs=req.top_logprobs, echo=req.echo_text)
         async for chunk in self._answer(req, [(v, req.names)], answer):
             yield chunk
 
@@ -153,10 +156,11 @@ class OpenAIRPCs:
         return dumps(embedding_body(model, vectors, prompt_tokens, base64=req.base64))
 
     async def _prompt_text(self, prompt: str | list[int]) -> str:
-        """A prompt as text (echo): token ids are decoded, special tokens kept."""
+        """A prompt as text (echo): token ids are decoded without their special tokens (as
+        SGLang echoes them)."""
         if isinstance(prompt, str):
             return prompt
-        return await self.tokens.text(prompt, skip_special_tokens=False)
+        return await self.tokens.text(prompt, skip_special_tokens=True)
 
     async def _answer(self, req: GenerationRequest,
                       runs: list[tuple[ValidatedRequest, dict[str, str]]],

@@ -5,10 +5,14 @@
 field as the client wrote it. A generation request becomes public SglangService requests
 (`public_request`: TextGenerateRequest for a text prompt, GenerateRequest for token ids), so
 the gateway's own validation (`protocol/validation.py`) checks the rest exactly as for SGLang's
-API; its messages are put back into OpenAI's names with `names`.
+API; its messages are put back into OpenAI's names with `names`. The typed field reads are
+`protocol/json_body.py`'s.
 
 Accepted beside OpenAI's fields (as SGLang and vLLM accept them): top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids and rid.
+repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids and rid; on
+chat, vLLM's add_generation_prompt, continue_final_message (the last message left open and
+continued; not with add_generation_prompt: true, which is otherwise the default) and echo
+(the reply starts with the last message's content when that message is the assistant's).
 """
 
 from __future__ import annotations
@@ -16,22 +20,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
 from meshlm.common.errors import invalid
+from meshlm.gateway.protocol.json_body import MAX_PROMPT_IDS as MAX_PROMPT_IDS
+from meshlm.gateway.protocol.json_body import JsonBody, is_ids, is_int, show
 from meshlm.gateway.protocol.openai_errors import MAX_NEW_TOKENS
-from meshlm.gateway.protocol.transcode import parse_json_body
 from meshlm.gateway.protocol.validation import MAX_N, MAX_TOP_LOGPROBS
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings request
-# Token ids in one prompt: more than any served context length. A longer list is refused
-# before its ids are looked at one by one (a 16 MiB body holds 8 M of them).
-MAX_PROMPT_IDS = 1 << 20
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _INT32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-_IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
 
 Prompt = str | list[int]
 
@@ -56,6 +55,18 @@ class GenerationRequest:
 @dataclass
 class ChatRequest(GenerationRequest):
     messages: list[dict[str, Any]] = field(default_factory=list)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+
+    @property
+    def echo_text(self) -> str | None:
+        """What the reply starts with (`echo`): the last message's content when it is the
+        assistant's, the role the reply is in."""
+        last = self.messages[-1]
+        if not self.echo or last["role"] != "assistant" or not last["content"]:
+            return None
+        return str(last["content"])
 
 
 @dataclass
@@ -70,81 +81,6 @@ class EmbeddingRequest:
     model: str | None
     inputs: list[Prompt]
     base64: bool  # encoding_format "base64": little-endian float32 bytes
-
-
-class JsonBody:
-    """Typed reads of a JSON object's fields (None: absent or null); errors name the field."""
-
-    def __init__(self, body: bytes) -> None:
-        doc = parse_json_body(body)
-        if not isinstance(doc, dict):
-            raise invalid("body", "must be a JSON object")
-        self.doc: dict[str, Any] = doc
-        self.read: set[str] = set()
-
-    def get(self, key: str) -> Any:
-        self.read.add(key)
-        return self.doc.get(key)
-
-    def boolean(self, key: str) -> bool | None:
-        value = self.get(key)
-        if value is not None and not isinstance(value, bool):
-            raise invalid(key, f"must be true or false, got {_show(value)}")
-        return value
-
-    def integer(self, key: str, lo: int, hi: int) -> int | None:
-        value = self.get(key)
-        if value is None:
-            return None
-        if not is_int(value):
-            raise invalid(key, f"must be an integer, got {_show(value)}")
-        if not lo <= value <= hi:
-            raise invalid(key, f"must be in [{lo}, {hi}], got {value}")
-        return int(value)
-
-    def number(self, key: str) -> float | None:
-        value = self.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise invalid(key, f"must be a number, got {_show(value)}")
-        return float(value)
-
-    def string(self, key: str) -> str | None:
-        value = self.get(key)
-        if value is not None and not isinstance(value, str):
-            raise invalid(key, f"must be a string, got {_show(value)}")
-        return value
-
-    def unsupported(self, key: str, why: str = "", allowed: tuple[Any, ...] = ()) -> None:
-        """Refuse an option meshlm does not serve, unless absent, empty or `allowed`."""
-        value = self.get(key)
-        if value is not None and value not in allowed and value != {} and value != []:
-            raise invalid(key, f"is not supported{why}")
-
-    def check_unknown(self) -> None:
-        for key in self.doc:
-            if key not in self.read and key not in _IGNORED:
-                raise invalid(key, "unknown field")
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_ids(value: Any, key: str) -> bool:
-    """Whether `value` is a list of token ids; one longer than MAX_PROMPT_IDS is refused first."""
-    if not isinstance(value, list):
-        return False
-    if len(value) > MAX_PROMPT_IDS:
-        raise invalid(key, f"has {len(value)} entries; a prompt has at most {MAX_PROMPT_IDS} "
-                           "token ids")
-    return all(is_int(t) for t in value)
-
-
-def _show(value: Any) -> str:
-    text = orjson.dumps(value).decode()
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 # ---- generation ------------------------------------------------------------------------------
@@ -247,11 +183,20 @@ def parse_chat(body: bytes) -> ChatRequest:
     if fmt is not None and fmt != {"type": "text"}:
         raise invalid("response_format", "only {\"type\": \"text\"} is supported")
     b.unsupported("modalities", " (text only)", (["text"],))
+    continue_final = bool(b.boolean("continue_final_message"))
+    add_prompt = b.boolean("add_generation_prompt")
+    if continue_final and add_prompt:
+        raise invalid("continue_final_message", "cannot be combined with "
+                                                "add_generation_prompt: true")
+    echo = bool(b.boolean("echo"))
     rid = b.string("rid")
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
-                       rid=rid, names=names, messages=messages)
+                       rid=rid, names=names, messages=messages,
+                       add_generation_prompt=not continue_final if add_prompt is None
+                       else add_prompt,
+                       continue_final_message=continue_final, echo=echo)
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -265,7 +210,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise invalid(path, "must be an object with a role and content")
         role = message.get("role")
         if role not in _ROLES:
-            raise invalid(f"{path}.role", f"must be one of {', '.join(_ROLES)}; got {_show(role)}")
+            raise invalid(f"{path}.role", f"must be one of {', '.join(_ROLES)}; got {show(role)}")
         flat = {**message, "role": role,
                 "content": _content(message.get("content"), f"{path}.content")}
         out.append(flat)
@@ -378,7 +323,7 @@ def parse_embedding(body: bytes) -> EmbeddingRequest:
     inputs, _ = prompts_of(b.get("input"), "input")
     fmt = b.string("encoding_format") or "float"
     if fmt not in ("float", "base64"):
-        raise invalid("encoding_format", f"must be \"float\" or \"base64\", got {_show(fmt)}")
+        raise invalid("encoding_format", f"must be \"float\" or \"base64\", got {show(fmt)}")
     b.unsupported("dimensions", " (embeddings have the model's size)")
     b.check_unknown()
     return EmbeddingRequest(model=model, inputs=inputs, base64=fmt == "base64")

@@ -3,9 +3,11 @@ asks for the tokens' texts, so every entry has one).
 
 Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
 "bytes"}, ...]}, ...], "refusal": null}; `top_logprobs` is [] when none were asked.
-Completions: {"tokens", "token_logprobs", "top_logprobs" ([{token: logprob}, ...] or null when
-none were asked), "text_offset"}; an echoed prompt's tokens come first, the first of them
-without a logprob (null).
+Completions: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}, where each position's
+top_logprobs entry is {token: logprob} for the `logprobs` most likely tokens and the chosen one
+(OpenAI's shape: up to logprobs + 1 entries; with `logprobs: 0`, the chosen token alone); an
+echoed prompt's tokens come first, the first of them without a logprob (null, and null in
+top_logprobs).
 
 Values are float32 (numpy scalars; `dumps` writes their shortest form).
 """
@@ -72,8 +74,8 @@ class CompletionLogprobs:
         for text in tokens:
             offsets.append(self.offset)
             self.offset += len(text)
-        return {"tokens": tokens, "token_logprobs": values,
-                "top_logprobs": tops if self.top else None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
 
     def _extend(self, tokens: list[str], values: list[Any], tops: list[dict[str, Any] | None],
                 texts: Sequence[str], logprobs: Sequence[float],
@@ -83,5 +85,9 @@ class CompletionLogprobs:
             none = (i == 0 and first_is_none) or bool(np.isnan(value))
             tokens.append(text)
             values.append(None if none else value)
-            if self.top:
-                tops.append(None if none or i >= len(top) else dict(_top(top[i])))
+            if none:
+                tops.append(None)
+                continue
+            alternatives = dict(_top(top[i])) if self.top and i < len(top) else {}
+            alternatives.setdefault(text, value)  # the chosen token, when not among them
+            tops.append(alternatives)

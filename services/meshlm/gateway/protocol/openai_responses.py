@@ -9,10 +9,14 @@ prompt). Not streaming, each choice gets one merged update and `response()` is t
                   "finish_reason"}], "usage"}
 
 Streaming, `add` returns the chunks due for each update ("object": "chat.completion.chunk" |
-"text_completion"): chat starts every choice with a chunk whose delta is only
-{"role": "assistant"}; then content deltas (with their tokens' logprobs); a choice ends with
-a chunk carrying its finish_reason and an empty delta (text ""). With include_usage every
-chunk has "usage": null and `usage_chunk()` (no choices) ends the stream.
+"text_completion"): chat starts every choice with a chunk whose delta is
+{"role": "assistant", "content": "", "reasoning_content": null} (then, with `echo`, one with
+the echoed content); then one chunk per update that brings text, with its tokens' logprobs
+(chat deltas are {"content", "reasoning_content": null}). Tokens whose text the detokenizer
+still holds back wait for it, so every chunk with text carries the logprobs of the tokens
+that made it. A choice's last chunk carries its finish_reason together with its last text
+and logprobs (as SGLang's completions and vLLM's do), never an empty chunk of its own. With
+include_usage every chunk has "usage": null and `usage_chunk()` (no choices) ends the stream.
 
 The id is the request's rid ("chatcmpl-<rid>", "cmpl-<rid>"); usage counts each prompt once
 (its first sample's cached_tokens) and every sample's completion tokens.
@@ -24,12 +28,14 @@ Embeddings: {"object": "list", "data": [{"object": "embedding", "index", "embedd
 from __future__ import annotations
 
 from base64 import b64encode
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.openai_logprobs import CompletionLogprobs, chat_logprobs
+from meshlm.v1 import common_pb2
 
 Chunk = dict[str, Any]
 
@@ -58,6 +64,7 @@ class Answer:
         self.updates: list[Update | None] = [None] * count  # not streaming: merged, final
         self.finish: list[str | None] = [None] * count
         self._started = [False] * count
+        self._held: list[common_pb2.Logprobs | None] = [None] * count  # tokens without text
         self._completion_tokens = [0] * count
         self._prompt_tokens = [0] * prompts
         self._cached_tokens = [0] * prompts
@@ -85,12 +92,12 @@ class Answer:
         if not self._started[index]:
             self._started[index] = True
             chunks += [self._chunk(c) for c in self._first_choices(index)]
-        delta = self._delta(index, update)
-        if delta is not None:
-            chunks.append(self._chunk(delta))
         reason = self.finish[index]
-        if reason is not None:
-            chunks.append(self._chunk(self._finish_choice(index, reason)))
+        if reason is None and not self._has_text(index, update):
+            self._hold(index, update.logprobs)
+            return chunks
+        chunks.append(self._chunk(self._stream_choice(index, self._with_held(index, update),
+                                                      reason)))
         return chunks
 
     def response(self) -> Chunk:
@@ -109,6 +116,23 @@ class Answer:
         return {"id": self.id, "object": self.chunk_object, "created": self.created,
                 "model": self.model, "choices": [], "usage": self.usage()}
 
+    def _hold(self, index: int, logprobs: common_pb2.Logprobs | None) -> None:
+        """Keep the logprobs of tokens whose text has not come yet, for the chunk it comes in."""
+        if logprobs is None:
+            return
+        held = self._held[index]
+        if held is None:
+            held = self._held[index] = common_pb2.Logprobs()
+        held.MergeFrom(logprobs)  # repeated fields append, in order
+
+    def _with_held(self, index: int, update: Update) -> Update:
+        held, self._held[index] = self._held[index], None
+        if held is None:
+            return update
+        if update.logprobs is not None:
+            held.MergeFrom(update.logprobs)
+        return replace(update, logprobs=held)
+
     def _chunk(self, choice: Chunk) -> Chunk:
         chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
                  "model": self.model, "choices": [choice]}
@@ -122,10 +146,13 @@ class Answer:
         """Choices of the chunks that open choice `index`'s stream."""
         return []
 
-    def _delta(self, index: int, update: Update) -> Chunk | None:
-        raise NotImplementedError
+    def _has_text(self, index: int, update: Update) -> bool:
+        """Whether `update` gives choice `index`'s stream text to send."""
+        return bool(update.text)
 
-    def _finish_choice(self, index: int, reason: str) -> Chunk:
+    def _stream_choice(self, index: int, update: Update, reason: str | None) -> Chunk:
+        """The choice of one stream chunk: `update`'s text and logprobs, and the finish_reason
+        when it is the last."""
         raise NotImplementedError
 
     def _full_choice(self, index: int, update: Update) -> Chunk:
@@ -133,9 +160,16 @@ class Answer:
 
 
 class ChatAnswer(Answer):
+    """`echo`: the text every choice starts with (vLLM's chat echo: the last message's content
+    when it is the assistant's); streaming, it has a chunk of its own after the role's."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+
+    def __init__(self, *, echo: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.echo = echo
 
     def _logprobs(self, update: Update) -> dict[str, Any] | None:
         if self.top_logprobs is None:
@@ -143,22 +177,26 @@ class ChatAnswer(Answer):
         return chat_logprobs(update.logprobs, self.top_logprobs)
 
     def _first_choices(self, index: int) -> list[Chunk]:
-        return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None,
-                 "finish_reason": None}]
+        first = [_delta(index, {"role": "assistant", "content": ""})]
+        if self.echo:
+            first.append(_delta(index, {"content": self.echo}))
+        return first
 
-    def _delta(self, index: int, update: Update) -> Chunk | None:
-        logprobs = self._logprobs(update)
-        if not update.text and not (logprobs and logprobs["content"]):
-            return None
-        return {"index": index, "delta": {"content": update.text}, "logprobs": logprobs,
-                "finish_reason": None}
-
-    def _finish_choice(self, index: int, reason: str) -> Chunk:
-        return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+    def _stream_choice(self, index: int, update: Update, reason: str | None) -> Chunk:
+        return _delta(index, {"content": update.text}, self._logprobs(update), reason)
 
     def _full_choice(self, index: int, update: Update) -> Chunk:
-        return {"index": index, "message": {"role": "assistant", "content": update.text},
-                "logprobs": self._logprobs(update), "finish_reason": self.finish[index]}
+        message = {"role": "assistant", "content": (self.echo or "") + update.text,
+                   "reasoning_content": None}
+        return {"index": index, "message": message, "logprobs": self._logprobs(update),
+                "finish_reason": self.finish[index]}
+
+
+def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+           reason: str | None = None) -> Chunk:
+    """A chat stream choice; its delta says "reasoning_content": null as SGLang's do."""
+    return {"index": index, "delta": {**delta, "reasoning_content": None},
+            "logprobs": logprobs, "finish_reason": reason}
 
 
 class CompletionAnswer(Answer):
@@ -187,14 +225,12 @@ class CompletionAnswer(Answer):
         logprobs = builder.add(update.logprobs, echo) if builder is not None else None
         return text, logprobs
 
-    def _delta(self, index: int, update: Update) -> Chunk | None:
-        text, logprobs = self._text_and_logprobs(index, update)
-        if not text and not (logprobs and logprobs["tokens"]):
-            return None
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
+    def _has_text(self, index: int, update: Update) -> bool:
+        return bool(update.text) or (self.echo is not None and not self._echoed[index])
 
-    def _finish_choice(self, index: int, reason: str) -> Chunk:
-        return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
+    def _stream_choice(self, index: int, update: Update, reason: str | None) -> Chunk:
+        text, logprobs = self._text_and_logprobs(index, update)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     def _full_choice(self, index: int, update: Update) -> Chunk:
         text, logprobs = self._text_and_logprobs(index, update)

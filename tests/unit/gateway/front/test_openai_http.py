@@ -1,5 +1,6 @@
 """The OpenAI routes and RPCs over a fake gateway: one implementation behind both (chunks and
-their `finished` flags, SSE framing, [DONE]), the chat template asked of the tokenizer, errors
+their `finished` flags, SSE framing, [DONE]), the chat template asked of the tokenizer (a final
+message continued, echoed), token-id prompts echoed without special tokens, errors
 in OpenAI's JSON before the first chunk and as an event after it, batches merged (one failure
 ends the rest), and the request ended when the client goes away."""
 
@@ -49,7 +50,9 @@ class FakeTokenizer:
 
     async def Detokenize(self, req: tokenizer_pb2.DetokenizeRequest,
                          timeout: float) -> tokenizer_pb2.DetokenizeResponse:
-        return tokenizer_pb2.DetokenizeResponse(text="".join(f"<{t}>" for t in req.tokens))
+        """Token t reads "<t>"; token 0 is a special token."""
+        kept = [t for t in req.tokens if t or not req.skip_special_tokens]
+        return tokenizer_pb2.DetokenizeResponse(text="".join(f"<{t}>" for t in kept))
 
 
 class FakeGateway(OpenAIRPCs):
@@ -154,11 +157,13 @@ async def test_chat_reply_renders_the_template_in_the_tokenizer(
     body = r.json()
     assert body["id"] == "chatcmpl-r1" and body["object"] == "chat.completion"
     assert body["model"] == "tiny" and isinstance(body["created"], int)
-    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "ab"},
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "ab",
+                                                        "reasoning_content": None},
                                 "logprobs": None, "finish_reason": "stop"}]
     assert body["usage"]["total_tokens"] == 5
     [req] = gw.fake_tokenizer.requests
     assert orjson.loads(req.messages_json) == USER and req.add_generation_prompt
+    assert not req.continue_final_message
     [v] = gw.validated
     assert v.input_ids == CHAT_TOKENS and v.return_text
     assert v.sampling.max_new_tokens == LIMITS.max_model_len - len(CHAT_TOKENS)  # the room left
@@ -169,21 +174,40 @@ async def test_chat_stream(client: httpx.AsyncClient) -> None:
         "messages": USER, "stream": True, "n": 2, "stream_options": {"include_usage": True}})
     events = _events(r)
     assert {e["id"] for e in events} == {"chatcmpl-r1"}
+    role = {"role": "assistant", "content": "", "reasoning_content": None}
+    a, b = ({"content": t, "reasoning_content": None} for t in "ab")
     assert [(e["choices"][0]["index"], e["choices"][0]["delta"], e["choices"][0]["finish_reason"])
             for e in events[:-1]] == [
-        (1, {"role": "assistant"}, None), (1, {"content": "a"}, None),
-        (0, {"role": "assistant"}, None), (0, {"content": "a"}, None),
-        (1, {"content": "b"}, None), (1, {}, "stop"),
-        (0, {"content": "b"}, None), (0, {}, "stop")]
+        (1, role, None), (1, a, None), (0, role, None), (0, a, None),
+        (1, b, "stop"), (0, b, "stop")]
     assert all(e["usage"] is None for e in events[:-1])
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
 
 
+async def test_chat_continues_and_echoes_the_final_message(client: httpx.AsyncClient,
+                                                           gw: FakeGateway) -> None:
+    opened = [*USER, {"role": "assistant", "content": "Once"}]
+    r = await client.post("/v1/chat/completions", json={
+        "messages": opened, "continue_final_message": True, "add_generation_prompt": False,
+        "echo": True})
+    assert r.json()["choices"][0]["message"]["content"] == "Onceab"
+    [req] = gw.fake_tokenizer.requests
+    assert req.continue_final_message and not req.add_generation_prompt
+    events = _events(await client.post("/v1/chat/completions", json={
+        "messages": opened, "continue_final_message": True, "echo": True, "stream": True}))
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events) == "Onceab"
+    error = _error(await client.post("/v1/chat/completions", json={
+        "messages": opened, "continue_final_message": True, "add_generation_prompt": True}),
+        400)
+    assert error["param"] == "continue_final_message"
+
+
 async def test_completions_batch_reply_and_echo(client: httpx.AsyncClient) -> None:
-    r = await client.post("/v1/completions", json={"prompt": ["x", [7, 8]], "n": 2,
+    r = await client.post("/v1/completions", json={"prompt": ["x", [0, 7, 8]], "n": 2,
                                                    "echo": True})
     body = r.json()
     assert body["object"] == "text_completion"
+    # Token ids are echoed as text without their special tokens (token 0 here).
     assert [(c["index"], c["text"]) for c in body["choices"]] == [
         (0, "xab"), (1, "xab"), (2, "<7><8>ab"), (3, "<7><8>ab")]
 
@@ -192,7 +216,7 @@ async def test_completions_stream(client: httpx.AsyncClient) -> None:
     events = _events(await client.post("/v1/completions", json={"prompt": "x",
                                                                 "stream": True}))
     assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events] == [
-        ("a", None), ("b", None), ("", "stop")]
+        ("a", None), ("b", "stop")]
     assert all("usage" not in e for e in events)
 
 
@@ -265,11 +289,11 @@ async def test_rpcs_stream_chunks_with_the_last_one_finished(gw: FakeGateway) ->
     assert whole.finished
     assert orjson.loads(whole.json_chunk)["choices"][0]["message"]["content"] == "ab"
     chunks = await _rpc(gw, "ChatComplete", {"messages": USER, "stream": True})
-    assert [c.finished for c in chunks] == [False, False, False, True]
+    assert [c.finished for c in chunks] == [False, False, True]
     assert orjson.loads(chunks[-1].json_chunk)["choices"][0]["finish_reason"] == "stop"
     chunks = await _rpc(gw, "Complete", {"prompt": "x", "stream": True,
                                          "stream_options": {"include_usage": True}})
-    assert [c.finished for c in chunks] == [False, False, False, True]
+    assert [c.finished for c in chunks] == [False, False, True]
     assert orjson.loads(chunks[-1].json_chunk)["usage"]["total_tokens"] == 5
     with pytest.raises(MeshError) as info:
         await _rpc(gw, "Complete", {"prompt": "x", "max_tokens": -1})

@@ -107,10 +107,28 @@ def test_chat_content_parts_are_flattened_and_other_keys_kept() -> None:
     ({"messages": USER, "logit_bias": {"5": 1}}, "logit_bias: is not supported"),
     ({"messages": USER, "best_of": 2}, "best_of: unknown field"),
     ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids: must be a list of token ids"),
+    ({"messages": USER, "continue_final_message": True, "add_generation_prompt": True},
+     "continue_final_message: cannot be combined with add_generation_prompt: true"),
+    ({"messages": USER, "echo": 1}, "echo: must be true or false"),
 ])
 def test_chat_refusals_name_the_field(doc: dict[str, Any], start: str) -> None:
     err = _refusal(parse_chat, doc)
     assert err.message.startswith(start), err.message
+
+
+def test_chat_template_options_and_echo() -> None:
+    """vLLM's add_generation_prompt (true unless the final message is continued),
+    continue_final_message and echo (of the last message, when it is the assistant's)."""
+    plain = parse_chat(_body({"messages": USER, "echo": True}))
+    assert plain.add_generation_prompt and not plain.continue_final_message
+    assert plain.echo and plain.echo_text is None  # the last message is the user's
+    opened = [*USER, {"role": "assistant", "content": "Once upon"}]
+    req = parse_chat(_body({"messages": opened, "continue_final_message": True, "echo": True}))
+    assert not req.add_generation_prompt and req.continue_final_message
+    assert req.echo_text == "Once upon"
+    assert parse_chat(_body({"messages": opened})).echo_text is None
+    assert not parse_chat(_body({"messages": USER, "add_generation_prompt": False,
+                                 "continue_final_message": False})).add_generation_prompt
 
 
 def test_accepted_and_ignored_fields() -> None:

@@ -1,5 +1,7 @@
 """OpenAI's response shapes folded from gateway updates: whole replies, stream chunks (role
-first, content deltas, finish, usage), n > 1 and batch indices, logprobs, embeddings."""
+first, content deltas, the finish with the last text, usage), n > 1 and batch indices, chat
+echo, logprobs (held until their text comes; the chosen token in each completion position),
+embeddings."""
 
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def test_chat_reply() -> None:
     assert answer.done
     assert answer.response() == {
         "id": "chatcmpl-r1", "object": "chat.completion", "created": 7, "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello"},
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello",
+                                             "reasoning_content": None},
                      "logprobs": None, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
                   "prompt_tokens_details": {"cached_tokens": 3}},
@@ -60,14 +63,16 @@ def test_chat_reply() -> None:
 def test_chat_stream_role_content_finish_usage() -> None:
     answer = _answer(stream=True, include_usage=True)
     first = answer.add(0, _update("He", [1], completion=1), {"id": "r1"})
-    assert [c["choices"][0]["delta"] for c in first] == [{"role": "assistant"},
-                                                          {"content": "He"}]
+    assert [c["choices"][0]["delta"] for c in first] == [
+        {"role": "assistant", "content": "", "reasoning_content": None},
+        {"content": "He", "reasoning_content": None}]
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == "chatcmpl-r1"
                and c["usage"] is None for c in first)
     assert answer.add(0, _update("", [], completion=1), {"id": "r1"}) == []  # nothing new
+    # The finish comes with the last text, in one chunk.
     last = answer.add(0, _update("llo", [2], done="length", completion=2), {"id": "r1"})
     assert [(c["choices"][0]["delta"], c["choices"][0]["finish_reason"]) for c in last] == [
-        ({"content": "llo"}, None), ({}, "length")]
+        ({"content": "llo", "reasoning_content": None}, "length")]
     assert answer.done
     usage = answer.usage_chunk()
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
@@ -86,8 +91,9 @@ def test_n_samples_are_indexed_and_counted() -> None:
     chunks += answer.add(0, _update("", [], done="stop", completion=3, cached=4),
                          {"id": "r-1", "index": "1"})
     assert answer.done
-    assert [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks] == [
-        (1, None), (1, None), (0, None), (0, None), (0, "stop"), (1, "stop")]
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"].get("content"),
+             c["choices"][0]["finish_reason"]) for c in chunks] == [
+        (1, "", None), (1, "b", None), (0, "", None), (0, "a", "stop"), (1, "", "stop")]
     # The prompt counts once, with its first sample's cache hit; every sample's tokens count.
     assert answer.usage() == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
                               "prompt_tokens_details": {"cached_tokens": 0}}
@@ -134,8 +140,17 @@ def test_completion_logprobs_run_on_across_chunks_and_lead_with_the_echoed_promp
                      "text_offset": [0, 3, 5, 6]}
     later = _json(builder.add(_lp(["d"], [-0.5], [[("d", -0.5)]]), echo=True))
     assert later["text_offset"] == [8] and later["tokens"] == ["d"]
-    no_top = CompletionLogprobs(top=0).add(_lp(["a"], [-1.0], []), echo=False)
-    assert no_top["top_logprobs"] is None and no_top["tokens"] == ["a"]
+    # logprobs: 0 gives each position the chosen token's entry; more give the chosen token
+    # beside the k most likely when it is not among them (OpenAI: up to k + 1 entries).
+    zero = _json(CompletionLogprobs(top=0).add(_lp(["a", "b"], [-1.0, -0.5], []), echo=False))
+    assert zero["top_logprobs"] == [{"a": -1.0}, {"b": -0.5}] and zero["tokens"] == ["a", "b"]
+    sampled = _json(CompletionLogprobs(top=1).add(_lp(["b"], [-2.0], [[("a", -0.5)]]),
+                                                  echo=False))
+    assert sampled["top_logprobs"] == [{"a": -0.5, "b": -2.0}]
+    prompt_zero = common_pb2.Logprobs(input_start=0, input_texts=["<s>", "Hi"],
+                                      input_logprobs=[float("nan"), -4.0])
+    echoed = _json(CompletionLogprobs(top=0).add(prompt_zero, echo=True))
+    assert echoed["top_logprobs"] == [None, {"Hi": -4.0}]
 
 
 def test_completion_reply_batch_echo_and_stream() -> None:
@@ -155,8 +170,40 @@ def test_completion_reply_batch_echo_and_stream() -> None:
     chunks = stream.add(0, _update(" there", [1], completion=1), {"id": "r"})
     chunks += stream.add(0, _update("!", [2], done="stop", completion=2), {"id": "r"})
     assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
-        ("Hi there", None), ("!", None), ("", "stop")]
+        ("Hi there", None), ("!", "stop")]
     assert all(c["object"] == "text_completion" for c in chunks)
+
+
+def test_stream_logprobs_wait_for_their_text_and_end_with_the_finish() -> None:
+    answer = _answer(CompletionAnswer, stream=True, top_logprobs=0)
+    chunks = answer.add(0, _update("a", [1], logprobs=_lp(["a"], [-1.0], [])), {"id": "r"})
+    # A token whose text the detokenizer holds back (half a character, the start of a stop
+    # string): its logprobs wait for the chunk that brings the text.
+    assert answer.add(0, _update("", [2], logprobs=_lp(["b"], [-2.0], [])), {"id": "r"}) == []
+    chunks += answer.add(0, _update("bc", [3], logprobs=_lp(["c"], [-3.0], [])), {"id": "r"})
+    chunks += answer.add(0, _update("", [], done="stop"), {"id": "r"})
+    choices = [_json(c)["choices"][0] for c in chunks]
+    assert [(c["text"], c["logprobs"]["tokens"], c["finish_reason"]) for c in choices] == [
+        ("a", ["a"], None), ("bc", ["b", "c"], None), ("", [], "stop")]
+    assert choices[1]["logprobs"]["text_offset"] == [1, 2]
+    assert choices[1]["logprobs"]["top_logprobs"] == [{"b": -2.0}, {"c": -3.0}]
+    chat = _answer(stream=True, top_logprobs=0)
+    chat.add(0, _update("", [1], logprobs=_lp(["x"], [-1.0], [])), {"id": "r"})
+    [last] = chat.add(0, _update("", [], done="length"), {"id": "r"})
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert [e["token"] for e in last["choices"][0]["logprobs"]["content"]] == ["x"]
+
+
+def test_chat_echo_starts_the_reply() -> None:
+    answer = _answer(echo="Once upon")
+    answer.add(0, _update(" a time", [1], done="stop"), {"id": "r"})
+    assert answer.response()["choices"][0]["message"]["content"] == "Once upon a time"
+    stream = _answer(stream=True, echo="Once upon")
+    chunks = stream.add(0, _update(" a time", [1], done="stop"), {"id": "r"})
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"role": "assistant", "content": "", "reasoning_content": None},
+        {"content": "Once upon", "reasoning_content": None},
+        {"content": " a time", "reasoning_content": None}]
 
 
 def test_embedding_body_float_and_base64() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 
+import grpc
 import httpx
 import pytest
 from helpers import gateway_load, text_request, wait_until
@@ -37,11 +38,20 @@ class Running:
         self.stream = stub.TextGenerate(text_request(text, rid=self.rid, **LONG))
         self.first = next(self.stream)
         self.messages: list[pb.TextGenerateResponse] = [self.first]
+        self.error: grpc.RpcError | None = None
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
 
     def _drain(self) -> None:
-        self.messages.extend(self.stream)
+        try:
+            self.messages.extend(self.stream)
+        except grpc.RpcError as e:
+            self.error = e
+
+    def code(self) -> grpc.StatusCode | None:
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the stream did not end"
+        return self.error.code() if self.error is not None else None
 
     def finish_reason(self) -> str:
         self.thread.join(60)
@@ -93,7 +103,7 @@ def test_get_load_counts_requests_per_scheduler(mesh, http, stub):
     finally:
         stub.Abort(pb.AbortRequest(rid=running.rid))
     assert running.finish_reason() == "abort"
-    _error(http.get("/get_load", params={"dp_rank": 3}), 400, "dp_rank")
+    assert http.get("/get_load", params={"dp_rank": 3}).json() == []  # none there, as SGLang
     _error(http.get("/get_load", params={"dp_rank": "one"}), 400, "dp_rank")
     _error(http.get("/get_load", params={"rank": 0}), 400, "rank")
 
@@ -104,18 +114,18 @@ def test_get_load_counts_requests_per_scheduler(mesh, http, stub):
 def test_abort_request_by_rid_ends_the_stream(http, stub):
     running = Running(stub, "Abort me over HTTP")
     r = http.post("/abort_request", json={"rid": running.rid})
-    assert r.status_code == 200 and r.json() == {"success": True}
+    assert r.status_code == 200 and r.json() == {"success": True, "aborted": 1}
     assert running.finish_reason() == "abort"
     assert int(running.messages[-1].meta_info["completion_tokens"]) < LONG["max_new_tokens"]
     unknown = http.post("/abort_request", json={"rid": f"nope-{uuid.uuid4().hex}"})
-    assert unknown.status_code == 200 and unknown.json() == {"success": False}
+    assert unknown.status_code == 200 and unknown.json() == {"success": True, "aborted": 0}
 
 
 def test_abort_request_all_ends_every_stream(http, stub):
     runs = [Running(stub, "One"), Running(stub, "Two")]
     r = http.post("/abort_request", json={"abort_all": True})
-    assert r.status_code == 200 and r.json() == {"success": True}
-    assert [run.finish_reason() for run in runs] == ["abort", "abort"]
+    assert r.status_code == 200 and r.json()["success"] and r.json()["aborted"] >= 2
+    assert [run.code() for run in runs] == [grpc.StatusCode.CANCELLED] * 2
 
 
 def test_abort_request_errors_name_the_field(http):
@@ -161,7 +171,6 @@ def test_detokenize_round_trips_and_skips_special_tokens(http, stub):
 
 def test_tokenize_and_detokenize_errors_name_the_field(http):
     _error(http.post("/tokenize", json={}), 400, "prompt")
-    _error(http.post("/tokenize", json={"prompt": ""}), 400, "prompt")
     _error(http.post("/tokenize", json={"prompt": 5}), 400, "prompt")
     _error(http.post("/tokenize", json={"prompt": []}), 400, "prompt")
     _error(http.post("/tokenize", json={"prompt": ["a", 3]}), 400, "prompt[1]")

@@ -99,8 +99,8 @@ def test_text_generate_streams_from_json(client, mesh):
 
 def test_errors_come_back_as_statuses(client):
     with pytest.raises(grpc.RpcError) as err:
-        client.call(f"{SERVICE}/Tokenize", {"text": ""})
+        client.call(f"{SERVICE}/Detokenize", {"tokens": [-1]})
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith("text: ")
+    assert err.value.details().startswith("tokens[0]: ")
     with pytest.raises(json_format.ParseError):  # the reflected schema refuses unknown fields
         client.call(f"{SERVICE}/Tokenize", {"txet": "hello"})

@@ -13,3 +13,5 @@ class CallContext:
     peer: str = ""
     deadline: float | None = None  # time.time() seconds, None = no deadline
     transport: str = "grpc"        # "grpc" | "http"
+    # What the handler reports beside its reply: gRPC trailing metadata, HTTP response headers.
+    trailers: dict[str, str] = field(default_factory=dict)

@@ -5,7 +5,9 @@ Abort finds a request wherever it runs: in this gateway's own table, else in the
 With the registry unreachable it fails open: the abort goes to every scheduler this gateway
 knows, each of which ends the request if it has it, or remembers its rid for 60 s in case the
 request is still on its way (so an abort that overtakes its request still wins). Aborts are
-idempotent: aborting a request that already ended succeeds.
+idempotent, as SGLang's: aborting a request that already ended, or a rid nobody knows,
+succeeds; the `meshlm-aborted` trailer (gRPC) or header and "aborted" field (HTTP) says how many
+requests were ended, 0 when there was nothing to abort.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 
 log = get_logger(__name__)
 
+ABORTED_KEY = "meshlm-aborted"  # how many requests an Abort ended
 FLUSH_TIMEOUT = 40.0  # seconds; a scheduler waits up to 30 s for its engine loop
 
 
@@ -40,8 +43,8 @@ class AdminRPCs:
         known = list(deps.addresses["scheduler"])
         if req.abort_all:
             replies = await on_every(channels, known, lambda ch: abort_call(ch, [], True))
-            return pb.AbortResponse(success=all_answered(known, replies, "abort_all",
-                                                         deps.serving("scheduler")))
+            return _answer(ctx, replies, all_answered(known, replies, "abort_all",
+                                                      deps.serving("scheduler")))
         if not req.rid:
             raise MeshError(grpc.StatusCode.INVALID_ARGUMENT, "rid: give a rid or abort_all")
         # A request with n > 1 samples is its children: aborting it aborts them all.
@@ -55,17 +58,15 @@ class AdminRPCs:
                 # Fail-open: every scheduler this gateway knows, every child the rid may have.
                 replies = await on_every(channels, known, lambda ch: abort_call(
                     ch, sorted({req.rid, *child_rids(req.rid, MAX_N)}), False))
-                return pb.AbortResponse(success=all_answered(known, replies, req.rid,
-                                                             deps.serving("scheduler")))
-            elif record is None or not record.get("scheduler"):
-                return pb.AbortResponse(success=False)
-            elif record.get("state") not in ("queued", "running"):
-                return pb.AbortResponse(success=True)  # already over: nothing to do
-            else:
-                schedulers = [record["scheduler"]]
-                rids = child_rids(req.rid, int(record.get("n") or 1))
+                return _answer(ctx, replies, all_answered(known, replies, req.rid,
+                                                          deps.serving("scheduler")))
+            if (record is None or not record.get("scheduler")
+                    or record.get("state") not in ("queued", "running")):
+                return _answer(ctx, [], True)  # unknown, or already over: nothing to do
+            schedulers = [record["scheduler"]]
+            rids = child_rids(req.rid, int(record.get("n") or 1))
         replies = await on_every(channels, schedulers, lambda ch: abort_call(ch, rids, False))
-        return pb.AbortResponse(success=all_answered(schedulers, replies, req.rid))
+        return _answer(ctx, replies, all_answered(schedulers, replies, req.rid))
 
     async def FlushCache(self, req: pb.FlushCacheRequest,
                          ctx: CallContext) -> pb.FlushCacheResponse:
@@ -89,3 +90,11 @@ class AdminRPCs:
         return pb.FlushCacheResponse(
             success=True, message=f"flushed the prefix cache of {len(schedulers)} scheduler(s)")
 
+
+def _answer(ctx: CallContext, replies: list[object], success: bool) -> pb.AbortResponse:
+    """Success (idempotent, as SGLang: true for a rid with nothing to abort); how many
+    requests the schedulers ended goes back as `meshlm-aborted` (gRPC trailing metadata,
+    an HTTP header)."""
+    aborted = sum(r.aborted for r in replies if isinstance(r, scheduler_pb2.AbortResponse))
+    ctx.trailers[ABORTED_KEY] = str(aborted)
+    return pb.AbortResponse(success=success)

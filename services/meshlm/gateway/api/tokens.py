@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import orjson
+
 from meshlm.common import deadline
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.core import GatewayCore
-from meshlm.gateway.protocol.validation import validate_detokenize, validate_tokenize
+from meshlm.gateway.protocol.bounds import text_chars
+from meshlm.gateway.protocol.validation import (
+    check_prompt_chars,
+    validate_detokenize,
+    validate_tokenize,
+)
 from meshlm.v1 import tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
@@ -38,6 +47,16 @@ class TokenRPCs:
     async def token_ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """The text's token ids, by a tokenizer."""
         return list((await self._tokenize(text, add_special_tokens)).tokens)
+
+    async def chat_tokens(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
+        """A conversation rendered by the checkpoint's chat template and encoded, by a
+        tokenizer; its text is checked against the prompt bound first."""
+        check_prompt_chars(text_chars(messages), await self.core.limits(), "messages")
+        reply = await self.core.call(self.core.tokenizer().ApplyChatTemplate(
+            tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(messages).decode(),
+                                              add_generation_prompt=add_generation_prompt),
+            timeout=deadline.timeout()))
+        return list(reply.tokens)
 
     async def _tokenize(self, text: str,
                         add_special_tokens: bool) -> tokenizer_pb2.TokenizeResponse:

@@ -6,13 +6,16 @@ after its first chunk ends with an error line or event of the same shape (`failu
 
 Shapes: Status JSON ({"code", "message", "details"}: the transcoded RPCs, unknown routes),
 SGLang's ({"error": {"message", "code": <HTTP>, "type": <gRPC code>}}: the native routes),
-OpenAI's error object (the /v1/ OpenAI routes), and SGLang's /update_weights_from_disk reply.
+OpenAI's error object (the /v1/ OpenAI routes), SGLang's top-level ErrorResponse ({"object":
+"error", "message", "type", "param", "code": <HTTP>}: /v1/score, as SGLang answers it) and
+SGLang's /update_weights_from_disk reply.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping
+from http import HTTPStatus
 from typing import Any
 
 import grpc
@@ -35,11 +38,20 @@ class Shape(enum.Enum):
     STATUS = "status"
     NATIVE = "native"
     OPENAI = "openai"
+    ERROR_RESPONSE = "error_response"
     WEIGHTS = "weights"
 
 
 def _native_error(err: MeshError, status: int) -> dict[str, Any]:
     return {"error": {"message": err.message, "code": status, "type": err.code.name}}
+
+
+def _error_response(err: MeshError, status: int) -> dict[str, Any]:
+    """SGLang's OpenAI-serving ErrorResponse: top-level, its type named after the status."""
+    name = HTTPStatus(status).phrase.title().replace(" ", "").replace("-", "")
+    kind = name if name.endswith("Error") else f"{name}Error"
+    return {"object": "error", "message": err.message, "type": kind, "param": None,
+            "code": status}
 
 
 def _weights_error(err: MeshError, status: int) -> dict[str, Any]:
@@ -51,6 +63,7 @@ SHAPES: dict[Shape, Callable[[MeshError, int], dict[str, Any]]] = {
     Shape.STATUS: lambda err, status: status_dict(err),
     Shape.NATIVE: _native_error,
     Shape.OPENAI: lambda err, status: openai_error(err),
+    Shape.ERROR_RESPONSE: _error_response,
     Shape.WEIGHTS: _weights_error,
 }
 
@@ -79,7 +92,7 @@ def failure(exc: BaseException, path: str) -> MeshError:
 
 class HttpErrors:
     """ASGI middleware: the answer to a route that raised before its response began, shaped
-    by `shapes` (path -> Shape; other paths: Status JSON)."""
+    by `shapes` (route path, as declared -> Shape; other paths: Status JSON)."""
 
     def __init__(self, app: ASGIApp, shapes: Mapping[str, Shape]) -> None:
         self.app = app
@@ -105,6 +118,8 @@ class HttpErrors:
             if isinstance(exc, ClientGone):
                 response = Response(status_code=CLIENT_GONE)
             else:
-                shape = self.shapes.get(scope["path"], Shape.STATUS)
+                route = scope.get("route")  # the router's match (its path may be a template)
+                path = str(getattr(route, "path", scope["path"]))
+                shape = self.shapes.get(path, Shape.STATUS)
                 response = error_response(shape, failure(exc, scope["path"]))
             await response(scope, receive, send)

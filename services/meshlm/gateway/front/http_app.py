@@ -48,10 +48,11 @@ from meshlm.gateway.front.http_streams import (
     ndjson,
     sse,
 )
-from meshlm.gateway.front.native_routes import OWN_SHAPES, native_routes
-from meshlm.gateway.front.openai_routes import openai_routes
+from meshlm.gateway.front.native_routes import NATIVE_OWN_SHAPES, native_routes
+from meshlm.gateway.front.openai_routes import OPENAI_OWN_SHAPES, openai_routes
 from meshlm.gateway.front.reclaim import Reclaimer
 from meshlm.gateway.front.sse import NativeChoices, native_embedding
+from meshlm.gateway.front.token_routes import token_routes
 from meshlm.gateway.protocol import native, transcode
 from meshlm.gateway.protocol.bounds import Bounds
 from meshlm.gateway.protocol.validation import DEFAULT_MAX_NEW_TOKENS, check_batch
@@ -76,8 +77,9 @@ def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
         Route("/flush_cache", h.flush_cache, methods=["GET", "POST"]),
         Route("/health", h.health, methods=["GET"]),
         *native_routes(api),
+        *token_routes(api, ""),
     ]
-    openai = openai_routes(api)
+    openai = openai_routes(api) + token_routes(api, "/v1")
     transcoded = [_TranscodedRoute(b, partial(h.transcoded, b)) for b in transcode.routes()]
     routes = native + openai + transcoded
     if metrics is not None:
@@ -85,7 +87,7 @@ def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
     # Each route family's error shape; the rest (transcoded RPCs, no route) Status JSON.
     shapes = {**{r.path: Shape.NATIVE for r in native if isinstance(r, Route)},
               **{r.path: Shape.OPENAI for r in openai if isinstance(r, Route)},
-              **OWN_SHAPES}
+              **NATIVE_OWN_SHAPES, **OPENAI_OWN_SHAPES}
     middleware = [Middleware(ApiKeyMiddleware, keys=keys)] if keys else []
     middleware += [Middleware(BodyLimit, limit=bounds.max_body_bytes, reclaim=reclaim),
                    Middleware(HttpErrors, shapes=shapes)]
@@ -120,9 +122,11 @@ class _Handlers:
             binding, request.path_params, request.query_params.multi_items(),
             await request.body(),
         )
-        result = await self._invoke(binding.rpc, req, call_context(request))
+        ctx = call_context(request)
+        result = await self._invoke(binding.rpc, req, ctx)
         if not binding.server_streaming:
-            return Response(transcode.message_json(result), media_type=JSON)
+            return Response(transcode.message_json(result), headers=ctx.trailers,
+                            media_type=JSON)
         head = await first(result)
         return StreamResponse(ndjson(head, result, request.url.path), result,
                               "application/x-ndjson")

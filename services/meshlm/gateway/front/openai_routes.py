@@ -39,6 +39,7 @@ from meshlm.gateway.protocol.openai import (
     parse_completion,
     parse_embedding,
 )
+from meshlm.gateway.protocol.openai_errors import model_not_found
 from meshlm.gateway.protocol.openai_logprobs import dumps
 from meshlm.gateway.protocol.scoring import parse_classify, parse_rerank, parse_score
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -47,12 +48,15 @@ log = get_logger(__name__)
 
 JSON = "application/json"
 SSE_DONE = b"data: [DONE]\n\n"
+OPENAI_OWN_SHAPES = {"/v1/score": Shape.ERROR_RESPONSE}  # not the family's error shape
 
 
 def openai_routes(api: Any) -> list[BaseRoute]:
     """The routes over `api` (a GatewayAPI)."""
+    created = int(time.time())
     return [
-        Route("/v1/models", partial(_models, api, int(time.time())), methods=["GET"]),
+        Route("/v1/models", partial(_models, api, created), methods=["GET"]),
+        Route("/v1/models/{model:path}", partial(_model, api, created), methods=["GET"]),
         Route("/v1/chat/completions", partial(_generation, parse_chat, api.openai.chat_chunks),
               methods=["POST"]),
         Route("/v1/completions", partial(_generation, parse_completion,
@@ -70,7 +74,22 @@ def openai_routes(api: Any) -> list[BaseRoute]:
 
 async def _models(api: Any, created: int, request: Request) -> Response:
     """OpenAI's model list: the served model."""
-    data = [{
+    data = [_card(card, created) for card in api.info.model_cards()]
+    return Response(dumps({"object": "list", "data": data}), media_type=JSON)
+
+
+async def _model(api: Any, created: int, request: Request) -> Response:
+    """One model by its id; NOT_FOUND (OpenAI's model_not_found) for any other."""
+    model = request.path_params["model"]
+    for card in api.info.model_cards():
+        if card.id == model:
+            return Response(dumps(_card(card, created)), media_type=JSON)
+    served = ", ".join(card.id for card in api.info.model_cards()) or "none yet"
+    raise model_not_found(model, served)
+
+
+def _card(card: pb.ModelCard, created: int) -> dict[str, Any]:
+    return {
         "id": card.id,
         "object": "model",
         "created": created,
@@ -78,8 +97,7 @@ async def _models(api: Any, created: int, request: Request) -> Response:
         "root": card.root or card.id,
         "parent": card.parent if card.HasField("parent") else None,
         "max_model_len": card.max_model_len if card.HasField("max_model_len") else None,
-    } for card in api.info.model_cards()]
-    return Response(dumps({"object": "list", "data": data}), media_type=JSON)
+    }
 
 
 async def _generation(parse: Callable[[bytes], GenerationRequest],

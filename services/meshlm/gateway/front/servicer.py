@@ -132,10 +132,14 @@ class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):
 
     async def _unary(self, rpc: Callable[[Any, CallContext], Awaitable[R]], req: Any,
                      ctx: Context) -> R:
+        call = call_context(ctx)
         try:
-            return await rpc(req, call_context(ctx))
+            reply = await rpc(req, call)
         finally:
             self.reclaim.after(req.ByteSize())
+        if call.trailers:
+            ctx.set_trailing_metadata(tuple(call.trailers.items()))
+        return reply
 
     async def _stream(self, rpc: Callable[[Any, CallContext], AsyncIterator[R]], req: Any,
                       ctx: Context) -> AsyncIterator[R]:

@@ -297,9 +297,10 @@ async def test_http_routes_answer_as_the_rpcs() -> None:
         assert r.status_code == 200 and r.json() == await _rerank(FakeGateway(), **rerank)
         r = await c.post("/v1/score", json={"query": "q", "items": ["a"],
                                             "label_token_ids": [5, 100]})
-        assert r.status_code == 400
-        error = r.json()["error"]
-        assert error["param"] == "label_token_ids[1]" and error["type"] == "invalid_request_error"
+        assert r.status_code == 400  # SGLang's top-level ErrorResponse on /v1/score
+        error = r.json()
+        assert error["message"].startswith("label_token_ids[1]: ")
+        assert (error["object"], error["type"], error["code"]) == ("error", "BadRequestError", 400)
         r = await c.post("/v1/classify", json={"input": "hi"})
         assert r.status_code == 400 and "sequence-classification" in r.json()["error"]["message"]
     gw = FakeGateway("LlamaForSequenceClassification")

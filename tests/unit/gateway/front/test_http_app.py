@@ -67,7 +67,7 @@ async def test_call_context(client: httpx.AsyncClient, api: FakeApi) -> None:
     [
         (b'{"txt": "hi"}', "txt: unknown field"),
         (b'{"text": ', "request body is not valid JSON: "),
-        (b'{"text": ""}', "text: must not be empty"),  # raised by the api's validation
+        (b'{"text": "x", "add_special_tokens": "yes"}', "request body: Expected true or false"),
     ],
 )
 async def test_unary_invalid(client: httpx.AsyncClient, body: bytes, start: str) -> None:

@@ -263,11 +263,14 @@ def test_prompt_length_for_text_names_text() -> None:
 
 def test_tokenize_and_detokenize() -> None:
     validate_tokenize(pb.TokenizeRequest(text=" "))
-    assert _error(validate_tokenize, pb.TokenizeRequest()).message.startswith("text: ")
+    validate_tokenize(pb.TokenizeRequest())  # the empty text is valid (SGLang: count 0)
     validate_detokenize(pb.DetokenizeRequest(tokens=[0, 99]), LIMITS)
     validate_detokenize(pb.DetokenizeRequest(), LIMITS)
     err = _error(validate_detokenize, pb.DetokenizeRequest(tokens=[5, 100]), LIMITS)
     assert err.message.startswith("tokens[1]: ") and err.code == INVALID
+    assert err.message.endswith("out-of-vocabulary")
+    err = _error(validate_detokenize, pb.DetokenizeRequest(tokens=[5, -3]), LIMITS)
+    assert err.message.startswith("tokens[1]: ") and "non-negative" in err.message
 
 
 def test_seed_is_passed_through_only_when_given() -> None:

@@ -95,6 +95,15 @@ def test_v1_tokenize_renders_a_chat(http, stub):
     assert "Hello there" in text
     r = http.post("/v1/tokenize", json={"messages": messages, "prompt": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"  # OpenAI's shape
+    started = messages + [{"role": "assistant", "content": "Once upon"}]
+    kept_open = http.post("/v1/tokenize", json={"messages": started,
+                                                "continue_final_message": True}).json()
+    assert kept_open["tokens"][:open_turn["count"]] == open_turn["tokens"]
+    text = http.post("/v1/detokenize", json={"tokens": kept_open["tokens"]}).json()["text"]
+    assert text.endswith("Once upon")  # the final message left open, to be continued
+    r = http.post("/v1/tokenize", json={"messages": started, "continue_final_message": True,
+                                        "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
 def test_negative_ids_are_refused_saying_non_negative(http, stub):

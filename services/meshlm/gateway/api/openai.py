@@ -22,15 +22,11 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from typing import Any, TypeVar
 
-import orjson
-
-from meshlm.common import deadline
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.api.generation import GenerationRPCs
 from meshlm.gateway.api.tokens import TokenRPCs
-from meshlm.gateway.protocol.bounds import text_chars
 from meshlm.gateway.protocol.openai import (
     ChatRequest,
     CompletionRequest,
@@ -53,13 +49,11 @@ from meshlm.gateway.protocol.validation import (
     Limits,
     ValidatedRequest,
     check_batch,
-    check_prompt_chars,
     validate_embed,
     validate_generate,
     validate_text_embed,
     validate_text_generate,
 )
-from meshlm.v1 import tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 R = TypeVar("R")
@@ -98,15 +92,8 @@ class OpenAIRPCs:
         limits = await self.core.limits()
         model = served_model(self.core, req.model)
         check_batch(req.n, limits.max_batch, "n")
-        # The conversation's text, before a tokenizer renders and encodes it.
-        check_prompt_chars(text_chars(req.messages), limits, "messages")
-        reply = await self.core.call(self.core.tokenizer().ApplyChatTemplate(
-            tokenizer_pb2.ChatTemplateRequest(
-                messages_json=orjson.dumps(req.messages).decode(),
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message),
-            timeout=deadline.timeout()))
-        tokens = list(reply.tokens)
+        tokens = await self.tokens.chat_tokens(req.messages, req.add_generation_prompt,
+                                               req.continue_final_message)
         # OpenAI's default: whatever room the context leaves.
         room = max(limits.max_model_len - len(tokens), 1)
         v = _validated(public_request(req, tokens, max_new_tokens=room), limits, req.names)

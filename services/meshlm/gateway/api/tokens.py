@@ -48,13 +48,16 @@ class TokenRPCs:
         """The text's token ids, by a tokenizer."""
         return list((await self._tokenize(text, add_special_tokens)).tokens)
 
-    async def chat_tokens(self, messages: list[Any], add_generation_prompt: bool) -> list[int]:
-        """A conversation rendered by the checkpoint's chat template and encoded, by a
-        tokenizer; its text is checked against the prompt bound first."""
+    async def chat_tokens(self, messages: list[Any], add_generation_prompt: bool,
+                          continue_final_message: bool = False) -> list[int]:
+        """A conversation rendered by the checkpoint's chat template (with the generation
+        prompt, or the final message left open to continue) and encoded, by a tokenizer; its
+        text is checked against the prompt bound before it is sent."""
         check_prompt_chars(text_chars(messages), await self.core.limits(), "messages")
         reply = await self.core.call(self.core.tokenizer().ApplyChatTemplate(
             tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(messages).decode(),
-                                              add_generation_prompt=add_generation_prompt),
+                                              add_generation_prompt=add_generation_prompt,
+                                              continue_final_message=continue_final_message),
             timeout=deadline.timeout()))
         return list(reply.tokens)
 

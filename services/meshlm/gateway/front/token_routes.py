@@ -3,7 +3,8 @@ OpenAI-serving names, answering errors in OpenAI's shape): one pair of handlers,
 both prefixes. Bodies as SGLang's and vLLM's:
 
 - tokenize: {"prompt": str | [str, ...], "add_special_tokens": true} or {"messages": [...],
-  "add_generation_prompt": true} (a chat, rendered by the checkpoint's template) ->
+  "add_generation_prompt": true, "continue_final_message": false} (a chat, rendered by the
+  checkpoint's template; continuing leaves the final message open) ->
   {"tokens", "count", "max_model_len"} (lists for a list of prompts). The empty prompt is
   valid: its tokens are the special ones it gets, if any.
 - detokenize: {"tokens": [id, ...] | [[id, ...], ...], "skip_special_tokens": true} ->
@@ -22,6 +23,7 @@ from starlette.routing import BaseRoute, Route
 from meshlm.common.errors import MeshError, invalid
 from meshlm.gateway.front.http_call import call_context
 from meshlm.gateway.front.json_fields import body_of, bool_field, json_endpoint, string_field
+from meshlm.gateway.protocol.openai import chat_rendering
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 MAX_PROMPTS = 1024  # prompts (or token lists) in one call
@@ -41,12 +43,14 @@ class _TokenHandlers:
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         doc = await body_of(request, ("prompt", "messages", "add_special_tokens",
-                                      "add_generation_prompt", "model"))
+                                      "add_generation_prompt", "continue_final_message",
+                                      "model"))
         string_field(doc, "model", "")  # one model is served: the name is not checked
         if "messages" in doc:
             return await self._chat(doc)
-        if "add_generation_prompt" in doc:
-            raise invalid("add_generation_prompt", "is for a chat's messages")
+        for key in ("add_generation_prompt", "continue_final_message"):
+            if key in doc:
+                raise invalid(key, "is for a chat's messages")
         add_special = bool_field(doc, "add_special_tokens", True)
         if "prompt" not in doc:
             raise invalid("prompt", "give a string or a list of them (or a chat's messages)")
@@ -77,8 +81,10 @@ class _TokenHandlers:
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) for m in messages):
             raise invalid("messages", "give a non-empty list of message objects")
-        tokens = await self.api.tokens.chat_tokens(
-            messages, bool_field(doc, "add_generation_prompt", True))
+        add_prompt, keep_open = chat_rendering(
+            bool_field(doc, "add_generation_prompt", True) if "add_generation_prompt" in doc
+            else None, bool_field(doc, "continue_final_message", False))
+        tokens = await self.api.tokens.chat_tokens(messages, add_prompt, keep_open)
         model = await self.api.core.model_info()
         return {"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len}
 

@@ -158,6 +158,18 @@ def _stream(body: JsonBody) -> tuple[bool, bool]:
     return stream, usage
 
 
+def chat_rendering(add_generation_prompt: bool | None,
+                   continue_final_message: bool) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) as vLLM settles them: the generation
+    prompt by default, not when the final message is continued; both at once is refused."""
+    if continue_final_message and add_generation_prompt:
+        raise invalid("continue_final_message", "cannot be combined with "
+                                                "add_generation_prompt: true")
+    if add_generation_prompt is None:
+        return not continue_final_message, continue_final_message
+    return add_generation_prompt, continue_final_message
+
+
 def parse_chat(body: bytes) -> ChatRequest:
     b = JsonBody(body)
     model = b.string("model")
@@ -183,19 +195,15 @@ def parse_chat(body: bytes) -> ChatRequest:
     if fmt is not None and fmt != {"type": "text"}:
         raise invalid("response_format", "only {\"type\": \"text\"} is supported")
     b.unsupported("modalities", " (text only)", (["text"],))
-    continue_final = bool(b.boolean("continue_final_message"))
-    add_prompt = b.boolean("add_generation_prompt")
-    if continue_final and add_prompt:
-        raise invalid("continue_final_message", "cannot be combined with "
-                                                "add_generation_prompt: true")
+    add_prompt, continue_final = chat_rendering(b.boolean("add_generation_prompt"),
+                                                bool(b.boolean("continue_final_message")))
     echo = bool(b.boolean("echo"))
     rid = b.string("rid")
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
                        rid=rid, names=names, messages=messages,
-                       add_generation_prompt=not continue_final if add_prompt is None
-                       else add_prompt,
+                       add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo)
 
 

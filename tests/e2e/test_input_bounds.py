@@ -166,7 +166,7 @@ def test_the_tokenizer_refuses_a_huge_prompt_without_encoding_it_all(mesh, wide_
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
         assert err.value.details().startswith("text: the prompt is more than")
         assert "10000000 characters" in err.value.details()
-        assert f"context length is {CONTEXT}" in err.value.details()
+        assert f"context length ({CONTEXT} tokens)" in err.value.details()
     grown: list[float] = []
 
     def settled() -> bool:

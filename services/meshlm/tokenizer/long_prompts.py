@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from meshlm.common.context_length import prompt_too_long
 from meshlm.tokenizer.tokenization import TextTokenizer
 
 PIECE_CHARS = 1 << 16
@@ -30,8 +31,8 @@ class TooLong:
     chars: int
 
     def message(self, max_model_len: int, prompt_field: str = "text") -> str:
-        return (f"{prompt_field}: the prompt is more than {self.tokens} tokens ({self.chars} "
-                f"characters), the model's context length is {max_model_len}")
+        return prompt_too_long(prompt_field, f"more than {self.tokens} ({self.chars} characters)",
+                               max_model_len)
 
 
 Encoded = list[int] | TooLong

@@ -167,9 +167,11 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                 sampling = meta.sampling
                 start = sampling.logprob_start_len if sampling.return_logprob else -1
                 code, problem = grpc.StatusCode.INVALID_ARGUMENT, (
-                    prompt.message(self._tok.max_model_len) if isinstance(prompt, TooLong)
+                    prompt.message(self._tok.context_length(req.max_model_len))
+                    if isinstance(prompt, TooLong)
                     else self._tok.check_context(len(prompt), sampling.max_new_tokens,
-                                                 logprob_start_len=start))
+                                                 logprob_start_len=start,
+                                                 limit=req.max_model_len))
                 if problem is None and deadline.passed(meta.deadline, now):
                     code, problem = (grpc.StatusCode.DEADLINE_EXCEEDED,
                                      "the client's deadline passed before the request was "

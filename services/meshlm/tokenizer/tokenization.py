@@ -27,6 +27,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from meshlm.common.context_length import completion_too_long, prompt_too_long
+
 # config.json keys that give the context length, most specific first (as vLLM reads them).
 _CONTEXT_KEYS = (
     "max_position_embeddings",
@@ -179,35 +181,35 @@ class TextTokenizer:
 
     def check_context(
         self, prompt_len: int, max_new_tokens: int, *, prompt_field: str = "text",
-        logprob_start_len: int = -1,
+        logprob_start_len: int = -1, limit: int = 0,
     ) -> str | None:
         """None if the request fits the context; else a client-facing message naming the field.
 
         `prompt_field` is the request field the prompt came from ("text", "input_ids", ...).
         `logprob_start_len` (prompt logprobs asked from there; -1 = none) must be a prompt
-        position.
+        position. `limit`: the context length to check against when smaller than the
+        checkpoint's (the engine's, as the gateway knows it); 0 = the checkpoint's.
         """
-        limit = self._max_model_len
+        limit = self.context_length(limit)
         if prompt_len <= 0:
             return f"{prompt_field}: the prompt is empty (0 tokens)"
         if prompt_len >= limit:  # no room left to generate
-            return (
-                f"{prompt_field}: the prompt is {prompt_len} tokens, "
-                f"the model's context length is {limit}"
-            )
+            return prompt_too_long(prompt_field, prompt_len, limit)
         if max_new_tokens < 0:
             return f"sampling_params.max_new_tokens: must be >= 0, got {max_new_tokens}"
         if prompt_len + max_new_tokens > limit:
-            return (
-                f"sampling_params.max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
-                f"({max_new_tokens}) exceeds the context length ({limit})"
-            )
+            return completion_too_long(prompt_len, max_new_tokens, limit)
         if logprob_start_len >= prompt_len:
             return (
                 f"logprob_start_len: must be less than the prompt's length ({prompt_len} tokens), "
                 f"got {logprob_start_len}"
             )
         return None
+
+    def context_length(self, limit: int = 0) -> int:
+        """The context length a request is held to: `limit` (the engine's, from the gateway)
+        when it is smaller than the checkpoint's; 0 = the checkpoint's."""
+        return min(limit, self._max_model_len) if limit > 0 else self._max_model_len
 
     # -- properties -------------------------------------------------------------------------
 

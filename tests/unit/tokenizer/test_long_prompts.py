@@ -60,7 +60,7 @@ def test_a_text_that_cannot_fit_is_refused_after_a_piece(tok: TextTokenizer) -> 
     over = count_over(tok, text, max_tokens=2047, piece_chars=1 << 16)
     assert over is not None and 2047 < over.tokens < 2 * (1 << 16)
     assert over.message(2048).startswith("text: the prompt is more than")
-    assert "the model's context length is 2048" in over.message(2048)
+    assert "is longer than the model's context length (2048 tokens)" in over.message(2048)
 
 
 def test_a_text_that_may_fit_is_encoded_whole(tok: TextTokenizer) -> None:

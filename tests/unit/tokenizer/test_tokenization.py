@@ -159,18 +159,28 @@ def test_check_context(tok: TextTokenizer) -> None:
     assert tok.check_context(2047, 1) is None
     assert tok.check_context(0, 10) == "text: the prompt is empty (0 tokens)"
     assert tok.check_context(3000, 10) == (
-        "text: the prompt is 3000 tokens, the model's context length is 2048"
+        "text: the prompt is 3000 tokens, which is longer than the model's context length "
+        "(2048 tokens); shorten the prompt"
     )
     assert tok.check_context(2048, 0) == (
-        "text: the prompt is 2048 tokens, the model's context length is 2048"
+        "text: the prompt is 2048 tokens, which is longer than the model's context length "
+        "(2048 tokens); shorten the prompt"
     )
     assert tok.check_context(2000, 100) == (
-        "sampling_params.max_new_tokens: prompt (2000 tokens) + max_new_tokens (100) exceeds "
-        "the context length (2048)"
+        "sampling_params.max_new_tokens: max_new_tokens is too large: 100. Requested token "
+        "count exceeds the model's maximum context length of 2048 tokens (2000 prompt + 100 "
+        "completion tokens); use at most 48"
     )
     assert tok.check_context(5000, 1, prompt_field="input_ids") == (
-        "input_ids: the prompt is 5000 tokens, the model's context length is 2048"
+        "input_ids: the prompt is 5000 tokens, which is longer than the model's context length "
+        "(2048 tokens); shorten the prompt"
     )
+    # The engine's context length, when the gateway gives a smaller one.
+    assert tok.check_context(1500, 10, limit=1024).startswith(  # type: ignore[union-attr]
+        "text: the prompt is 1500 tokens, which is longer than the model's context length "
+        "(1024 tokens)")
+    assert tok.check_context(1000, 10, limit=4096) is None  # never more than the checkpoint's
+    assert tok.check_context(2047, 1, limit=4096) is None
     message = tok.check_context(10, -1)
     assert message is not None and message.startswith("sampling_params.max_new_tokens:")
     # Prompt logprobs must start inside the prompt.

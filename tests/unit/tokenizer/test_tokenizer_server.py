@@ -116,7 +116,7 @@ async def test_a_prompt_that_cannot_fit_is_refused_the_others_go_on(tok: TextTok
         assert rejection.rid == "long"
         assert rejection.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert rejection.status.message.startswith("text: the prompt is more than")
-        assert "context length is 2048" in rejection.status.message
+        assert "context length (2048 tokens)" in rejection.status.message
         assert sorted(scheduler.rids) == ["medium", "short"]
     finally:
         workers.close()

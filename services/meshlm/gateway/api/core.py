@@ -4,6 +4,7 @@ lookups built on them (limits for validation, picking a replica, calling a token
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -19,7 +20,7 @@ from meshlm.gateway.mesh.inbox import RequestTable
 from meshlm.gateway.mesh.registry import RidRegistry
 from meshlm.gateway.protocol.bounds import Bounds
 from meshlm.gateway.protocol.validation import Limits
-from meshlm.v1 import common_pb2, tokenizer_pb2_grpc
+from meshlm.v1 import common_pb2, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
 log = get_logger(__name__)
 
@@ -45,10 +46,12 @@ class GatewayCore:
         self.channels = channels
         self.bounds = bounds or Bounds()  # size bounds checked before any work
         self.model: common_pb2.ModelInfo | None = None  # from a tokenizer, once one answers
+        self.engine_len: int | None = None  # the schedulers' context length, once one answered
         self.background = BackgroundTasks()  # work that outlives the call that began it
 
     async def refresh_info(self) -> None:
-        """Fetch the model's facts from a tokenizer (limits for validation, model cards)."""
+        """Fetch the model's facts from a tokenizer (limits for validation, model cards), and
+        hold them to the engine's context length once a scheduler gave it."""
         address = self.deps.pick("tokenizer")
         if address is None:
             return
@@ -57,6 +60,31 @@ class GatewayCore:
             self.model = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=CONTROL_TIMEOUT)
         except grpc.aio.AioRpcError as exc:
             log.warning("model_info_failed", tokenizer=address, error=exc.details())
+            return
+        self.engine_len = None
+        await self._engine_limit()
+
+    async def _engine_limit(self) -> None:
+        """The schedulers' context length (--max-model-len), from one that serves, in force
+        when smaller than the checkpoint's: validation, Tokenize, GetModelInfo and the model
+        cards all say it (so a request is refused rather than cut short)."""
+        address = self.deps.pick("scheduler")
+        if address is None or self.model is None:
+            return
+        stub = scheduler_pb2_grpc.SchedulerStub(self.channels.get(address))
+        try:
+            engine = await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=CONTROL_TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("engine_info_failed", scheduler=address, error=exc.details())
+            return
+        self.engine_len = engine.max_model_len
+        if 0 < engine.max_model_len < self.model.max_model_len:
+            log.info("context_length_from_engine", max_model_len=engine.max_model_len,
+                     checkpoint=self.model.max_model_len, scheduler=address)
+            self.model.max_model_len = engine.max_model_len
+            facts = json.loads(self.model.json_info) if self.model.json_info else {}
+            facts["max_model_len"] = engine.max_model_len
+            self.model.json_info = json.dumps(facts)
 
     async def model_info(self) -> common_pb2.ModelInfo:
         """The model's facts; UNAVAILABLE until a tokenizer gave them."""
@@ -73,6 +101,8 @@ class GatewayCore:
         if self.model is None or not self.deps.ready:
             raise MeshError(grpc.StatusCode.UNAVAILABLE,
                             f"not ready: waiting for {self.missing() or 'model info'}")
+        if self.engine_len is None:  # the facts came before any scheduler served
+            await self._engine_limit()
         return self.limits_of(self.model)
 
     def limits_of(self, info: common_pb2.ModelInfo) -> Limits:

@@ -24,11 +24,12 @@ class TokenRPCs:
         self.core = core
 
     async def Tokenize(self, req: pb.TokenizeRequest, ctx: CallContext) -> pb.TokenizeResponse:
-        validate_tokenize(req, self.core.limits_of(await self.core.model_info()))
+        model = await self.core.model_info()
+        validate_tokenize(req, self.core.limits_of(model))
         add_special = req.add_special_tokens if req.HasField("add_special_tokens") else True
         reply = await self._tokenize(req.text, add_special)
         return pb.TokenizeResponse(tokens=reply.tokens, count=len(reply.tokens),
-                                   max_model_len=reply.max_model_len, input_text=req.text)
+                                   max_model_len=model.max_model_len, input_text=req.text)
 
     async def Detokenize(self, req: pb.DetokenizeRequest, ctx: CallContext,
                          skip_special_tokens: bool = False) -> pb.DetokenizeResponse:

@@ -14,11 +14,11 @@ from typing import Any
 
 import grpc
 
+from meshlm.common.context_length import MAX_NEW_TOKENS
 from meshlm.common.errors import MeshError
 
 _FIELD = re.compile(r"[A-Za-z_][\w.]*(\[\d+\])*")
 _SAMPLING = "sampling_params."
-MAX_NEW_TOKENS = "sampling_params.max_new_tokens"
 
 
 def field_of(message: str) -> str | None:

@@ -143,7 +143,7 @@ async def test_score_token_ids() -> None:
     ({"query": [1], "items": [[2], [3, 200]], "label_token_ids": [5]},
      "items[1][1]: token id 200 is out of range [0, 100)"),
     ({"query": [1], "items": [[2] * 70], "label_token_ids": [5]},
-     "items[0]: prompt is 71 tokens"),
+     "items[0]: the prompt is 71 tokens, which is longer than the model's context length"),
     ({"query": "q", "items": ["long"[:0] + "long"], "label_token_ids": [5]}, None),
     ({"query": "", "items": ["long"], "label_token_ids": [5]},
      "items[0]: the prompt is too long"),

@@ -125,7 +125,7 @@ def test_long_token_id_lists_are_bounded_before_each_id_is_looked_at() -> None:
     long = pb.GenerateRequest(input_ids=[*ids, 10**6])
     with pytest.raises(MeshError) as err:
         validate_generate(long, LIMITS)
-    assert err.value.message.startswith(f"input_ids: prompt is {len(ids) + 1} tokens")
+    assert err.value.message.startswith(f"input_ids: the prompt is {len(ids) + 1} tokens")
 
 
 def test_openai_prompts_have_a_bounded_number_of_ids() -> None:

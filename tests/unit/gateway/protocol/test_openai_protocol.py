@@ -219,7 +219,8 @@ def _validation_error(doc: dict[str, Any], prompt: Any = "hi") -> MeshError:
      "min_tokens: must be in [0, max_new_tokens=5], got 20"),
     ({"prompt": "", "max_tokens": 5}, "", "prompt: must not be empty"),
     ({"prompt": [1], "max_tokens": 64}, [1],
-     "max_tokens: prompt (1 tokens) + max_tokens (64) exceeds the model's context length 64"),
+     "max_tokens: max_tokens is too large: 64. Requested token count exceeds the model's "
+     "maximum context length of 64 tokens (1 prompt + 64 completion tokens); use at most 63"),
     ({"prompt": [500]}, [500], "prompt[0]: token id 500 is out of range [0, 100)"),
     ({"prompt": "hi", "stop_token_ids": [100]}, "hi", "stop_token_ids[0]: token id 100"),
     ({"prompt": "hi", "rid": "a b"}, "hi", "rid: must be 1 to 128 characters"),

@@ -1,10 +1,10 @@
 """Which scheduler serves a request: the routing policy (plain Python, no I/O).
 
 1. `routed_dp_rank` given: that replica (the rank is its place in the gateway's scheduler list).
-2. Otherwise an affinity key, the request's `routing_key` or else the start of its prompt, picks
-   a preferred replica by rendezvous hashing (highest hash of key + address), so requests that
-   share a key, or a prompt prefix, land where their prefix is cached, and only the keys of a
-   replica that leaves or joins move.
+2. Otherwise an affinity key, the request's `routing_key`, else its `session_id`, else the start
+   of its prompt, picks a preferred replica by rendezvous hashing (highest hash of key +
+   address), so requests that share a key, a session or a prompt prefix land where their prefix
+   is cached, and only the keys of a replica that leaves or joins move.
 3. The preferred replica is taken while it is not overloaded: its load may exceed the least
    loaded replica's by at most `imbalance` (a share of one replica's running batch). Past that,
    or without a key, the least loaded replica serves.
@@ -36,11 +36,14 @@ class Load:
 
 
 def affinity_key(routing_key: str | None, text: str | None,
-                 input_ids: Sequence[int] | None) -> str:
-    """The key that keeps a request with its kin: the client's routing_key, else the prompt's
-    first characters or tokens (a shared system prompt, a conversation's history)."""
+                 input_ids: Sequence[int] | None, session_id: str | None = None) -> str:
+    """The key that keeps a request with its kin: the client's routing_key, else its
+    session_id (SGLang's upstream field: a conversation), else the prompt's first characters
+    or tokens (a shared system prompt, a conversation's history)."""
     if routing_key:
         return "k:" + routing_key
+    if session_id:
+        return "s:" + session_id
     if text is not None:
         return "t:" + text[:PREFIX_CHARS]
     return "i:" + ",".join(map(str, list(input_ids or ())[:PREFIX_IDS]))

@@ -7,7 +7,7 @@ from typing import Any
 
 from meshlm.common.errors import invalid
 from meshlm.gateway.protocol.transcode import check_known_fields, parse_dict, parse_json_body
-from meshlm.gateway.protocol.validation import check_batch
+from meshlm.gateway.protocol.validation import check_batch, unimplemented
 from sglang.runtime.v1 import sglang_pb2
 
 NativeRequest = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
@@ -16,7 +16,11 @@ NativeRequest = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
 # Fields of a batched /generate body that may give one value per prompt (a list) instead of
 # one value for all (io_struct's normalisation).
 _PER_PROMPT = ("sampling_params", "rid", "return_logprob", "logprob_start_len",
-               "top_logprobs_num", "return_text_in_logprobs", "routing_key", "routed_dp_rank")
+               "top_logprobs_num", "return_text_in_logprobs", "routing_key", "routed_dp_rank",
+               "session_id", "priority")
+# SGLang's sampling params for constrained decoding that the proto has only inside
+# guided_decoding: refused by name, as json_schema and regex are (validation.py).
+_CONSTRAINTS = ("ebnf", "structural_tag")
 
 
 def native_generate_requests(body: bytes, max_batch: int = 0
@@ -27,7 +31,8 @@ def native_generate_requests(body: bytes, max_batch: int = 0
     a list with one value per prompt.
 
     Sampling params use SGLang's names, which are the proto's; "stop" may be a single string.
-    JSON nulls mean "not given". A batch of more than `max_batch` prompts (0: no limit) is
+    JSON nulls mean "not given"; SGLang's "ebnf" and "structural_tag" are UNIMPLEMENTED, as
+    the proto's constraints are. A batch of more than `max_batch` prompts (0: no limit) is
     refused before it is split.
     """
     doc, has_text = _native_prompt(body, batch_ok=True)
@@ -54,6 +59,10 @@ def _native_generate(doc: dict[str, Any], has_text: bool) -> NativeRequest:
         sampling = {k: v for k, v in sampling.items() if v is not None}
         if isinstance(sampling.get("stop"), str):
             sampling["stop"] = [sampling["stop"]]
+        for name in _CONSTRAINTS:
+            if name in sampling:
+                raise unimplemented(f"sampling_params.{name}",
+                                    "constrained decoding is not supported yet")
         doc["sampling_params"] = sampling
     cls = sglang_pb2.TextGenerateRequest if has_text else sglang_pb2.GenerateRequest
     check_known_fields(doc, cls.DESCRIPTOR, "")

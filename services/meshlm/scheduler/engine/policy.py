@@ -7,7 +7,6 @@ loop's); the runner may execute a plan concurrently, reading only that plan's se
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -24,6 +23,7 @@ from meshlm.scheduler.engine.sequence import (
 )
 from meshlm.scheduler.engine.slot_table import SlotTable
 from meshlm.scheduler.engine.totals import Totals
+from meshlm.scheduler.engine.waiting import WaitingQueue
 
 # How pause() treats the requests in flight (SGLang's PauseGenerationReqInput.mode).
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -34,12 +34,13 @@ class BatchPlanner:
 
     Every step spends at most `max_batched_tokens` tokens: first one decode token for each
     running sequence that has finished its prompt (oldest first), then the next chunk of each
-    running sequence still prefilling, then new sequences from the waiting queue (FIFO),
-    each taking what is left of the budget as its first chunk. A waiting sequence is admitted
-    only when blocks for its whole prompt are free (after reusing its cached prefix) with
-    `watermark_blocks` to spare, and fewer than `max_running` run. When a decode needs a new
-    block and none is free, the newest running sequence is preempted: its blocks are freed
-    and it goes back to the front of the queue, to be recomputed (its prefix likely cached).
+    running sequence still prefilling, then new sequences from the waiting queue (larger
+    priority first, then FIFO: waiting.py), each taking what is left of the budget as its
+    first chunk. A waiting sequence is admitted only when blocks for its whole prompt are free
+    (after reusing its cached prefix) with `watermark_blocks` to spare, and fewer than
+    `max_running` run. When a decode needs a new block and none is free, the newest running
+    sequence is preempted: its blocks are freed and it goes back to the front of the queue
+    (of its priority), to be recomputed (its prefix likely cached).
     While paused (`pause()` .. `resume()`) no step is planned; requests still come and go.
     """
 
@@ -70,7 +71,7 @@ class BatchPlanner:
             watermark_blocks = num_blocks // 100
         self.watermark_blocks = watermark_blocks
         self.rows = SlotTable(max_running)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # in admission order
         self._live: dict[str, Sequence] = {}  # waiting + running, by rid
         self._aborting: list[Sequence] = []  # running, abort asked, not yet released
@@ -81,15 +82,15 @@ class BatchPlanner:
     # -- requests ---------------------------------------------------------------------------
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-            after: str | None = None) -> None:
-        """Queue a request. Raises ValueError if `rid` is live. An unusable request is not
-        queued: it finishes with "error" (or "length" when max_new_tokens is 0) at once, its
-        output coming from the next postprocess.
+            after: str | None = None, priority: int = 0) -> None:
+        """Queue a request, ahead of those of lower `priority`. Raises ValueError if `rid` is
+        live. An unusable request is not queued: it finishes with "error" (or "length" when
+        max_new_tokens is 0) at once, its output coming from the next postprocess.
 
         `after` names a live request with the same prompt (n > 1 samples of one prompt):
         this one is held back until that one's prompt is computed, then admitted on the
         prefix cache, sharing its prompt blocks instead of computing them again."""
-        self._enqueue(Sequence.new(rid, prompt_ids, params), after)
+        self._enqueue(Sequence.new(rid, prompt_ids, params, priority), after)
 
     def add_embed(self, rid: str, prompt_ids: list[int], pooling: str,
                   pool_at: int | None = None) -> None:
@@ -112,11 +113,7 @@ class BatchPlanner:
             leader.followers.append(seq)
             seq.held = True
         else:
-            self.waiting.append(seq)
-
-    def _release_followers(self, seq: Sequence) -> None:
-        """The leader's prompt is computed (or it ended): its followers queue up first."""
-        self.waiting.extendleft(reversed(seq.release_followers()))  # in their order
+            self.waiting.push(seq)
 
     def abort(self, rid: str) -> bool:
         """End a live request; True if found. Waiting: removed now. Running: marked, and
@@ -247,7 +244,7 @@ class BatchPlanner:
             items.append(self._item(seq, n))
             scheduled.add(id(seq))
             budget -= n
-        # 3. Admissions, FIFO, while blocks, rows and budget last (none after a preemption).
+        # 3. Admissions in queue order while blocks, rows and budget last (none if preempted).
         while self.waiting and budget > 0 and not preempted and self.rows.can_allocate():
             seq = self.waiting[0]
             if not self._try_allocate(seq):
@@ -300,7 +297,7 @@ class BatchPlanner:
         seq.num_computed_tokens = 0
         if not seq.first_output_sent:  # its prompt logprobs are gathered again
             seq.input_logprobs, seq.input_top_logprobs = [], []
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.blocks.free(seq.table)
@@ -347,7 +344,7 @@ class BatchPlanner:
             seq.input_logprobs += result.input_logprobs
             seq.input_top_logprobs += result.input_top_logprobs
         if seq.followers and seq.num_computed_tokens >= seq.num_prompt_tokens:
-            self._release_followers(seq)
+            self.waiting.push_front(*seq.release_followers())  # they share its prompt's KV
         if not item.sample:
             if item.start < seq.num_prompt_tokens:
                 self.totals.chunked_prefills += 1
@@ -380,7 +377,7 @@ class BatchPlanner:
 
     def _finish(self, seq: Sequence, reason: str, matched: int | None = None) -> None:
         """The one place a sequence ends: frees its blocks and row (once) and forgets it."""
-        self._release_followers(seq)
+        self.waiting.push_front(*seq.release_followers())
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.matched_token = reason, matched

@@ -105,14 +105,16 @@ class Sequence:
     held: bool = False  # waiting for a leader's prompt (n > 1), not in the waiting queue
     followers: list[Sequence] = field(default_factory=list)  # held for this one's prompt
     num_preemptions: int = 0
+    priority: int = 0  # the client's: larger values are admitted first (waiting.py)
     # Prompt logprobs gathered chunk by chunk, sent with the first output.
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     first_output_sent: bool = False
 
     @classmethod
-    def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
-        return cls(rid, list(prompt_ids), len(prompt_ids), params)
+    def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams,
+            priority: int = 0) -> Sequence:
+        return cls(rid, list(prompt_ids), len(prompt_ids), params, priority=priority)
 
     @classmethod
     def new_embed(cls, rid: str, prompt_ids: list[int], pooling: str,

@@ -1,6 +1,6 @@
 """Two of everything: 2 gateways, 2 tokenizers, 2 schedulers, 2 detokenizers and Redis, all real
-processes on loopback. Requests spread over the schedulers, a routing_key sticks, routed_dp_rank
-picks a replica, and an abort on either gateway ends a request wherever it runs."""
+processes on loopback. Requests spread over the schedulers, a routing_key or session_id sticks,
+routed_dp_rank picks a replica, and an abort on either gateway ends a request wherever it runs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import pytest
 import redis
 from helpers import (
@@ -133,6 +134,38 @@ def test_same_routing_key_sticks_to_one_scheduler(mesh2, stubs, registry):
             collect_text(stubs[i % 2], req)
             rids.append(rid)
         assert len({record(registry, rid)["scheduler"] for rid in rids}) == 1, routing_key
+
+
+def test_same_session_id_sticks_to_one_scheduler_over_grpc_and_http(mesh2, stubs, registry):
+    """Upstream's session_id keys affinity when no routing_key is given: TextGenerate,
+    Generate, native /generate and the transcoded route, on either gateway, each request with
+    a prompt of its own."""
+    bases = [g.http_address for g in mesh2.replicas("gateway")]
+
+    def send(i: int, rid: str, session: str) -> None:
+        way, gateway = i % 4, i // 4 % 2
+        fresh = uuid.uuid4().bytes
+        sampling = {"max_new_tokens": 2}
+        if way == 0:
+            req = text_request(f"a new turn {fresh.hex()}", rid=rid, **sampling)
+            req.session_id = session
+            collect_text(stubs[gateway], req)
+        elif way == 1:
+            req = pb.GenerateRequest(input_ids=list(fresh[:8]), rid=rid, session_id=session,
+                                     sampling_params=pb.SamplingParams(**sampling))
+            assert list(stubs[gateway].Generate(req, timeout=60))[-1].finished
+        else:
+            path = "/generate" if way == 2 else "/v1/runtime/text_generate"
+            r = httpx.post(f"{bases[gateway]}{path}", timeout=60, json={
+                "text": f"a new turn {fresh.hex()}", "rid": rid, "session_id": session,
+                "sampling_params": sampling})
+            assert r.status_code == 200, r.text
+
+    for session in ("conv-a", "conv-b", "conv-c"):
+        rids = [f"conv-{uuid.uuid4().hex[:8]}" for _ in range(8)]
+        for i, rid in enumerate(rids):
+            send(i, rid, session)
+        assert len({record(registry, rid)["scheduler"] for rid in rids}) == 1, session
 
 
 def test_routed_dp_rank_picks_the_replica(mesh2, stubs, registry):

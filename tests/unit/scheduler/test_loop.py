@@ -140,13 +140,13 @@ async def test_the_waiting_queue_is_bounded(make_engine: Any):
 
 class _FakeEngine:
     def __init__(self) -> None:
-        self.added: list[tuple[str, list[int], SamplingParams]] = []
+        self.added: list[tuple[str, list[int], SamplingParams, int]] = []
         self.model_config = SimpleNamespace(has_lm_head=True)
         self.num_waiting = 0
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
-                    after: str | None = None) -> None:
-        self.added.append((rid, ids, params))
+                    after: str | None = None, priority: int = 0) -> None:
+        self.added.append((rid, ids, params, priority))
 
 
 @pytest.mark.parametrize("start", [-1, 0])
@@ -162,3 +162,14 @@ def test_admission_keeps_the_prompt_only_for_prompt_logprobs(start: int) -> None
     assert tracked.meta.sampling.return_text_in_logprobs
     assert tracked.prompt_ids == ([1, 2, 3] if start >= 0 else [])
     assert engine.added[0][2].logprob_start_len == start
+
+
+def test_admission_passes_the_gateways_priority_to_the_engine() -> None:
+    engine = _FakeEngine()
+    loop = EngineLoop(engine, None, None)  # type: ignore[arg-type]
+    for rid, priority in (("low", -3), ("none", 0), ("high", 7)):
+        loop.admit(scheduler_pb2.TokenizedRequest(input_ids=[1], meta=common_pb2.RequestMeta(
+            rid=rid, route=common_pb2.Route(detokenizer="d"), priority=priority,
+            sampling=common_pb2.SamplingParams(top_p=1.0, max_new_tokens=1))))
+    assert [(rid, priority) for rid, _, _, priority in engine.added] == [
+        ("low", -3), ("none", 0), ("high", 7)]

@@ -26,6 +26,14 @@ def test_affinity_key_prefers_routing_key_then_prompt_prefix():
     assert affinity_key(None, "1", None) != affinity_key(None, None, [1])
 
 
+def test_session_id_keys_affinity_when_no_routing_key_is_given():
+    assert affinity_key(None, "hello", None, "conv-1") == "s:conv-1"
+    assert affinity_key(None, "one prompt", None, "conv-1") == affinity_key(
+        None, None, [5, 6], "conv-1")  # whatever the prompt
+    assert affinity_key("user-7", "hello", None, "conv-1") == "k:user-7"  # routing_key first
+    assert affinity_key(None, "hello", None, "") == affinity_key(None, "hello", None)
+
+
 def test_same_key_sticks_and_keys_spread():
     router = Router()
     picks = {router.pick(LIVE, idle, {}, f"k:{i}") for _ in range(3) for i in [5]}

@@ -1,0 +1,105 @@
+"""Upstream's newer request fields at the gateway: session_id and priority are carried on (the
+routing key, the scheduler's queue order), seed=16 reaches the engine's params, and what meshlm
+does not serve yet (reasoning, guided decoding) is refused UNIMPLEMENTED naming the field; in
+gRPC messages and in native /generate bodies alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import orjson
+import pytest
+
+from meshlm.common.errors import MeshError
+from meshlm.gateway.mesh.wire import tokenizer_request
+from meshlm.gateway.protocol import native
+from meshlm.gateway.protocol.choices import fan_out
+from meshlm.gateway.protocol.validation import Limits, validate_generate, validate_text_generate
+from meshlm.v1 import common_pb2
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+LIMITS = Limits(max_model_len=256, vocab_size=100)
+GUIDED = [("json_schema", "{}"), ("regex", "a+"), ("ebnf", "root ::= 'a'"),
+               ("choice", pb.ChoiceConstraint(values=["yes", "no"])), ("structural_tag", "{}")]
+
+
+def _refusal(fn: Any, *args: Any) -> MeshError:
+    with pytest.raises(MeshError) as info:
+        fn(*args)
+    return info.value
+
+
+def test_session_id_and_priority_are_carried_and_default_to_none_and_zero() -> None:
+    v = validate_text_generate(pb.TextGenerateRequest(text="a", session_id="conv-9",
+                                                      priority=-4), LIMITS)
+    assert (v.session_id, v.priority) == ("conv-9", -4)
+    v = validate_generate(pb.GenerateRequest(input_ids=[1, 2], priority=7), LIMITS)
+    assert (v.session_id, v.priority) == (None, 7)
+    v = validate_text_generate(pb.TextGenerateRequest(text="a"), LIMITS)
+    assert (v.session_id, v.priority) == (None, 0)
+
+
+def test_the_priority_rides_in_every_childs_request_meta() -> None:
+    v = validate_text_generate(pb.TextGenerateRequest(
+        text="a", priority=12, sampling_params=pb.SamplingParams(n=2, seed=5)), LIMITS)
+    metas = [tokenizer_request(v, child, common_pb2.Route(), {}, 0.0, None, 256).meta
+             for child in fan_out("r", v.n, v.sampling)]
+    assert [(m.rid, m.priority, m.sampling.seed) for m in metas] == [("r-0", 12, 5),
+                                                                     ("r-1", 12, 6)]
+
+
+@pytest.mark.parametrize("fields,name", [
+    ({"require_reasoning": True}, "require_reasoning"),
+    ({"max_thinking_tokens": 0}, "max_thinking_tokens"),
+    ({"max_thinking_tokens": 512, "require_reasoning": False}, "max_thinking_tokens"),
+])
+def test_reasoning_options_are_unimplemented(fields: dict[str, Any], name: str) -> None:
+    for validate, req in ((validate_text_generate, pb.TextGenerateRequest(text="a", **fields)),
+                          (validate_generate, pb.GenerateRequest(input_ids=[1], **fields))):
+        err = _refusal(validate, req, LIMITS)
+        assert err.code == grpc.StatusCode.UNIMPLEMENTED
+        assert err.message == f"{name}: reasoning models are not supported yet"
+
+
+def test_require_reasoning_false_is_the_default_and_accepted() -> None:
+    assert validate_text_generate(pb.TextGenerateRequest(text="a", require_reasoning=False),
+                                  LIMITS).priority == 0
+
+
+@pytest.mark.parametrize("kind,value", GUIDED, ids=[k for k, _ in GUIDED])
+def test_guided_decoding_is_unimplemented_as_json_schema_and_regex_are(kind: str,
+                                                                       value: Any) -> None:
+    params = pb.SamplingParams(guided_decoding=pb.GuidedDecoding(**{kind: value}))
+    err = _refusal(validate_text_generate, pb.TextGenerateRequest(text="a",
+                                                                  sampling_params=params), LIMITS)
+    assert err.code == grpc.StatusCode.UNIMPLEMENTED
+    assert err.message == ("sampling_params.guided_decoding: constrained decoding is not "
+                           "supported yet")
+
+
+def test_seed_at_upstreams_number_reaches_the_internal_params() -> None:
+    v = validate_text_generate(pb.TextGenerateRequest.FromString(
+        b"\x0a\x01a" + b"\x12\x03" + bytes([16 << 3, 1, 42])), LIMITS)  # text, {seed: 42}
+    assert v.sampling.HasField("seed") and v.sampling.seed == 42
+
+
+def test_native_body_takes_upstreams_fields_one_per_prompt_or_one_for_all() -> None:
+    reqs, batch = native.native_generate_requests(orjson.dumps({
+        "text": ["a", "b"], "priority": [5, -1], "session_id": "conv",
+        "require_reasoning": False, "sampling_params": {"seed": 3}}))
+    assert batch and [(r.priority, r.session_id, r.sampling_params.seed) for r in reqs] == [
+        (5, "conv", 3), (-1, "conv", 3)]
+    one = native.native_generate_request(orjson.dumps({
+        "input_ids": [1, 2], "max_thinking_tokens": 9,
+        "sampling_params": {"guided_decoding": {"choice": {"values": ["x"]}}}}))
+    assert isinstance(one, pb.GenerateRequest) and one.max_thinking_tokens == 9
+    assert one.sampling_params.guided_decoding.choice.values == ["x"]
+
+
+@pytest.mark.parametrize("name", ["ebnf", "structural_tag"])
+def test_native_constraint_params_are_unimplemented_by_name(name: str) -> None:
+    err = _refusal(native.native_generate_request,
+                   orjson.dumps({"text": "a", "sampling_params": {name: "x"}}))
+    assert err.code == grpc.StatusCode.UNIMPLEMENTED
+    assert err.message == f"sampling_params.{name}: constrained decoding is not supported yet"

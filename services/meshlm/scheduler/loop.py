@@ -39,6 +39,7 @@ log = get_logger(__name__)
 
 PRE_ABORT_TTL = 60.0  # seconds an abort for a not-yet-seen rid is remembered
 EXPIRY_CHECK = 0.05  # seconds between scans for requests past their deadline
+ABORTED_ALL = "the request was aborted: every request was (abort_all)"
 
 T = TypeVar("T")
 
@@ -128,7 +129,8 @@ class EngineLoop:
                 self.engine.add_embed_request(rid, list(req.input_ids))
             else:
                 self.engine.add_request(rid, list(req.input_ids),
-                                        wire.engine_params(meta.sampling), after=meta.after or None)
+                                        wire.engine_params(meta.sampling), after=meta.after or None,
+                                        priority=meta.priority)
         except ValueError as exc:
             self._pending.append(_final(rid, prompt_tokens, "error", str(exc)))
 
@@ -174,6 +176,7 @@ class EngineLoop:
                 tracked.silent = True
             if self.engine.abort(rid):
                 aborted += 1
+                tracked.cancelled = every  # its abort output (not yet sent) says CANCELLED
         for rid in [r for r, t in self.pre_aborted.items() if t < now]:
             del self.pre_aborted[rid]
         self.wake.set()
@@ -306,6 +309,11 @@ class EngineLoop:
             elif tracked.forfeit and out.finish_reason == "abort":
                 tracked.error_code = Code.UNAVAILABLE
                 out = dataclasses.replace(out, finish_reason="error", error=tracked.forfeit)
+            elif tracked.cancelled and out.finish_reason == "abort":
+                # Still an "abort" finish; the status says why, for the gateway's gRPC
+                # streams to end CANCELLED (HTTP keeps the finish_reason).
+                tracked.error_code = Code.CANCELLED
+                out = dataclasses.replace(out, error=ABORTED_ALL)
             if out.finished:
                 self.events.record("finish", out.rid)
                 del self.tracked[out.rid]

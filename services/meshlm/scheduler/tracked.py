@@ -16,6 +16,7 @@ class Code(IntEnum):
     grpc.StatusCode), without importing grpc."""
 
     INVALID_ARGUMENT = 3
+    CANCELLED = 1
     DEADLINE_EXCEEDED = 4
     ALREADY_EXISTS = 6
     RESOURCE_EXHAUSTED = 8
@@ -41,3 +42,5 @@ class Tracked:
     error_code: Code = Code.INVALID_ARGUMENT
     expired: bool = False  # aborted because the deadline passed: ends DEADLINE_EXCEEDED
     forfeit: str = ""  # given up by the watchdog (why): ends UNAVAILABLE
+    # Aborted with every other request (abort_all): its abort output says so, CANCELLED.
+    cancelled: bool = False

@@ -113,6 +113,26 @@ async def test_an_abort_before_its_request_ends_it_on_arrival(
     assert "early" not in loop.pre_aborted and loop.engine.stats()["running"] == 0
 
 
+async def test_abort_all_ends_each_request_with_abort_saying_cancelled(
+        running: tuple[EngineLoop, Outputs]):
+    """An abort of every request still finishes each with "abort"; its status says CANCELLED
+    (the gateway ends gRPC streams with it). An abort of one rid carries no status."""
+    loop, outputs = running
+    for rid in ("a", "b", "one"):
+        req = tokenized(rid, sample_prompt(8))
+        req.meta.sampling.max_new_tokens = 200
+        _submit(loop, req)
+    await outputs.until(lambda: all(outputs.of(r) for r in ("a", "b", "one")))
+    assert loop.abort(["one"]) == 1
+    assert loop.abort([], every=True) == 2
+    outs = await outputs.finished({"a", "b", "one"})
+    for rid in ("a", "b"):
+        final = outs[rid][-1]
+        assert final.finish_reason == "abort" and final.error.code == Code.CANCELLED
+        assert "abort_all" in final.error.message
+    assert outs["one"][-1].finish_reason == "abort" and not outs["one"][-1].HasField("error")
+
+
 async def test_the_waiting_queue_is_bounded(make_engine: Any):
     """Past max_queued waiting requests a new one ends at once with RESOURCE_EXHAUSTED; once
     the queue drains, requests are taken again."""

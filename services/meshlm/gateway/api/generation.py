@@ -67,6 +67,7 @@ class GenerationRPCs:
                            ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse]:
         v = validate_text_generate(req, await self.core.limits())
         async for update, meta in self.generate(v):
+            _raise_if_cancelled(update, ctx)
             yield pb.TextGenerateResponse(text=update.text, meta_info=meta,
                                           finished=update.final is not None,
                                           output_ids=update.token_ids)
@@ -75,6 +76,7 @@ class GenerationRPCs:
                        ctx: CallContext) -> AsyncIterator[pb.GenerateResponse]:
         v = validate_generate(req, await self.core.limits())
         async for update, meta in self.generate(v):
+            _raise_if_cancelled(update, ctx)
             yield pb.GenerateResponse(output_ids=update.token_ids, meta_info=meta,
                                       finished=update.final is not None)
 
@@ -115,8 +117,9 @@ class GenerationRPCs:
                 await record.open(client_rid=v.rid is not None)
                 # 4. dispatch: one batch to the tokenizer, the first sample first
                 trace_context = carrier_of(span)
+                context = self.core.model.max_model_len if self.core.model else 0
                 await self._dispatch(tokenizer, [
-                    tokenizer_request(v, c, route, trace_context, started, expires)
+                    tokenizer_request(v, c, route, trace_context, started, expires, context)
                     for c in children])
                 dispatched = True
                 watch.sent()
@@ -144,8 +147,9 @@ class GenerationRPCs:
         deadline.remaining()  # DEADLINE_EXCEEDED at once if the client's deadline has passed
 
     def _route(self, v: ValidatedRequest) -> common_pb2.Route:
-        """The scheduler asked for (routed_dp_rank), else the router's choice (prefix or
-        routing_key affinity, weighed against load: `mesh/routing.py`); any detokenizer."""
+        """The scheduler asked for (routed_dp_rank), else the router's choice (routing_key,
+        session_id or prefix affinity, weighed against load: `mesh/routing.py`); any
+        detokenizer."""
         deps = self.core.deps
         live = deps.serving("scheduler")
         if v.dp_rank is not None:
@@ -160,7 +164,7 @@ class GenerationRPCs:
         elif not live:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
         else:
-            key = affinity_key(v.routing_key, v.text, v.input_ids)
+            key = affinity_key(v.routing_key, v.text, v.input_ids, v.session_id)
             scheduler = self.router.pick(live, self.core.table.count_on, self.loads.loads, key)
         return common_pb2.Route(gateway=self.core.identity.inbox, scheduler=scheduler,
                                 detokenizer=self.core.pick("detokenizer"))
@@ -248,6 +252,15 @@ class GenerationRPCs:
                 if role != "scheduler":
                     self.core.background.spawn(abort_in_scheduler(
                         self.core.channels, req.scheduler, [req.rid]))
+
+
+def _raise_if_cancelled(update: Update, ctx: CallContext) -> None:
+    """A sample ended by an abort of every request (abort_all) ends a gRPC stream CANCELLED,
+    as SGLang's gRPC server does; over HTTP it is a final message with finish_reason abort."""
+    final = update.final
+    if (final is not None and final.error.code == grpc.StatusCode.CANCELLED.value[0]
+            and ctx.transport == "grpc"):
+        raise MeshError(grpc.StatusCode.CANCELLED, final.error.message)
 
 
 def _loop_time(expires: float | None) -> float | None:

@@ -11,17 +11,19 @@ from meshlm.v1 import common_pb2, tokenizer_pb2
 
 
 def tokenizer_request(v: ValidatedRequest, child: Child, route: common_pb2.Route,
-                      trace: dict[str, str], arrival: float,
-                      expires: float | None) -> tokenizer_pb2.GenerateRequest:
+                      trace: dict[str, str], arrival: float, expires: float | None,
+                      max_model_len: int) -> tokenizer_pb2.GenerateRequest:
     """Sample `child` of `v` on `route`, under the gateway span `trace`; `arrival` and
-    `expires` are unix seconds (None: no deadline). Its RequestMeta is built here, once: every
-    later hop forwards it whole."""
+    `expires` are unix seconds (None: no deadline); `max_model_len` the context length the
+    gateway validates against (the engine's). Its RequestMeta is built here, once: every later
+    hop forwards it whole."""
     meta = common_pb2.RequestMeta(
         rid=child.rid, sampling=child.sampling, stream=v.stream, return_text=v.return_text,
         route=route, arrival_time=arrival, embed=v.embed, after=child.after,
-        deadline=deadline.wire(expires),
+        deadline=deadline.wire(expires), priority=v.priority,
     )
-    msg = tokenizer_pb2.GenerateRequest(meta=meta, trace=trace, add_special_tokens=True)
+    msg = tokenizer_pb2.GenerateRequest(meta=meta, trace=trace, add_special_tokens=True,
+                                        max_model_len=max_model_len)
     if v.text is not None:
         msg.text = v.text
         if v.text_pair is not None:

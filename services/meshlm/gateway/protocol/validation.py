@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from meshlm.common.context_length import completion_too_long, prompt_too_long
 from meshlm.common.errors import MeshError, invalid
 from meshlm.v1 import common_pb2
 from sglang.runtime.v1 import sglang_pb2
@@ -67,6 +68,8 @@ class ValidatedRequest:
     dp_rank: int | None = None  # routed_dp_rank: the scheduler replica asked for
     embed: bool = False  # an embedding request
     text_pair: str | None = None  # with text: a cross-encoder's second text (rerank)
+    session_id: str | None = None  # routing affinity when routing_key is not given
+    priority: int = 0  # the scheduler's queue order: larger first (0 when not given)
 
 
 def unimplemented(field_path: str, problem: str) -> MeshError:
@@ -126,7 +129,7 @@ def normalize_sampling(
     _check_stop(p, field_prefix)
     if p.HasField("n") and not 1 <= p.n <= MAX_N:
         raise invalid(name("n"), f"must be in [1, {MAX_N}] (samples of the prompt), got {p.n}")
-    for f in ("json_schema", "regex"):
+    for f in ("json_schema", "regex", "guided_decoding"):
         if p.HasField(f):
             raise unimplemented(name(f), "constrained decoding is not supported yet")
 
@@ -177,10 +180,9 @@ def check_token_ids(ids: list[int], limits: Limits, field_path: str) -> None:
     """Every id in [0, vocab_size)."""
     for i, t in enumerate(ids):
         if not 0 <= t < limits.vocab_size:
-            raise invalid(
-                f"{field_path}[{i}]",
-                f"token id {t} is out of range [0, {limits.vocab_size})",
-            )
+            why = "token ids are non-negative" if t < 0 else "out-of-vocabulary"
+            raise invalid(f"{field_path}[{i}]",
+                          f"token id {t} is out of range [0, {limits.vocab_size}): {why}")
 
 
 def check_prompt_chars(chars: int, limits: Limits, field_path: str = "text") -> None:
@@ -215,18 +217,11 @@ def check_prompt_length(
     For text prompts call this after tokenization with field_path="text".
     """
     if prompt_tokens >= limits.max_model_len:
-        raise invalid(
-            field_path,
-            f"prompt is {prompt_tokens} tokens, the model's context length is "
-            f"{limits.max_model_len}; shorten the prompt",
-        )
+        raise MeshError(grpc.StatusCode.INVALID_ARGUMENT,
+                        prompt_too_long(field_path, prompt_tokens, limits.max_model_len))
     if prompt_tokens + max_new_tokens > limits.max_model_len:
-        room = limits.max_model_len - prompt_tokens
-        raise invalid(
-            "sampling_params.max_new_tokens",
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's context length {limits.max_model_len}; use at most {room}",
-        )
+        raise MeshError(grpc.StatusCode.INVALID_ARGUMENT, completion_too_long(
+            prompt_tokens, max_new_tokens, limits.max_model_len))
 
 
 _GenerateLike = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
@@ -268,6 +263,10 @@ def _check_unsupported(req: _GenerateLike) -> None:
         raise unimplemented(
             "disaggregated_params", "prefill/decode disaggregation is not supported yet"
         )
+    if req.require_reasoning:  # false is SGLang's default: accepted
+        raise unimplemented("require_reasoning", "reasoning models are not supported yet")
+    if req.HasField("max_thinking_tokens"):
+        raise unimplemented("max_thinking_tokens", "reasoning models are not supported yet")
     if req.HasField("routed_dp_rank") and req.routed_dp_rank < 0:
         raise invalid("routed_dp_rank", f"must be >= 0, got {req.routed_dp_rank}")
 
@@ -293,6 +292,8 @@ def _validated(
         trace_headers=dict(req.trace_headers),
         n=params.n if params.HasField("n") else 1,
         dp_rank=req.routed_dp_rank if req.HasField("routed_dp_rank") else None,
+        session_id=req.session_id if req.HasField("session_id") else None,
+        priority=req.priority,
     )
 
 
@@ -382,11 +383,9 @@ def validate_classify(req: sglang_pb2.ClassifyRequest, limits: Limits) -> Valida
 
 
 def validate_tokenize(req: sglang_pb2.TokenizeRequest, limits: Limits | None = None) -> None:
-    text = req.text
-    if not text:
-        raise invalid("text", "must not be empty")
+    """Any text within the prompt bound; the empty text too (no tokens, or the special ones)."""
     if limits is not None:
-        check_prompt_chars(len(text), limits)
+        check_prompt_chars(len(req.text), limits)
 
 
 def validate_detokenize(req: sglang_pb2.DetokenizeRequest, limits: Limits) -> None:

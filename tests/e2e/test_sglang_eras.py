@@ -13,130 +13,13 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from sglang_upstream import PACKAGE, client_types, rfc_era
+from sglang_upstream import UPSTREAM as UPSTREAM_TABLE
 
 from sglang.runtime.v1 import sglang_pb2 as pb
 
-PACKAGE = "sglang.runtime.v1"
-_F = descriptor_pb2.FieldDescriptorProto
-SCALARS = {"float": _F.TYPE_FLOAT, "int32": _F.TYPE_INT32, "int64": _F.TYPE_INT64,
-           "uint32": _F.TYPE_UINT32, "bool": _F.TYPE_BOOL, "string": _F.TYPE_STRING}
-
-SAMPLING = """
-    optional float temperature = 1
-    optional float top_p = 2
-    optional int32 top_k = 3
-    optional float min_p = 4
-    optional float frequency_penalty = 5
-    optional float presence_penalty = 6
-    optional float repetition_penalty = 7
-    optional int32 max_new_tokens = 8
-    optional int32 min_new_tokens = 9
-    repeated string stop = 10
-    repeated int32 stop_token_ids = 11
-    optional bool ignore_eos = 12
-    optional int32 n = 13
-    optional string json_schema = 14
-    optional string regex = 15"""
-TEXT_REQUEST = """
-    optional string text = 1
-    optional SamplingParams sampling_params = 2
-    optional bool stream = 3
-    optional bool return_logprob = 4
-    optional int32 top_logprobs_num = 5
-    optional int32 logprob_start_len = 6
-    optional bool return_text_in_logprobs = 7
-    optional string rid = 8
-    optional string lora_path = 9
-    optional string routing_key = 10
-    optional int32 routed_dp_rank = 11
-    map<string,string> trace_headers = 12"""
-IDS_REQUEST = """
-    repeated int32 input_ids = 1
-    optional SamplingParams sampling_params = 2
-    optional bool stream = 3
-    optional bool return_logprob = 4
-    optional int32 top_logprobs_num = 5
-    optional int32 logprob_start_len = 6
-    optional string rid = 7
-    optional string lora_path = 8
-    optional string routing_key = 9
-    optional int32 routed_dp_rank = 10
-    map<string,string> trace_headers = 11"""
-COMMON = {
-    "DisaggregatedParams": """
-        optional string bootstrap_host = 1
-        optional int32 bootstrap_port = 2
-        optional int64 bootstrap_room = 3""",
-    "TextGenerateResponse": """
-        optional string text = 1
-        map<string,string> meta_info = 2
-        optional bool finished = 3""",
-    "GenerateResponse": """
-        repeated int32 output_ids = 1
-        map<string,string> meta_info = 2
-        optional bool finished = 3""",
-}
-RFC_ERA = {
-    **COMMON,
-    "SamplingParams": SAMPLING,
-    "TextGenerateRequest": TEXT_REQUEST + """
-        optional DisaggregatedParams disaggregated_params = 13""",
-    "GenerateRequest": IDS_REQUEST + """
-        optional DisaggregatedParams disaggregated_params = 12""",
-}
-UPSTREAM_ERA = {
-    **COMMON,
-    "SamplingParams": SAMPLING + """
-        optional int64 seed = 16""",
-    "TextGenerateRequest": TEXT_REQUEST + """
-        optional string session_id = 13
-        optional DisaggregatedParams disaggregated_params = 14
-        optional int32 priority = 15
-        optional bool require_reasoning = 16
-        optional uint32 max_thinking_tokens = 17""",
-    "GenerateRequest": IDS_REQUEST + """
-        optional string session_id = 12
-        optional DisaggregatedParams disaggregated_params = 13
-        optional int32 priority = 14
-        optional bool require_reasoning = 15
-        optional uint32 max_thinking_tokens = 16""",
-}
-
-
-def client_types(era: str, messages: dict[str, str]) -> dict[str, Any]:
-    """Message classes of one client generation, from its table ("[optional | repeated] type
-    name = number" a line; maps as map<string,string>). proto2 syntax: `optional` has presence
-    without proto3's synthetic oneofs; the wire is the same."""
-    file = descriptor_pb2.FileDescriptorProto(name=f"{era}.proto", package=PACKAGE,
-                                              syntax="proto2")
-    for name, spec in messages.items():
-        msg = file.message_type.add(name=name)
-        for line in spec.strip().splitlines():
-            *label, kind, field, _, number = line.split()
-            f = msg.field.add(name=field, number=int(number), label=_F.LABEL_OPTIONAL)
-            if kind.startswith("map<"):
-                entry = msg.nested_type.add(name=field.title().replace("_", "") + "Entry")
-                entry.options.map_entry = True
-                for i, part in enumerate(("key", "value"), 1):
-                    entry.field.add(name=part, number=i, label=_F.LABEL_OPTIONAL,
-                                    type=_F.TYPE_STRING)
-                f.label, f.type = _F.LABEL_REPEATED, _F.TYPE_MESSAGE
-                f.type_name = f".{PACKAGE}.{name}.{entry.name}"
-            elif kind in SCALARS:
-                f.type = SCALARS[kind]
-                if label == ["repeated"]:
-                    f.label = _F.LABEL_REPEATED
-            else:
-                f.type, f.type_name = _F.TYPE_MESSAGE, f".{PACKAGE}.{kind}"
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(file)
-    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(
-        f"{PACKAGE}.{name}")) for name in messages}
-
-
-RFC = client_types("rfc_era", RFC_ERA)
-UPSTREAM = client_types("upstream_era", UPSTREAM_ERA)
+RFC = client_types("rfc_era", rfc_era())
+UPSTREAM = client_types("upstream_era", UPSTREAM_TABLE)
 
 
 def call(channel: grpc.Channel, method: str, request: Any, response_type: Any) -> list[Any]:

@@ -146,3 +146,44 @@ def test_continue_final_message_with_a_generation_prompt_is_400(client, model) -
         client.chat.completions.create(model=model, messages=OPENED, extra_body={
             "continue_final_message": True, "add_generation_prompt": True})
     assert info.value.body["param"] == "continue_final_message"
+
+
+def _folded(chunks: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
+    """What a stream says, whichever way its tokens were grouped into chunks: the text, each
+    token's logprob entry, the finish; every chat delta's reasoning_content."""
+    choices = [c["choices"][0] for c in chunks]
+    text = "".join((c["delta"].get("content") or "") if chat else c["text"] for c in choices)
+    if chat:
+        entries = [e for c in choices if c.get("logprobs") for e in c["logprobs"]["content"]]
+    else:
+        entries = [list(x) for c in choices if c.get("logprobs") for x in zip(
+            c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"],
+            c["logprobs"]["top_logprobs"], strict=True)]
+    reasoning = {c["delta"].get("reasoning_content", "absent") for c in choices} if chat else None
+    return {"text": text, "entries": entries, "finish": [c["finish_reason"] for c in choices][-1],
+            "reasoning": reasoning, "last_has_text": bool(
+                (choices[-1]["delta"].get("content") if chat else choices[-1]["text"]))}
+
+
+@pytest.mark.parametrize(("rpc", "path", "body"), [
+    ("ChatComplete", "/v1/chat/completions",
+     {"messages": OPENED, "continue_final_message": True, "echo": True, "logprobs": True,
+      "top_logprobs": 0}),
+    ("Complete", "/v1/completions", {"prompt": [1, 5, 6, 7], "echo": True, "logprobs": 0}),
+], ids=["chat", "completion"])
+def test_the_grpc_rpcs_answer_as_the_http_routes(mesh, model, stub, rpc, path, body) -> None:
+    """The OpenAI-shaped RPCs stream what the routes stream: finish on the last text,
+    reasoning_content null, continue_final_message and echo, logprobs 0."""
+    body = {**body, "model": model, "max_tokens": 6, "temperature": 0, "stream": True}
+    chat = rpc == "ChatComplete"
+    over_http = _folded(_events(mesh, path, body), chat)
+    over_grpc = _folded([orjson.loads(c.json_chunk) for c in getattr(stub, rpc)(
+        pb.OpenAIRequest(json_body=orjson.dumps(body)), timeout=120)], chat)
+    assert over_grpc == over_http
+    assert over_grpc["finish"] == "length" and over_grpc["last_has_text"]
+    if chat:
+        assert over_grpc["text"].startswith(OPENED[1]["content"])  # echoed, then continued
+        assert over_grpc["reasoning"] == {None}
+    else:
+        assert over_grpc["entries"][0][2] is None  # the prompt's first position
+        assert all(len(e[2]) == 1 for e in over_grpc["entries"][1:])  # logprobs 0: the chosen

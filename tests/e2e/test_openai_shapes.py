@@ -162,7 +162,7 @@ def _folded(chunks: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
     reasoning = {c["delta"].get("reasoning_content", "absent") for c in choices} if chat else None
     return {"text": text, "entries": entries, "finish": [c["finish_reason"] for c in choices][-1],
             "reasoning": reasoning, "last_has_text": bool(
-                (choices[-1]["delta"].get("content") if chat else choices[-1]["text"]))}
+                choices[-1]["delta"].get("content") if chat else choices[-1]["text"])}
 
 
 @pytest.mark.parametrize(("rpc", "path", "body"), [

@@ -30,18 +30,24 @@ class TokenTexts:
 
     def fill(self, items: Sequence[tuple[Sequence[int], common_pb2.Logprobs]]) -> None:
         """Add the texts of every entry of each (output token ids, logprobs) pair: the output
-        tokens', the prompt tokens' and every top alternative's (their texts must be empty)."""
+        tokens', the prompt tokens', every top alternative's and every asked id's
+        (token_ids_logprob); their texts must be empty."""
         self.learn(i for ids, lp in items for i in _ids(ids, lp))
         text = self._cache.__getitem__
         for ids, lp in items:
             lp.output_texts.extend(text(i) for i in ids[: len(lp.output_logprobs)])
             lp.input_texts.extend(text(i) for i in lp.input_token_ids)
-            for top in (*lp.output_top, *lp.input_top):
+            for top in _tops(lp):
                 top.texts.extend(text(i) for i in top.token_ids)
+
+
+def _tops(lp: common_pb2.Logprobs) -> tuple[common_pb2.TopLogprobs, ...]:
+    return (*lp.output_top, *lp.input_top, *lp.output_token_ids_logprobs,
+            *lp.input_token_ids_logprobs)
 
 
 def _ids(output_ids: Sequence[int], lp: common_pb2.Logprobs) -> Iterable[int]:
     yield from output_ids[: len(lp.output_logprobs)]
     yield from lp.input_token_ids
-    for top in (*lp.output_top, *lp.input_top):
+    for top in _tops(lp):
         yield from top.token_ids

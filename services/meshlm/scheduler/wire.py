@@ -73,7 +73,8 @@ def token_output(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutp
 def has_logprobs(out: StepOutput) -> bool:
     """Whether the engine put logprobs in this output (return_logprob requests only)."""
     return bool(out.output_logprobs or out.output_top_logprobs or out.input_logprobs
-                or out.input_top_logprobs or out.output_token_ids_logprobs)
+                or out.input_top_logprobs or out.output_token_ids_logprobs
+                or out.input_token_ids_logprobs)
 
 
 def fill_logprobs(msg: common_pb2.Logprobs, out: StepOutput, prompt_ids: Sequence[int]) -> None:
@@ -81,13 +82,14 @@ def fill_logprobs(msg: common_pb2.Logprobs, out: StepOutput, prompt_ids: Sequenc
     needed only when the output carries prompt logprobs (their positions' ids go with them)."""
     msg.output_logprobs.extend(out.output_logprobs)
     msg.output_top.extend(_top_pb(t) for t in out.output_top_logprobs)
-    msg.output_token_ids.extend(_top_pb(t) for t in out.output_token_ids_logprobs)
-    if out.input_logprobs or out.input_top_logprobs:
+    msg.output_token_ids_logprobs.extend(_top_pb(t) for t in out.output_token_ids_logprobs)
+    if out.input_logprobs or out.input_top_logprobs or out.input_token_ids_logprobs:
         start = out.input_logprob_start
         msg.input_start = start
         msg.input_token_ids.extend(prompt_ids[start:start + len(out.input_logprobs)])
         msg.input_logprobs.extend(math.nan if x is None else x for x in out.input_logprobs)
         msg.input_top.extend(_top_pb(t) for t in out.input_top_logprobs)
+        msg.input_token_ids_logprobs.extend(_top_pb(t) for t in out.input_token_ids_logprobs)
 
 
 def _top_pb(pairs: list[tuple[int, float]]) -> common_pb2.TopLogprobs:

@@ -100,6 +100,26 @@ def test_texts_are_added_for_every_entry_when_asked() -> None:
     assert [list(t.texts) for t in got.input_top] == [[], ["<|im_start|>"]]  # specials kept
 
 
+def test_texts_of_the_asked_ids_too() -> None:
+    """token_ids_logprob's entries, at output and prompt positions, get their texts."""
+    lp = common_pb2.Logprobs(
+        input_start=0, input_token_ids=_ids(" a time"), input_logprobs=[float("nan"), -2.0],
+        input_token_ids_logprobs=[common_pb2.TopLogprobs(),
+                                  common_pb2.TopLogprobs(token_ids=[10], logprobs=[-3.0])],
+        output_token_ids_logprobs=[common_pb2.TopLogprobs(token_ids=[11, 10],
+                                                          logprobs=[-1.0, -3.0])])
+    (out,) = _run(_servicer(), _output("a", [], header=True, texts=True, logprobs=lp,
+                                       finished=True))
+
+    def one(i: int) -> str:
+        return _tokenizer().decode([i], skip_special_tokens=False)
+
+    got = out.logprobs
+    assert [list(t.texts) for t in got.output_token_ids_logprobs] == [[one(11), one(10)]]
+    assert [list(t.texts) for t in got.input_token_ids_logprobs] == [[], [one(10)]]
+    assert not got.output_texts and list(got.input_texts) == [" a", " time"]
+
+
 def test_texts_only_for_requests_that_asked() -> None:
     s = _servicer()
     ids = _ids("Once")

@@ -86,7 +86,7 @@ class FakeRunner:
             assert got == seq.token_ids[: item.end], f"{seq.rid}: KV does not hold its tokens"
             results.append(
                 ItemResult(
-                    token=self.sample(seq) if item.sample else None,
+                    token=self.sample(seq) if item.sample and not seq.prefill_only else None,
                     input_logprobs=prompt_logprobs(item.seq, item.start, item.end),
                 )
             )

@@ -1,5 +1,6 @@
 """token_ids_logprob: the logprobs of asked token ids at each output position (what scoring
-asks for with max_new_tokens=1), batched in one engine step, against transformers."""
+asks for with max_new_tokens=1), batched in one engine step, and at the prompt positions from
+logprob_start_len, against transformers."""
 
 from __future__ import annotations
 
@@ -80,6 +81,24 @@ def test_every_output_position_and_only_when_asked(hf_llama: tuple[Any, Path]) -
                                    atol=1e-4, rtol=0)
         ids.append(token)
     assert all(not o.output_token_ids_logprobs for o in outs["b"] + outs["c"])
+
+
+def test_prompt_positions_from_logprob_start_len(hf_llama: tuple[Any, Path]) -> None:
+    hf, path = hf_llama
+    engine = Engine(EngineConfig(str(path), device="cpu", dtype="float32", max_running=4,
+                                 max_batched_tokens=6, block_size=4))
+    prompt = list(range(40, 57))  # chunked: 17 tokens, 6 per step
+    engine.add_request("a", prompt, greedy(2, return_logprob=True, logprob_start_len=3,
+                                           token_ids_logprob=LABELS))
+    first = run_all(engine)["a"][0]
+    with torch.inference_mode():
+        logp = hf(input_ids=torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+    got = first.input_token_ids_logprobs
+    assert first.input_logprob_start == 3 and len(got) == len(prompt) - 3
+    for p, pairs in zip(range(3, len(prompt)), got, strict=True):
+        assert [t for t, _ in pairs] == list(LABELS)
+        torch.testing.assert_close(torch.tensor([lp for _, lp in pairs]),
+                                   logp[p - 1, list(LABELS)], atol=1e-4, rtol=0)
 
 
 def test_out_of_vocabulary_ids_are_an_error(hf_llama: tuple[Any, Path]) -> None:

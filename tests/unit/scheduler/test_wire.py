@@ -74,9 +74,26 @@ def test_token_ids_logprob_in_and_out() -> None:
     out = _step(output_logprobs=[-0.5], output_token_ids_logprobs=[[(9, -3.0), (4, -0.25)]])
     msg = common_pb2.Logprobs()
     fill_logprobs(msg, out, [])
-    [entry] = msg.output_token_ids
+    [entry] = msg.output_token_ids_logprobs
     assert list(entry.token_ids) == [9, 4] and list(entry.logprobs) == [-3.0, -0.25]
     assert has_logprobs(_step(output_token_ids_logprobs=[[(9, -3.0)]]))
+
+
+def test_prefill_only_outputs_carry_prompt_and_next_position_logprobs() -> None:
+    """max_new_tokens 0: no token, but the asked ids' logprobs at the prompt positions and at
+    the position after the prompt (one entry, with no output_logprobs beside it)."""
+    out = _step(new_token_ids=[], finished=True, finish_reason="length", completion_tokens=0,
+                input_logprob_start=0, input_logprobs=[None, -1.0],
+                input_token_ids_logprobs=[[], [(9, -2.0)]],
+                output_token_ids_logprobs=[[(9, -0.5)]], output_top_logprobs=[[(3, -0.1)]])
+    assert has_logprobs(out)
+    msg = common_pb2.Logprobs()
+    fill_logprobs(msg, out, [1, 2])
+    assert not msg.output_logprobs and [list(t.token_ids) for t in msg.output_top] == [[3]]
+    assert [list(t.logprobs) for t in msg.output_token_ids_logprobs] == [[-0.5]]
+    assert [list(t.token_ids) for t in msg.input_token_ids_logprobs] == [[], [9]]
+    assert list(msg.input_token_ids) == [1, 2]
+    assert has_logprobs(_step(input_token_ids_logprobs=[[(9, -2.0)]]))
 
 
 def test_input_logprobs_carry_their_prompt_ids_and_nan_for_position_0() -> None:

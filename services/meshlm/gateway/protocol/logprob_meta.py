@@ -1,14 +1,18 @@
 """Logprobs in meta_info, in SGLang's shapes (values are JSON text, as meta_info is a string map):
 
-    output_token_logprobs  [[logprob, token_id, text | null], ...]      one per output token
-    output_top_logprobs    [[[logprob, token_id, text | null], ...], ...] per output token
-    input_token_logprobs   the same for prompt positions [logprob_start_len, prompt length);
-    input_top_logprobs     prompt position 0 has no logprob: null (and null top list)
+    output_token_logprobs      [[logprob, token_id, text | null], ...]      one per output token
+    output_top_logprobs        [[[logprob, token_id, text | null], ...], ...] per output token
+    output_token_ids_logprobs  the same shape: the asked ids (token_ids_logprob) in asked order
+    input_token_logprobs       the same for prompt positions [logprob_start_len, prompt length);
+    input_top_logprobs         prompt position 0 has no logprob: null (and null lists)
+    input_token_ids_logprobs
 
 The text is the token's own text when return_text_in_logprobs was asked, else null. The top
-keys are present only when top_logprobs_num > 0 (as in SGLang). A streamed message carries the
-entries of its own tokens (the prompt's with the first tokens), so that concatenating the
-messages' lists gives the whole, as with output_ids.
+keys are present only when top_logprobs_num > 0, the token_ids keys only when token_ids_logprob
+was given (as in SGLang). A streamed message carries the entries of its own tokens (the
+prompt's with the first tokens), so that concatenating the messages' lists gives the whole, as
+with output_ids. A prefill-only request (max_new_tokens 0) has no output token, but its
+output top and token_ids lists hold the one position after the prompt.
 
 Logprobs are float32: they are written in float32's shortest form (-0.1, not -0.10000000149).
 """
@@ -28,17 +32,20 @@ OUTPUT_TOKEN_LOGPROBS = "output_token_logprobs"
 OUTPUT_TOP_LOGPROBS = "output_top_logprobs"
 INPUT_TOKEN_LOGPROBS = "input_token_logprobs"
 INPUT_TOP_LOGPROBS = "input_top_logprobs"
+OUTPUT_TOKEN_IDS_LOGPROBS = "output_token_ids_logprobs"
+INPUT_TOKEN_IDS_LOGPROBS = "input_token_ids_logprobs"
 LOGPROB_KEYS = (INPUT_TOKEN_LOGPROBS, OUTPUT_TOKEN_LOGPROBS, INPUT_TOP_LOGPROBS,
-                OUTPUT_TOP_LOGPROBS)
+                OUTPUT_TOP_LOGPROBS, INPUT_TOKEN_IDS_LOGPROBS, OUTPUT_TOKEN_IDS_LOGPROBS)
 
 Entry = list[Any]  # [logprob | None, token_id, text | None]
 _EMPTY = common_pb2.Logprobs()
 
 
 def logprob_meta(token_ids: Sequence[int], lp: common_pb2.Logprobs | None, *, top: bool,
-                 text: bool) -> dict[str, str]:
+                 text: bool, asked: bool = False) -> dict[str, str]:
     """meta_info entries for one message: `token_ids` are its output tokens, `lp` what arrived
-    with them (None: nothing did). `top`: top_logprobs_num > 0; `text`: return_text_in_logprobs.
+    with them (None: nothing did). `top`: top_logprobs_num > 0; `text`: return_text_in_logprobs;
+    `asked`: token_ids_logprob was given.
     """
     lp = lp or _EMPTY
     # The first prompt position has no logprob (nothing precedes it).
@@ -52,10 +59,18 @@ def logprob_meta(token_ids: Sequence[int], lp: common_pb2.Logprobs | None, *, to
     }
     if top:
         meta[OUTPUT_TOP_LOGPROBS] = _dumps([_top(t, text) for t in lp.output_top])
-        meta[INPUT_TOP_LOGPROBS] = _dumps([
-            None if i == 0 and first_has_none else _top(t, text)
-            for i, t in enumerate(lp.input_top)])
+        meta[INPUT_TOP_LOGPROBS] = _dumps(_input_tops(lp.input_top, text, first_has_none))
+    if asked:
+        meta[OUTPUT_TOKEN_IDS_LOGPROBS] = _dumps(
+            [_top(t, text) for t in lp.output_token_ids_logprobs])
+        meta[INPUT_TOKEN_IDS_LOGPROBS] = _dumps(
+            _input_tops(lp.input_token_ids_logprobs, text, first_has_none))
     return meta
+
+
+def _input_tops(tops: Sequence[common_pb2.TopLogprobs], text: bool,
+                first_has_none: bool) -> list[list[Entry] | None]:
+    return [None if i == 0 and first_has_none else _top(t, text) for i, t in enumerate(tops)]
 
 
 def _entries(logprobs: Sequence[float], ids: Sequence[int], texts: Sequence[str] | None,

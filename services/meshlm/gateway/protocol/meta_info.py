@@ -25,7 +25,8 @@ def meta_info(v: ValidatedRequest, child: Child, update: Update,
     if sampling.return_logprob:
         meta.update(logprob_meta(update.token_ids, update.logprobs,
                                  top=sampling.top_logprobs_num > 0,
-                                 text=sampling.return_text_in_logprobs))
+                                 text=sampling.return_text_in_logprobs,
+                                 asked=bool(sampling.token_ids_logprob)))
     final = update.final
     if final is not None:
         meta["finish_reason"] = final.finish_reason

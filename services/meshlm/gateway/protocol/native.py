@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshlm.common.errors import invalid
+from meshlm.gateway.protocol.json_body import is_int
 from meshlm.gateway.protocol.transcode import check_known_fields, parse_dict, parse_json_body
 from meshlm.gateway.protocol.validation import check_batch, unimplemented
 from sglang.runtime.v1 import sglang_pb2
@@ -21,6 +22,10 @@ _PER_PROMPT = ("sampling_params", "rid", "return_logprob", "logprob_start_len",
 # SGLang's sampling params for constrained decoding that the proto has only inside
 # guided_decoding: refused by name, as json_schema and regex are (validation.py).
 _CONSTRAINTS = ("ebnf", "structural_tag")
+# Token ids whose logprobs are asked for: one flat list for a prompt; in a batch, one flat list
+# for every prompt or a list of them, one per prompt (io_struct's normalisation).
+_ASKED = "token_ids_logprob"
+_INT32 = 2**31
 
 
 def native_generate_requests(body: bytes, max_batch: int = 0
@@ -32,17 +37,22 @@ def native_generate_requests(body: bytes, max_batch: int = 0
 
     Sampling params use SGLang's names, which are the proto's; "stop" may be a single string.
     JSON nulls mean "not given"; SGLang's "ebnf" and "structural_tag" are UNIMPLEMENTED, as
-    the proto's constraints are. A batch of more than `max_batch` prompts (0: no limit) is
-    refused before it is split.
+    the proto's constraints are. "token_ids_logprob" is a flat list of token ids (in a batch
+    also a list of them, one per prompt). A batch of more than `max_batch` prompts (0: no limit)
+    is refused before it is split.
     """
     doc, has_text = _native_prompt(body, batch_ok=True)
     key = "text" if has_text else "input_ids"
     prompts = doc[key]
     is_batch = isinstance(prompts, list) and (has_text or _is_batch(prompts))
     if not is_batch:
+        if _ASKED in doc:
+            _check_asked(doc[_ASKED], _ASKED, batch=False)
         return [_native_generate(doc, has_text)], False
-    return [_native_generate(d, has_text)
-            for d in _split_batch(doc, key, _PER_PROMPT, max_batch)], True
+    docs = _split_batch(doc, key, _PER_PROMPT, max_batch)
+    if _ASKED in doc:
+        _split_asked(doc[_ASKED], docs)
+    return [_native_generate(d, has_text) for d in docs], True
 
 
 def native_generate_request(body: bytes) -> NativeRequest:
@@ -67,6 +77,35 @@ def _native_generate(doc: dict[str, Any], has_text: bool) -> NativeRequest:
     cls = sglang_pb2.TextGenerateRequest if has_text else sglang_pb2.GenerateRequest
     check_known_fields(doc, cls.DESCRIPTOR, "")
     return parse_dict(doc, cls())
+
+
+def _split_asked(value: Any, docs: list[dict[str, Any]]) -> None:
+    """A batch's token_ids_logprob into its prompts' bodies: one flat list for all, or one
+    list (or null) per prompt."""
+    if not (isinstance(value, list) and any(x is None or isinstance(x, list) for x in value)):
+        _check_asked(value, _ASKED, batch=True)
+        return
+    if len(value) != len(docs):
+        raise invalid(_ASKED, f"has {len(value)} lists for {len(docs)} prompts; give one flat "
+                              "list for all, or one per prompt")
+    for i, (ids, one) in enumerate(zip(value, docs, strict=True)):
+        if ids is None:
+            del one[_ASKED]
+        else:
+            _check_asked(ids, f"{_ASKED}[{i}]", batch=False)
+            one[_ASKED] = ids
+
+
+def _check_asked(value: Any, field: str, *, batch: bool) -> None:
+    """A flat list of token ids (ids past int32 cannot be in any vocabulary)."""
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
+        where = ("one for every prompt, or a list of them, one per prompt" if batch
+                 else "a list of lists is for a batch of prompts")
+        raise invalid(field, f"must be a flat list of integers (token ids); {where}")
+    for i, t in enumerate(value):
+        if not -_INT32 <= t < _INT32:
+            why = "token ids are non-negative" if t < 0 else "out-of-vocabulary"
+            raise invalid(f"{field}[{i}]", f"token id {t} is out of range: {why}")
 
 
 NativeEmbedRequest = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest

@@ -23,8 +23,9 @@ from typing import Any
 from meshlm.common.errors import invalid
 from meshlm.gateway.protocol.json_body import MAX_PROMPT_IDS as MAX_PROMPT_IDS
 from meshlm.gateway.protocol.json_body import JsonBody, is_ids, is_int, show
+from meshlm.gateway.protocol.logprob_options import MAX_TOP_LOGPROBS
 from meshlm.gateway.protocol.openai_errors import MAX_NEW_TOKENS
-from meshlm.gateway.protocol.validation import MAX_N, MAX_TOP_LOGPROBS
+from meshlm.gateway.protocol.validation import MAX_N
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings request

@@ -31,9 +31,9 @@ def softmax(values: Sequence[float]) -> list[float]:
 
 def label_logprobs(logprobs: common_pb2.Logprobs | None, labels: Sequence[int]) -> list[float]:
     """The logprobs of `labels` at the first output position (token_ids_logprob)."""
-    if logprobs is None or not logprobs.output_token_ids:
+    if logprobs is None or not logprobs.output_token_ids_logprobs:
         raise ValueError("the engine returned no label logprobs")
-    first = logprobs.output_token_ids[0]
+    first = logprobs.output_token_ids_logprobs[0]
     by_id = dict(zip(first.token_ids, first.logprobs, strict=True))
     return [by_id[t] for t in labels]
 

@@ -189,6 +189,9 @@ def parse_dict(doc: dict[str, Any], message: _M) -> _M:
     try:
         json_format.ParseDict(rest, message, ignore_unknown_fields=False)
     except json_format.ParseError as e:
+        nested = _nested_ints(message.DESCRIPTOR, rest)
+        if nested is not None:
+            raise invalid(nested, "must be a flat list of integers") from None
         raise invalid("request body", str(e)) from None
     for key, f in direct.items():
         try:
@@ -201,6 +204,17 @@ def parse_dict(doc: dict[str, Any], message: _M) -> _M:
         except (TypeError, ValueError) as e:
             raise invalid(key, f"must be a list of integers: {e}") from None
     return message
+
+
+def _nested_ints(descriptor: Descriptor, doc: dict[str, Any]) -> str | None:
+    """The top-level key of a repeated integer field (token ids) given a list of lists, which
+    json_format refuses in its own words; None when there is none."""
+    for key, value in doc.items():
+        f = _by_name(descriptor, key)
+        if (f is not None and f.type in _INTEGERS and _is_repeated(f)
+                and isinstance(value, list) and any(isinstance(x, list) for x in value)):
+            return key
+    return None
 
 
 def _direct_field(message: Message, key: str, value: Any) -> FieldDescriptor | None:

@@ -11,12 +11,13 @@ logprob_start_len against it the same way. Before that, their characters (`check
 and a call's number of requests (`check_batch`) are checked against the gateway's bounds
 (`protocol/bounds.py`), so nothing that could never fit costs tokenization or a place in the mesh.
 
-Logprob options are request-level in the public API; internally they ride in the sampling params
-(set only when return_logprob was asked, so that the engine never sees stray values).
+Logprob options (token_ids_logprob among them) are request-level in the public API; internally
+they ride in the sampling params (`protocol/logprob_options.py`).
 
 `sampling_params.n` (samples of one prompt, 1 to MAX_N) stays out of the internal params: the
-gateway fans such a request out into n child requests (`protocol/choices.py`). Embedding requests
-become a ValidatedRequest with `embed` set and no output tokens (max_new_tokens 0).
+gateway fans such a request out into n child requests (`protocol/choices.py`). max_new_tokens 0
+asks for a prefill only (the prompt's logprobs, no token), as SGLang's. Embedding requests become a
+ValidatedRequest with `embed` set and no output tokens (max_new_tokens 0).
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ import grpc
 
 from meshlm.common.context_length import completion_too_long, prompt_too_long
 from meshlm.common.errors import MeshError, invalid
+from meshlm.gateway.protocol.logprob_options import GenerateLike, logprob_options
 from meshlm.v1 import common_pb2
 from sglang.runtime.v1 import sglang_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-MAX_TOP_LOGPROBS = 20
 MAX_N = 16  # samples of one prompt (sampling_params.n)
 _RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
@@ -118,8 +119,8 @@ def normalize_sampling(
             name("repetition_penalty"), f"must be in (0, 2], got {_num(repetition_penalty)}"
         )
     max_new_tokens = int(get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
-    if max_new_tokens < 1:
-        raise invalid(name("max_new_tokens"), f"must be >= 1, got {max_new_tokens}")
+    if max_new_tokens < 0:  # 0: prefill only
+        raise invalid(name("max_new_tokens"), f"must be >= 0, got {max_new_tokens}")
     min_new_tokens = int(get("min_new_tokens", 0))
     if not 0 <= min_new_tokens <= max_new_tokens:
         raise invalid(
@@ -224,38 +225,7 @@ def check_prompt_length(
             prompt_tokens, max_new_tokens, limits.max_model_len))
 
 
-_GenerateLike = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
-
-
-def _logprob_options(
-    req: _GenerateLike, sampling: common_pb2.SamplingParams, prompt_tokens: int | None
-) -> None:
-    """Check the logprob options and copy them into `sampling` when return_logprob is asked.
-
-    Ranges are checked even when return_logprob is off (then the options are ignored).
-    `prompt_tokens` is None for text prompts: the tokenizer checks logprob_start_len.
-    """
-    top = req.top_logprobs_num
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise invalid("top_logprobs_num", f"must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
-    start = req.logprob_start_len if req.HasField("logprob_start_len") else -1
-    if start < -1:
-        raise invalid("logprob_start_len",
-                      f"must be -1 (no prompt logprobs) or a prompt position >= 0, got {start}")
-    if not req.return_logprob:
-        sampling.logprob_start_len = -1
-        return
-    if prompt_tokens is not None and start >= prompt_tokens:
-        raise invalid("logprob_start_len",
-                      f"must be less than the prompt's length ({prompt_tokens} tokens), "
-                      f"got {start}")
-    sampling.return_logprob = True
-    sampling.top_logprobs_num = top
-    sampling.logprob_start_len = start
-    sampling.return_text_in_logprobs = req.return_text_in_logprobs
-
-
-def _check_unsupported(req: _GenerateLike) -> None:
+def _check_unsupported(req: GenerateLike) -> None:
     """Options that later issues implement. SGLang's explicit defaults are accepted."""
     if req.lora_path:
         raise unimplemented("lora_path", "LoRA adapters are not supported yet")
@@ -272,11 +242,12 @@ def _check_unsupported(req: _GenerateLike) -> None:
 
 
 def _validated(
-    req: _GenerateLike, sampling: common_pb2.SamplingParams, *, text: str | None,
-    input_ids: list[int] | None,
+    req: GenerateLike, sampling: common_pb2.SamplingParams, limits: Limits, *,
+    text: str | None, input_ids: list[int] | None,
 ) -> ValidatedRequest:
     _check_unsupported(req)
-    _logprob_options(req, sampling, None if input_ids is None else len(input_ids))
+    check_token_ids(list(req.token_ids_logprob), limits, "token_ids_logprob")
+    logprob_options(req, sampling, None if input_ids is None else len(input_ids))
     rid = req.rid if req.HasField("rid") else None
     if rid is not None:
         check_rid(rid)
@@ -307,7 +278,7 @@ def validate_text_generate(req: sglang_pb2.TextGenerateRequest, limits: Limits) 
         req.sampling_params if req.HasField("sampling_params") else None
     )
     check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
-    return _validated(req, sampling, text=text, input_ids=None)
+    return _validated(req, sampling, limits, text=text, input_ids=None)
 
 
 def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> ValidatedRequest:
@@ -320,7 +291,7 @@ def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> Valida
     ids = list(req.input_ids)
     check_token_ids(ids, limits, "input_ids")
     check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
-    return _validated(req, sampling, text=None, input_ids=ids)
+    return _validated(req, sampling, limits, text=None, input_ids=ids)
 
 
 _EmbedLike = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest | sglang_pb2.ClassifyRequest

@@ -19,12 +19,16 @@ def chosen_and_top(logp: Tensor, tokens: list[int], k: int
     """Per row of `logp` [N, V]: the logprob of its token, and its top k (token, logprob)."""
     index = torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None]
     chosen = logp.gather(1, index)[:, 0].tolist()
+    return chosen, top(logp, k)
+
+
+def top(logp: Tensor, k: int) -> list[TopLogprobs]:
+    """Per row of `logp` [N, V]: its k most likely (token, logprob), best first ([] if k 0)."""
     if not k:
-        return chosen, [[] for _ in tokens]
+        return [[] for _ in range(logp.shape[0])]
     values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    tops = [list(zip(r_ids, r_vals, strict=True))
+    return [list(zip(r_ids, r_vals, strict=True))
             for r_ids, r_vals in zip(ids.tolist(), values.tolist(), strict=True)]
-    return chosen, tops
 
 
 def of_token_ids(logp: Tensor, rows: list[int], ids: list[tuple[int, ...]]) -> list[TopLogprobs]:

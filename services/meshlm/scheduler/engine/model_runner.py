@@ -1,5 +1,6 @@
 """ModelRunner: carries out a Plan on the device: one packed forward pass, sampling, logprobs,
-pooling.
+pooling. A prefill-only item (max_new_tokens 0) draws no token: its last position's logits give
+only the logprobs it asked for there (SGLang's compute_logprobs_only).
 
 It owns the paged KV cache and the per-row sampling state (tokens seen, for the repetition
 penalty; output token counts, for the frequency and presence penalties; pooled hidden states of
@@ -19,9 +20,9 @@ from meshlm.scheduler.engine.kv_cache import (
     StepItem,
     build_attention_meta,
 )
-from meshlm.scheduler.engine.logprobs import chosen_and_top, log_softmax, of_token_ids
+from meshlm.scheduler.engine.logprobs import chosen_and_top, log_softmax, of_token_ids, top
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
-from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq
+from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, Sequence
 from meshlm.scheduler.models.llama import LlamaForCausalLM
 
 
@@ -61,19 +62,28 @@ class ModelRunner:
         hidden = self.model(input_ids[None], positions[None], attention)[0]  # [T, H]
         results = [ItemResult() for _ in items]
         self._reset_rows([item for item in items if item.reset_row])
-        # Rows whose logits are needed: each sampling item's last token, then prompt
-        # positions whose next token's logprob is asked for.
+        # Rows whose logits are needed: the last token of each item that draws one, then of
+        # each prefill-only item that wants logprobs there, then prompt positions whose next
+        # token's logprob is asked for.
         offsets = _offsets(items)
         self._pool(items, offsets, hidden, results)
-        sampling = [i for i, item in enumerate(items) if item.sample and item.seq.embed is None]
-        sample_rows = [offsets[i] + items[i].num_tokens - 1 for i in sampling]
+        ends = [i for i, item in enumerate(items) if item.sample and item.seq.embed is None]
+        drawing = [i for i in ends if not items[i].seq.prefill_only]
+        peeking = [i for i in ends if items[i].seq.wants_next_logprobs]
+        last_rows = [offsets[i] + items[i].num_tokens - 1 for i in drawing + peeking]
         prompt_rows, prompt_targets = self._prompt_logprob_rows(items, offsets)
-        rows = torch.tensor(sample_rows + prompt_rows, dtype=torch.long, device=self.device)
+        _first_prompt_position(items, results)
+        if not last_rows and not prompt_rows:
+            return results
+        rows = torch.tensor(last_rows + prompt_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         if prompt_rows:
-            self._prompt_logprobs(items, logits[len(sample_rows):], prompt_targets, results)
-        if sampling:
-            self._sample(items, sampling, logits[: len(sample_rows)], results)
+            self._prompt_logprobs(items, logits[len(last_rows):], prompt_targets, results)
+        if drawing:
+            self._sample(items, drawing, logits[: len(drawing)], results)
+        if peeking:
+            _position_logprobs([items[i].seq for i in peeking], peeking,
+                               log_softmax(logits[len(drawing) : len(last_rows)]), None, results)
         return results
 
     def _pool(self, items: list[ScheduledSeq], offsets: list[int], hidden: Tensor,
@@ -135,15 +145,11 @@ class ModelRunner:
         self, items: list[ScheduledSeq], logits: Tensor, targets: list[tuple[int, int]],
         results: list[ItemResult],
     ) -> None:
-        for i, item in enumerate(items):  # position 0 has no logprob
-            if item.start == 0 and item.seq.input_logprob_start == 0 and (
-                item.seq.wants_prompt_logprobs
-            ):
-                results[i].input_logprobs.append(None)
-                if item.seq.params.top_logprobs_num:
-                    results[i].input_top_logprobs.append([])
+        """Row r of `logits` scores prompt token targets[r] of item targets[r][0]: its logprob,
+        the top ones and the asked ids' there (rows of one item come in position order)."""
         tokens = [t for _, t in targets]
-        chosen, tops = chosen_and_top(log_softmax(logits), tokens, max(
+        logp = log_softmax(logits)
+        chosen, tops = chosen_and_top(logp, tokens, max(
             (items[i].seq.params.top_logprobs_num for i, _ in targets), default=0
         ))
         for row, (i, _) in enumerate(targets):
@@ -151,6 +157,13 @@ class ModelRunner:
             k = items[i].seq.params.top_logprobs_num
             if k:
                 results[i].input_top_logprobs.append(tops[row][:k])
+        asked = [row for row, (i, _) in enumerate(targets)
+                 if items[i].seq.params.token_ids_logprob]
+        values = of_token_ids(logp, asked,
+                              [items[targets[row][0]].seq.params.token_ids_logprob
+                               for row in asked])
+        for row, pairs in zip(asked, values, strict=True):
+            results[targets[row][0]].input_token_ids_logprobs.append(pairs)
 
     def _sample(self, items: list[ScheduledSeq], sampling: list[int], logits: Tensor,
                 results: list[ItemResult]) -> None:
@@ -176,20 +189,7 @@ class ModelRunner:
         for i, token in zip(sampling, token_list, strict=True):
             results[i].token = token
         if raw is not None:
-            logp = log_softmax(raw)
-            k = max(s.params.top_logprobs_num for s in seqs)
-            lp, tops = chosen_and_top(logp, token_list, k)
-            for j, (i, seq) in enumerate(zip(sampling, seqs, strict=True)):
-                if seq.params.return_logprob:
-                    results[i].logprob = lp[j]
-                    if seq.params.top_logprobs_num:
-                        results[i].top_logprobs = tops[j][: seq.params.top_logprobs_num]
-            # token_ids_logprob: the asked ids' logprobs at each such row, in one gather.
-            asked = [j for j, s in enumerate(seqs)
-                     if s.params.return_logprob and s.params.token_ids_logprob]
-            values = of_token_ids(logp, asked, [seqs[j].params.token_ids_logprob for j in asked])
-            for j, pairs in zip(asked, values, strict=True):
-                results[sampling[j]].token_ids_logprobs = pairs
+            _position_logprobs(seqs, sampling, log_softmax(raw), token_list, results)
 
     def _reset_rows(self, items: list[ScheduledSeq]) -> None:
         """A newly admitted sequence's row starts over from its tokens."""
@@ -212,6 +212,42 @@ class ModelRunner:
                 (rows[out_index], out_ids), torch.ones_like(out_ids, dtype=torch.int32),
                 accumulate=True,
             )
+
+
+def _first_prompt_position(items: list[ScheduledSeq], results: list[ItemResult]) -> None:
+    """Prompt position 0 has no logprob (nothing precedes it): None, and empty top and asked
+    ids' lists, for an item that starts there and wants prompt logprobs from there."""
+    for item, result in zip(items, results, strict=True):
+        seq = item.seq
+        if item.start == 0 and seq.input_logprob_start == 0 and seq.wants_prompt_logprobs:
+            result.input_logprobs.append(None)
+            if seq.params.top_logprobs_num:
+                result.input_top_logprobs.append([])
+            if seq.params.token_ids_logprob:
+                result.input_token_ids_logprobs.append([])
+
+
+def _position_logprobs(seqs: list[Sequence], targets: list[int], logp: Tensor,
+                       tokens: list[int] | None, results: list[ItemResult]) -> None:
+    """Logprobs at one position per sequence (row j of `logp` [N, V] is seqs[j]'s, its result
+    results[targets[j]]), for those with return_logprob: the drawn token's (`tokens`; None: a
+    prefill-only position, nothing drawn), the top ones and the asked ids' (token_ids_logprob,
+    one gather for all rows)."""
+    k = max(s.params.top_logprobs_num for s in seqs)
+    chosen, tops = chosen_and_top(logp, tokens, k) if tokens is not None else (None, top(logp, k))
+    for j, (i, seq) in enumerate(zip(targets, seqs, strict=True)):
+        p = seq.params
+        if not p.return_logprob:
+            continue
+        if chosen is not None:
+            results[i].logprob = chosen[j]
+        if p.top_logprobs_num:
+            results[i].top_logprobs = tops[j][: p.top_logprobs_num]
+    asked = [j for j, s in enumerate(seqs)
+             if s.params.return_logprob and s.params.token_ids_logprob]
+    values = of_token_ids(logp, asked, [seqs[j].params.token_ids_logprob for j in asked])
+    for j, pairs in zip(asked, values, strict=True):
+        results[targets[j]].token_ids_logprobs = pairs
 
 
 def _offsets(items: list[ScheduledSeq]) -> list[int]:

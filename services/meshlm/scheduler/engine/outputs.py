@@ -24,17 +24,27 @@ def step_output(
         error=error,
     )
     if seq.params.return_logprob:
-        if result is not None and result.logprob is not None:
-            out.output_logprobs = [result.logprob]
-            if seq.params.top_logprobs_num:
-                out.output_top_logprobs = [result.top_logprobs or []]
-            if result.token_ids_logprobs is not None:
-                out.output_token_ids_logprobs = [result.token_ids_logprobs]
+        if result is not None:
+            _position_logprobs(out, seq, result)
         start = seq.input_logprob_start
         if not seq.first_output_sent and start is not None:
             out.input_logprob_start = start
             out.input_logprobs, out.input_top_logprobs = (
                 seq.input_logprobs, seq.input_top_logprobs
             )
+            out.input_token_ids_logprobs = seq.input_token_ids_logprobs
     seq.first_output_sent = True
     return out
+
+
+def _position_logprobs(out: StepOutput, seq: Sequence, result: ItemResult) -> None:
+    """The logprobs of the position `result` sampled at: the drawn token's, the top and the
+    asked ids'. A prefill-only request draws none there, but its top and asked ids' come."""
+    if result.logprob is not None:
+        out.output_logprobs = [result.logprob]
+    elif not seq.prefill_only:
+        return
+    if seq.params.top_logprobs_num:
+        out.output_top_logprobs = [result.top_logprobs or []]
+    if result.token_ids_logprobs is not None:
+        out.output_token_ids_logprobs = [result.token_ids_logprobs]

@@ -84,8 +84,9 @@ class BatchPlanner:
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
             after: str | None = None, priority: int = 0) -> None:
         """Queue a request, ahead of those of lower `priority`. Raises ValueError if `rid` is
-        live. An unusable request is not queued: it finishes with "error" (or "length" when
-        max_new_tokens is 0) at once, its output coming from the next postprocess.
+        live. An unusable request is not queued: it finishes with "error" at once, its output
+        coming from the next postprocess. max_new_tokens 0 computes the prompt only
+        (`Sequence.prefill_only`) and finishes with "length" and no token.
 
         `after` names a live request with the same prompt (n > 1 samples of one prompt):
         this one is held back until that one's prompt is computed, then admitted on the
@@ -103,8 +104,8 @@ class BatchPlanner:
         if seq.rid in self._live:
             raise ValueError(f"duplicate request id {seq.rid!r}")
         problem = seq.problem(self.max_model_len, self.vocab_size, self.can_generate)
-        if problem is not None or seq.params.max_new_tokens == 0:
-            self._finish(seq, "error" if problem is not None else "length")
+        if problem is not None:
+            self._finish(seq, "error")
             self._pending.append(step_output(seq, error=problem))
             return
         self._live[seq.rid] = seq
@@ -295,8 +296,7 @@ class BatchPlanner:
         self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
-        if not seq.first_output_sent:  # its prompt logprobs are gathered again
-            seq.input_logprobs, seq.input_top_logprobs = [], []
+        seq.drop_prompt_logprobs()
         self.waiting.push_front(seq)
 
     def _release(self, seq: Sequence) -> None:
@@ -340,18 +340,16 @@ class BatchPlanner:
         seq.num_computed_tokens = item.end
         if self.prefix_cache:
             self.blocks.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
-        if seq.wants_prompt_logprobs:
-            seq.input_logprobs += result.input_logprobs
-            seq.input_top_logprobs += result.input_top_logprobs
+        seq.keep_prompt_logprobs(result)
         if seq.followers and seq.num_computed_tokens >= seq.num_prompt_tokens:
             self.waiting.push_front(*seq.release_followers())  # they share its prompt's KV
         if not item.sample:
             if item.start < seq.num_prompt_tokens:
                 self.totals.chunked_prefills += 1
             return
-        if seq.embed is not None:
-            self._finish(seq, "stop")
-            out = step_output(seq)
+        if seq.embed is not None or seq.prefill_only:  # no token drawn
+            self._finish(seq, "stop" if seq.embed is not None else "length")
+            out = step_output(seq, result=result)
             out.embedding = result.embedding
             self._pending.append(out)
             return

@@ -26,7 +26,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # 0: prefill only (the prompt's logits, no token drawn)
     min_new_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -36,8 +36,8 @@ class SamplingParams:
     return_logprob: bool = False
     top_logprobs_num: int = 0  # top alternatives per position, when return_logprob
     logprob_start_len: int = -1  # prompt positions from here get logprobs too; -1 = none
-    # With return_logprob: the logprobs of these ids at each output position too (SGLang's
-    # token_ids_logprob; scoring asks for its label tokens with max_new_tokens=1).
+    # With return_logprob: the logprobs of these ids at each output position, and at the prompt
+    # positions with logprobs (SGLang's token_ids_logprob; scoring asks for its label tokens).
     token_ids_logprob: tuple[int, ...] = ()
 
     @property
@@ -109,6 +109,7 @@ class Sequence:
     # Prompt logprobs gathered chunk by chunk, sent with the first output.
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
     first_output_sent: bool = False
 
     @classmethod
@@ -152,6 +153,35 @@ class Sequence:
     def wants_prompt_logprobs(self) -> bool:
         start = self.input_logprob_start
         return start is not None and not self.first_output_sent and start < self.num_prompt_tokens
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_new_tokens 0 (SGLang's prefill-only request): the prompt is computed and the
+        request ends ("length") with no token drawn; with return_logprob its output carries
+        the prompt logprobs asked and, for the position after the prompt, the top and asked
+        ids' logprobs."""
+        return self.embed is None and self.params.max_new_tokens == 0
+
+    @property
+    def wants_next_logprobs(self) -> bool:
+        """A prefill-only request that wants logprobs of the position after its prompt."""
+        p = self.params
+        return self.prefill_only and p.return_logprob and bool(
+            p.top_logprobs_num or p.token_ids_logprob)
+
+    def keep_prompt_logprobs(self, result: ItemResult) -> None:
+        """A computed chunk's prompt logprobs, kept for the first output."""
+        if self.wants_prompt_logprobs:
+            self.input_logprobs += result.input_logprobs
+            self.input_top_logprobs += result.input_top_logprobs
+            self.input_token_ids_logprobs += result.input_token_ids_logprobs
+
+    def drop_prompt_logprobs(self) -> None:
+        """Recomputed from the start (preempted, retracted): unless its first output has
+        gone, its prompt logprobs are gathered again."""
+        if not self.first_output_sent:
+            self.input_logprobs, self.input_top_logprobs = [], []
+            self.input_token_ids_logprobs = []
 
     def release_followers(self) -> list[Sequence]:
         """This one's prompt is computed (or it ended): its followers, in order, held no more."""
@@ -259,9 +289,12 @@ class ItemResult:
     top_logprobs: TopLogprobs | None = None
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)  # [] at position 0
     # An embedding request's result: the pooled, normalised vector, or a classifier's logits.
     embedding: list[float] | None = None
-    token_ids_logprobs: TopLogprobs | None = None  # (id, logprob) per params.token_ids_logprob
+    # (id, logprob) per params.token_ids_logprob at the sampled position (a prefill-only
+    # request's: the position after its prompt, where `token` stays None).
+    token_ids_logprobs: TopLogprobs | None = None
 
 
 @dataclass
@@ -294,6 +327,10 @@ class StepOutput:
     input_logprob_start: int = 0
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    # With token_ids_logprob: per new token, (id, logprob) of each asked id, in asked order.
+    # With token_ids_logprob: per new token, (id, logprob) of each asked id, in asked order; on
+    # the first output, the same per prompt position of input_logprobs ([] at position 0).
+    # A prefill-only request has no new token, but its top and asked ids' logprobs at the
+    # position after the prompt (one entry each, when asked).
     output_token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     embedding: list[float] | None = None  # an embedding request's result (then finished)

@@ -76,7 +76,7 @@ class FakeGateway(ScoringRPCs):
         if prompt == "long":
             raise MeshError(grpc.StatusCode.INVALID_ARGUMENT, "text: the prompt is too long")
         labels = list(v.sampling.token_ids_logprob)
-        logprobs = common_pb2.Logprobs(output_logprobs=[-0.1], output_token_ids=[
+        logprobs = common_pb2.Logprobs(output_logprobs=[-0.1], output_token_ids_logprobs=[
             common_pb2.TopLogprobs(token_ids=labels,
                                    logprobs=[_logprob(prompt, t) for t in labels])])
         final = gateway_pb2.TextOutput(finished=True, finish_reason="length")

@@ -75,7 +75,7 @@ def test_prompt_position_0_has_null_logprob_and_null_top() -> None:
 
 
 def test_nothing_arrived_gives_empty_lists() -> None:
-    meta = _decoded(logprob_meta([4, 5], None, top=True, text=True))
+    meta = _decoded(logprob_meta([4, 5], None, top=True, text=True, asked=True))
     assert meta == {k: [] for k in LOGPROB_KEYS}
 
 

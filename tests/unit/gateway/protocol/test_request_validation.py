@@ -88,7 +88,7 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str, grpc.StatusCode]] = [
     ({"presence_penalty": 3}, "presence_penalty", INVALID),
     ({"repetition_penalty": 0}, "repetition_penalty", INVALID),
     ({"repetition_penalty": 2.5}, "repetition_penalty", INVALID),
-    ({"max_new_tokens": 0}, "max_new_tokens", INVALID),
+    ({"min_new_tokens": 1, "max_new_tokens": 0}, "min_new_tokens", INVALID),
     ({"max_new_tokens": -5}, "max_new_tokens", INVALID),
     ({"min_new_tokens": -1}, "min_new_tokens", INVALID),
     ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens", INVALID),

@@ -26,7 +26,7 @@ def test_label_scores_full_vocabulary_or_renormalised() -> None:
 
 
 def test_label_logprobs_in_the_asked_order() -> None:
-    msg = common_pb2.Logprobs(output_token_ids=[
+    msg = common_pb2.Logprobs(output_token_ids_logprobs=[
         common_pb2.TopLogprobs(token_ids=[9, 4, 9], logprobs=[-1.0, -2.0, -1.0])])
     assert label_logprobs(msg, [4, 9, 9]) == [-2.0, -1.0, -1.0]
     with pytest.raises(ValueError):

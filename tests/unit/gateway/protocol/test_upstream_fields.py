@@ -15,8 +15,11 @@ from sglang.runtime.v1 import sglang_pb2
 # meshlm's own fields, on numbers upstream does not use (the proto's header lists them too).
 MESHLM_OWN = {
     "SamplingParams": "optional bool skip_special_tokens = 100",
+    "TextGenerateRequest": "repeated int32 token_ids_logprob = 101",
     "TextGenerateResponse": "repeated int32 output_ids = 100",
-    "GenerateRequest": "optional bool return_text_in_logprobs = 100",
+    "GenerateRequest": """
+        optional bool return_text_in_logprobs = 100
+        repeated int32 token_ids_logprob = 101""",
 }
 
 _F = descriptor_pb2.FieldDescriptorProto

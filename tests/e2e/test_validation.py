@@ -12,8 +12,9 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 
 CASES = [
     ("empty text", pb.TextGenerateRequest(text=""), "text"),
-    ("max_new_tokens 0", pb.TextGenerateRequest(
-        text="hi", sampling_params=pb.SamplingParams(max_new_tokens=0)), "max_new_tokens"),
+    ("min_new_tokens past max_new_tokens 0", pb.TextGenerateRequest(
+        text="hi", sampling_params=pb.SamplingParams(max_new_tokens=0, min_new_tokens=1)),
+     "min_new_tokens"),
     ("max_new_tokens negative", pb.TextGenerateRequest(
         text="hi", sampling_params=pb.SamplingParams(max_new_tokens=-3)), "max_new_tokens"),
     ("temperature < 0", pb.TextGenerateRequest(
@@ -56,7 +57,7 @@ def test_generate_input_ids_checked(stub):
 
 @pytest.mark.parametrize("body,field", [
     ({"text": "", "sampling_params": {}}, "text"),
-    ({"text": "hi", "sampling_params": {"max_new_tokens": 0}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
     ({"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ({"text": "hi", "sampling_params": {"top_p": 2}}, "top_p"),
     ({"text": "hi", "input_ids": [1, 2]}, "input_ids"),

@@ -13,8 +13,10 @@ from typing import Any
 
 import grpc
 import httpx
+import openai
 import orjson
 
+from meshlm.common.default_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
 from meshlm.launch.mesh import Mesh, MeshOptions
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -239,3 +241,17 @@ class Stream:
 
     def code(self) -> grpc.StatusCode | None:
         return self.error.code() if self.error is not None else None
+
+
+def openai_client(mesh: Mesh) -> openai.OpenAI:
+    keys = mesh.options.api_keys  # the gateway needs one only when it has any
+    return openai.OpenAI(base_url=f"{mesh.addresses.gateway_http}/v1",
+                         api_key=keys[0] if keys else "unused", max_retries=0, timeout=120)
+
+
+def chatml(messages: list[dict[str, str]]) -> str:
+    """The default checkpoint's template (ChatML after the bos token), with the assistant's
+    turn opened."""
+    turns = "".join(f"{IM_START_TOKEN}{m['role']}\n{m['content']}{IM_END_TOKEN}\n"
+                    for m in messages)
+    return f"{BOS_TOKEN}{turns}{IM_START_TOKEN}assistant\n"

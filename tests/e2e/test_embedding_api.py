@@ -25,7 +25,7 @@ HIDDEN = 64
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _embedding_checkpoint(path: Path) -> None:
+def embedding_checkpoint(path: Path) -> None:
     """A tiny bare LlamaModel (no language-model head) with the default model's tokenizer."""
     import torch
 
@@ -44,7 +44,7 @@ def _embedding_checkpoint(path: Path) -> None:
 @pytest.fixture(scope="module")
 def embed_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     model_path = tmp_path_factory.mktemp("embedder")
-    _embedding_checkpoint(model_path)
+    embedding_checkpoint(model_path)
     with own_mesh(tmp_path_factory.mktemp("embed-mesh"), model_path=str(model_path)) as m:
         yield m
 

@@ -15,10 +15,9 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from helpers import gateway_load, own_mesh, text_request, wait_until
-from test_embedding_api import HIDDEN, _embedding_checkpoint
+from helpers import chatml, gateway_load, openai_client, own_mesh, text_request, wait_until
+from test_embedding_api import HIDDEN, embedding_checkpoint
 
-from meshlm.common.default_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
 from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
@@ -26,28 +25,14 @@ from sglang.runtime.v1 import sglang_pb2_grpc
 USER = [{"role": "user", "content": "Tell me a story about the sea."}]
 
 
-def _client(mesh: Mesh) -> openai.OpenAI:
-    keys = mesh.options.api_keys  # the gateway needs one only when it has any
-    return openai.OpenAI(base_url=f"{mesh.addresses.gateway_http}/v1",
-                         api_key=keys[0] if keys else "unused", max_retries=0, timeout=120)
-
-
 @pytest.fixture(scope="module")
 def client(mesh: Mesh) -> openai.OpenAI:
-    return _client(mesh)
+    return openai_client(mesh)
 
 
 @pytest.fixture(scope="module")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
-
-
-def _chatml(messages: list[dict[str, str]]) -> str:
-    """The default checkpoint's template (ChatML after the bos token), with the assistant's
-    turn opened."""
-    turns = "".join(f"{IM_START_TOKEN}{m['role']}\n{m['content']}{IM_END_TOKEN}\n"
-                    for m in messages)
-    return f"{BOS_TOKEN}{turns}{IM_START_TOKEN}assistant\n"
 
 
 # ---- models ----------------------------------------------------------------------------------
@@ -71,7 +56,7 @@ def test_chat_applies_the_checkpoints_template_and_generates(client, model, stub
     assert choice.index == 0 and choice.message.role == "assistant"
     assert choice.finish_reason in ("stop", "length")
     # The prompt is the template's rendering, tokenized without extra special tokens.
-    prompt = list(stub.Tokenize(pb.TokenizeRequest(text=_chatml(USER), add_special_tokens=False))
+    prompt = list(stub.Tokenize(pb.TokenizeRequest(text=chatml(USER), add_special_tokens=False))
                   .tokens)
     assert reply.usage.prompt_tokens == len(prompt)
     assert reply.usage.total_tokens == len(prompt) + reply.usage.completion_tokens
@@ -325,13 +310,13 @@ def test_a_streaming_client_that_leaves_aborts_its_request(client, model, stub) 
 def embed_mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     """A small embedding-only checkpoint (as test_embedding_api builds it), its own mesh."""
     model_path = tmp_path_factory.mktemp("openai-embedder")
-    _embedding_checkpoint(model_path)
+    embedding_checkpoint(model_path)
     with own_mesh(tmp_path_factory.mktemp("openai-embed-mesh"), model_path=str(model_path)) as m:
         yield m
 
 
 def test_embeddings(embed_mesh: Mesh) -> None:
-    client = _client(embed_mesh)
+    client = openai_client(embed_mesh)
     model = client.models.list().data[0].id
     with grpc.insecure_channel(embed_mesh.addresses.gateway_grpc) as channel:
         stub = sglang_pb2_grpc.SglangServiceStub(channel)

@@ -12,7 +12,7 @@ import httpx
 import openai
 import orjson
 import pytest
-from test_openai_api import _chatml, _client
+from helpers import chatml, openai_client
 
 from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -24,7 +24,7 @@ OPENED = [*USER, {"role": "assistant", "content": "Once upon a time, a"}]
 
 @pytest.fixture(scope="module")
 def client(mesh: Mesh) -> openai.OpenAI:
-    return _client(mesh)
+    return openai_client(mesh)
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def test_chat_continue_final_message_and_echo(client, model, stub) -> None:
            "extra_body": {"continue_final_message": True, "add_generation_prompt": False}}
     reply = client.chat.completions.create(**ask)
     # The prompt is the conversation with the assistant's turn left open, not closed.
-    opened = _chatml(OPENED[:1]) + OPENED[1]["content"]
+    opened = chatml(OPENED[:1]) + OPENED[1]["content"]
     prompt = list(stub.Tokenize(pb.TokenizeRequest(text=opened, add_special_tokens=False))
                   .tokens)
     assert reply.usage.prompt_tokens == len(prompt)

@@ -2,8 +2,9 @@
 (disaggregated_params at 13 / 12, no seed) and one from upstream's main (session_id at 13 / 12,
 seed at 16, priority), their message types built here from the descriptors written down in
 tests/sglang_upstream.py (not fetched), their bytes sent over gRPC as they are. Then, over gRPC
-and HTTP (native /generate and the transcoded /v1/runtime routes): seed=16 gives the same tokens for the same seed, and reasoning
-options and guided decoding are refused UNIMPLEMENTED / 501 naming what is missing."""
+and HTTP (native /generate and the transcoded /v1/runtime routes): seed=16 gives the same
+tokens for the same seed, and reasoning options and guided decoding are refused
+UNIMPLEMENTED / 501 naming what is missing."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import httpx
 import orjson
@@ -106,13 +107,15 @@ async def meshlm_stream(client: httpx.AsyncClient, base_url: str, request: Bench
                        _int(meta.get("prompt_tokens")))
 
 
-async def completions_stream(client: httpx.AsyncClient, base_url: str, request: BenchRequest
-                             ) -> StreamStats:
-    """One request to an OpenAI-style POST /v1/completions (SSE), EOS disabled through
-    transformers' per-request `generation_config`."""
-    gen = {"do_sample": False, "eos_token_id": -1, "max_new_tokens": request.max_new_tokens}
+async def completions_stream(client: httpx.AsyncClient, base_url: str, request: BenchRequest,
+                             eos_off: dict[str, object] | None = None) -> StreamStats:
+    """One request to an OpenAI-style POST /v1/completions (SSE), greedy, EOS disabled by the
+    `eos_off` body fields (default: transformers' per-request `generation_config`)."""
+    if eos_off is None:
+        gen = {"do_sample": False, "eos_token_id": -1, "max_new_tokens": request.max_new_tokens}
+        eos_off = {"generation_config": json.dumps(gen)}
     body = {"prompt": request.text, "stream": True, "max_tokens": request.max_new_tokens,
-            "generation_config": json.dumps(gen)}
+            **eos_off}
     ttft, usage = await _sse(client, f"{base_url}/v1/completions", body, "usage")
     return StreamStats(request.rid, ttft, _int(usage.get("completion_tokens")),
                        _int(usage.get("prompt_tokens")))
@@ -142,17 +145,17 @@ def _int(value: object) -> int:
     return int(value) if isinstance(value, int | str) and str(value).lstrip("-").isdigit() else 0
 
 
-class TransformersServe:
-    """`transformers serve --continuous-batching` on 127.0.0.1, one checkpoint, CPU, float32.
+class ServerProcess:
+    """A benchmark peer: one server process on 127.0.0.1, a context manager.
 
-    A context manager: start() waits until GET /health answers 200 (the model is loaded before
-    the server listens), stop() terminates its process group. Output goes to `log_path`."""
+    start() picks a free port, spawns `args()` with `env()` and waits until GET /health
+    answers 200 (retrying on another port if the one it got was taken before the server bound
+    it); stop() terminates its process group. Output goes to `log_path`."""
 
-    def __init__(self, model_path: str, log_path: Path, threads: int = 0,
-                 startup_timeout: float = 300.0) -> None:
-        self.model_path = model_path
+    name = "server"
+
+    def __init__(self, log_path: Path, startup_timeout: float = 300.0) -> None:
         self.log_path = log_path
-        self.threads = threads
         self.startup_timeout = startup_timeout
         self.port = 0
         self._proc: subprocess.Popen[bytes] | None = None
@@ -162,27 +165,24 @@ class TransformersServe:
         return f"http://127.0.0.1:{self.port}"
 
     def args(self) -> list[str]:
-        return [sys.executable, "-m", "transformers.cli.transformers", "serve",
-                self.model_path, "--continuous-batching", "--device", "cpu",
-                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port),
-                "--log-level", "warning"]
+        raise NotImplementedError
 
-    def start(self) -> TransformersServe:
+    def env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def start(self) -> Self:
         for attempt in range(3):  # a free port can be taken before the server binds it
             self.port = free_port()
             if self._start_once():
                 return self
             if "address already in use" not in self.tail().lower() or attempt == 2:
                 break
-        raise RuntimeError(f"transformers serve did not start; last lines of {self.log_path}:"
+        raise RuntimeError(f"{self.name} did not start; last lines of {self.log_path}:"
                            f"\n{self.tail()}")
 
     def _start_once(self) -> bool:
-        env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}
-        if self.threads:  # torch takes its intra-op thread count from OpenMP's
-            env["OMP_NUM_THREADS"] = str(self.threads)
         with open(self.log_path, "ab") as log:
-            self._proc = spawn(self.args(), env=env, stdout=log, stderr=log)
+            self._proc = spawn(self.args(), env=self.env(), stdout=log, stderr=log)
         deadline = time.monotonic() + self.startup_timeout
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
@@ -196,7 +196,7 @@ class TransformersServe:
                     pass
                 time.sleep(0.2)  # poll interval while it loads
         self.stop()
-        raise RuntimeError(f"transformers serve not healthy within {self.startup_timeout}s; "
+        raise RuntimeError(f"{self.name} not healthy within {self.startup_timeout}s; "
                            f"last lines of {self.log_path}:\n{self.tail()}")
 
     def stop(self) -> None:
@@ -211,9 +211,34 @@ class TransformersServe:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def __enter__(self) -> TransformersServe:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+class TransformersServe(ServerProcess):
+    """`transformers serve --continuous-batching` on 127.0.0.1, one checkpoint, CPU, float32
+    (the model is loaded before the server listens)."""
+
+    name = "transformers serve"
+
+    def __init__(self, model_path: str, log_path: Path, threads: int = 0,
+                 startup_timeout: float = 300.0) -> None:
+        super().__init__(log_path, startup_timeout)
+        self.model_path = model_path
+        self.threads = threads
+
+    def args(self) -> list[str]:
+        return [sys.executable, "-m", "transformers.cli.transformers", "serve",
+                self.model_path, "--continuous-batching", "--device", "cpu",
+                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port),
+                "--log-level", "warning"]
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, **OFFLINE_ENV, "PYTHONUNBUFFERED": "1"}
+        if self.threads:  # torch takes its intra-op thread count from OpenMP's
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        return env

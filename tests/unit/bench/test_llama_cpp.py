@@ -1,0 +1,52 @@
+"""llama.cpp peer's pure parts: the GPT-2 pre-tokenizer check and the server command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshlm.bench.llama_cpp import LlamaCppServer, is_gpt2_pretokenizer, vendored_tree
+
+GPT2 = {
+    "normalizer": None,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                      "use_regex": True},
+    "model": {"type": "BPE", "vocab": {}, "merges": []},
+}
+
+
+def test_gpt2_byte_level_is_recognized() -> None:
+    assert is_gpt2_pretokenizer(GPT2)
+
+
+def test_other_pretokenizers_are_not() -> None:
+    assert not is_gpt2_pretokenizer({**GPT2, "pre_tokenizer": {**GPT2["pre_tokenizer"],  # type: ignore[dict-item]
+                                                              "add_prefix_space": True}})
+    assert not is_gpt2_pretokenizer({**GPT2, "pre_tokenizer": {"type": "ByteLevel",
+                                                              "add_prefix_space": False,
+                                                              "use_regex": False}})
+    assert not is_gpt2_pretokenizer({**GPT2, "pre_tokenizer": {"type": "Sequence",
+                                                              "pretokenizers": []}})
+    assert not is_gpt2_pretokenizer({**GPT2, "normalizer": {"type": "NFC"}})
+    assert not is_gpt2_pretokenizer({**GPT2, "model": {"type": "Unigram"}})
+    # tokenizers' ByteLevel default is add_prefix_space true
+    assert not is_gpt2_pretokenizer({**GPT2, "pre_tokenizer": {"type": "ByteLevel"}})
+
+
+def test_server_command_line() -> None:
+    server = LlamaCppServer(Path("/b/llama-server"), Path("/m.gguf"), Path("/log"),
+                            threads=2, slots=16, ctx=512)
+    server.port = 4321
+    args = server.args()
+    assert args[0] == "/b/llama-server"
+
+    def value(flag: str) -> str:
+        return args[args.index(flag) + 1]
+
+    assert (value("-m"), value("-t"), value("-np")) == ("/m.gguf", "2", "16")
+    assert value("-c") == str(16 * 512)  # one context of ctx tokens per slot
+    assert (value("--host"), value("--port")) == ("127.0.0.1", "4321")
+
+
+def test_vendored_tree_layout() -> None:
+    assert vendored_tree(Path("/c/llama.cpp-0.3.36")) == Path(
+        "/c/llama.cpp-0.3.36/src/llama_cpp_python-0.3.36/vendor/llama.cpp")

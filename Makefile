@@ -7,7 +7,7 @@ PROTOS := $(shell find proto -name '*.proto')
 STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 
-.PHONY: install proto run test test-unit test-e2e bench bench-engine lint clean
+.PHONY: install proto run test test-unit test-e2e bench bench-engine bench-peers lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ $(BENCH_STAMP): pyproject.toml $(STAMP)
 # The engine and the mesh vs HF generate and transformers serve (~4 minutes on 2 cores).
 bench-engine: install $(BENCH_STAMP)
 	$(PY) -m meshlm.bench.engine $(BENCH_ARGS)
+
+# llama.cpp's llama-server, transformers serve and the mesh on one workload. The first run
+# downloads the llama-cpp-python sdist and builds llama-server (CPU; cached in ~/.cache/meshlm).
+bench-peers: install $(BENCH_STAMP)
+	$(PY) -m meshlm.bench.peers $(BENCH_ARGS)
 
 lint: install
 	$(PY) -m ruff check services tests

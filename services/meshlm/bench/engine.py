@@ -58,6 +58,7 @@ class Result:
     tokens: int  # useful output tokens (what the requests asked for)
     seconds: float
     ttft: list[float] = field(default_factory=list)  # seconds, per request (HTTP runs)
+    itl: list[float] = field(default_factory=list)  # mean seconds between tokens, per request
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -66,6 +67,9 @@ class Result:
 
     def ttft_ms(self, q: float) -> float | None:
         return percentile(self.ttft, q) * 1000 if self.ttft else None
+
+    def itl_ms(self, q: float) -> float | None:
+        return percentile(self.itl, q) * 1000 if self.itl else None
 
 
 def _expect(result: Result, requests: Sequence[BenchRequest], got: Sequence[int]) -> None:
@@ -163,12 +167,13 @@ def run_hf_generate(model_path: str, requests: Sequence[BenchRequest], warmup: B
 
 # -- over HTTP --------------------------------------------------------------------------------
 
-async def _run_http(name: str, stream: StreamFn, requests: Sequence[BenchRequest],
+async def run_http(name: str, stream: StreamFn, requests: Sequence[BenchRequest],
                     warmup: BenchRequest, concurrency: int) -> Result:
     async with http_client(concurrency) as client:
         await stream(client, warmup)
         stats, seconds = await drive(client, stream, requests, concurrency)
-    result = Result(name, sum(s.tokens for s in stats), seconds, [s.ttft for s in stats])
+    result = Result(name, sum(s.tokens for s in stats), seconds, [s.ttft for s in stats],
+                    [s.itl for s in stats if s.itl is not None])
     by_rid = {s.rid: s for s in stats}
     _expect(result, requests, [by_rid[r.rid].tokens for r in requests])
     bad_prompt = [r.rid for r in requests if by_rid[r.rid].prompt_tokens != len(r.prompt_ids)]
@@ -190,7 +195,7 @@ def run_mesh(model_path: str, requests: Sequence[BenchRequest], warmup: BenchReq
                               grpc_port=0, env=env)
         with Mesh(options) as mesh:
             base = mesh.addresses.gateway_http
-            return asyncio.run(_run_http(
+            return asyncio.run(run_http(
                 "meshlm mesh, HTTP /generate",
                 lambda c, r: meshlm_stream(c, base, r), requests, warmup, concurrency))
 
@@ -201,7 +206,7 @@ def run_transformers_serve(model_path: str, requests: Sequence[BenchRequest],
     with tempfile.TemporaryDirectory() as tmp, TransformersServe(
             model_path, Path(tmp) / "transformers-serve.log", threads) as server:
         base = server.base_url
-        return asyncio.run(_run_http(
+        return asyncio.run(run_http(
             "transformers serve --continuous-batching, HTTP /v1/completions",
             lambda c, r: completions_stream(c, base, r), requests, warmup, concurrency))
 

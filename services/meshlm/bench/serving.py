@@ -48,6 +48,12 @@ class StreamStats:
     ttft: float  # seconds to the first event
     tokens: int  # completion tokens the server reported
     prompt_tokens: int
+    seconds: float = 0.0  # to the end of the stream
+
+    @property
+    def itl(self) -> float | None:
+        """Mean seconds between tokens after the first; None with fewer than two tokens."""
+        return (self.seconds - self.ttft) / (self.tokens - 1) if self.tokens > 1 else None
 
 
 StreamFn = Callable[[httpx.AsyncClient, BenchRequest], Awaitable[StreamStats]]
@@ -102,9 +108,9 @@ async def meshlm_stream(client: httpx.AsyncClient, base_url: str, request: Bench
     """One request to the meshlm gateway's SGLang-native POST /generate (SSE)."""
     body = {"text": request.text, "stream": True, "sampling_params": {
         "temperature": 0, "max_new_tokens": request.max_new_tokens, "ignore_eos": True}}
-    ttft, meta = await _sse(client, f"{base_url}/generate", body, "meta_info")
+    ttft, seconds, meta = await _sse(client, f"{base_url}/generate", body, "meta_info")
     return StreamStats(request.rid, ttft, _int(meta.get("completion_tokens")),
-                       _int(meta.get("prompt_tokens")))
+                       _int(meta.get("prompt_tokens")), seconds)
 
 
 async def completions_stream(client: httpx.AsyncClient, base_url: str, request: BenchRequest,
@@ -116,15 +122,15 @@ async def completions_stream(client: httpx.AsyncClient, base_url: str, request: 
         eos_off = {"generation_config": json.dumps(gen)}
     body = {"prompt": request.text, "stream": True, "max_tokens": request.max_new_tokens,
             **eos_off}
-    ttft, usage = await _sse(client, f"{base_url}/v1/completions", body, "usage")
+    ttft, seconds, usage = await _sse(client, f"{base_url}/v1/completions", body, "usage")
     return StreamStats(request.rid, ttft, _int(usage.get("completion_tokens")),
-                       _int(usage.get("prompt_tokens")))
+                       _int(usage.get("prompt_tokens")), seconds)
 
 
 async def _sse(client: httpx.AsyncClient, url: str, body: dict[str, object], field: str
-               ) -> tuple[float, dict[str, object]]:
-    """POST `body` and read the SSE reply: seconds to the first event, and the last
-    non-empty `field` object of the events (meta_info, usage)."""
+               ) -> tuple[float, float, dict[str, object]]:
+    """POST `body` and read the SSE reply: seconds to the first event and to the end, and the
+    last non-empty `field` object of the events (meta_info, usage)."""
     start = time.perf_counter()
     ttft: float | None = None
     last: dict[str, object] = {}
@@ -138,7 +144,7 @@ async def _sse(client: httpx.AsyncClient, url: str, body: dict[str, object], fie
             if ttft is None:
                 ttft = time.perf_counter() - start
             last = doc.get(field) or last  # type: ignore[assignment]
-    return ttft or 0.0, last
+    return ttft or 0.0, time.perf_counter() - start, last
 
 
 def _int(value: object) -> int:

@@ -50,3 +50,15 @@ def test_server_command_line() -> None:
 def test_vendored_tree_layout() -> None:
     assert vendored_tree(Path("/c/llama.cpp-0.3.36")) == Path(
         "/c/llama.cpp-0.3.36/src/llama_cpp_python-0.3.36/vendor/llama.cpp")
+
+
+def test_report_peers_ratios() -> None:
+    from meshlm.bench.engine import Result
+    from meshlm.bench.peers import report_peers
+
+    mesh = Result("meshlm", 200, 1.0, [0.1, 0.1], [0.01, 0.01])
+    llama = Result("llama.cpp", 100, 1.0, [0.2, 0.2], [0.02, 0.02])
+    lines = report_peers({"llama.cpp": llama, "serve": None, "mesh": mesh}, 16)
+    assert "ITL p50 ms" in lines[0] and len(lines) == 5
+    assert "meshlm / llama.cpp: throughput 2.00x, TTFT p50 0.50x, ITL p50 0.50x" in lines
+    assert lines[-1].startswith("meshlm / transformers serve: throughput n/a")

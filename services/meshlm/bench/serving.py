@@ -63,9 +63,10 @@ class StreamError(RuntimeError):
     """A server answered a benchmark request with an error."""
 
 
-def http_client(concurrency: int) -> httpx.AsyncClient:
+def http_client(concurrency: int, keepalive: bool = True) -> httpx.AsyncClient:
+    """A client for `concurrency` streams; without `keepalive`, one connection per request."""
     limits = httpx.Limits(max_connections=concurrency + 4,
-                          max_keepalive_connections=concurrency + 4)
+                          max_keepalive_connections=concurrency + 4 if keepalive else 0)
     # TCP_NODELAY as curl and browsers set it: otherwise Nagle + delayed ACK add ~40 ms.
     transport = httpx.AsyncHTTPTransport(
         limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])

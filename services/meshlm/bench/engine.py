@@ -49,6 +49,7 @@ from meshlm.bench.workload import (
     static_batches,
     static_steps,
     warmup_request,
+    workload_options,
 )
 
 
@@ -254,13 +255,7 @@ STAGES = ("engine", "batch1", "hf", "mesh", "serve")
 @click.command()
 @click.option("--model-path", default="", help="checkpoint (default: the bench checkpoint, "
               "built once under ~/.cache/meshlm/models)")
-@click.option("--requests", "n_requests", default=64, show_default=True)
-@click.option("--seed", default=20240917, show_default=True)
-@click.option("--prompt-min", default=16, show_default=True, help="prompt tokens, uniform")
-@click.option("--prompt-max", default=256, show_default=True)
-@click.option("--output-mean", default=64.0, show_default=True,
-              help="output tokens, exponential")
-@click.option("--output-max", default=256, show_default=True, help="outputs clipped to [1, this]")
+@workload_options
 @click.option("--batch-size", default=16, show_default=True,
               help="engine max_running, HF static batch, concurrent HTTP streams")
 @click.option("--batch1-requests", default=16, show_default=True,

@@ -31,7 +31,14 @@ from meshlm.bench.llama_cpp import (
     llama_cpp_stream,
 )
 from meshlm.bench.serving import OFFLINE_ENV
-from meshlm.bench.workload import BenchRequest, build_workload, fmt, ratio, warmup_request
+from meshlm.bench.workload import (
+    BenchRequest,
+    build_workload,
+    fmt,
+    ratio,
+    warmup_request,
+    workload_options,
+)
 
 PEERS = ("llama.cpp", "serve", "mesh")
 # Texts whose token ids llama.cpp must share with the tokenizer, beside the workload's prompts.
@@ -77,13 +84,7 @@ def report_peers(results: dict[str, Result | None], concurrency: int) -> list[st
 
 
 @click.command()
-@click.option("--requests", "n_requests", default=64, show_default=True)
-@click.option("--seed", default=20240917, show_default=True)
-@click.option("--prompt-min", default=16, show_default=True, help="prompt tokens, uniform")
-@click.option("--prompt-max", default=256, show_default=True)
-@click.option("--output-mean", default=64.0, show_default=True,
-              help="output tokens, exponential")
-@click.option("--output-max", default=256, show_default=True, help="outputs clipped to [1, this]")
+@workload_options
 @click.option("--concurrency", default=16, show_default=True,
               help="concurrent streams; llama.cpp slots and meshlm max_running")
 @click.option("--threads", default=0, show_default=True,

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import click
+
 from meshlm.common.default_corpus import CORPUS
 
 WORDS = CORPUS.split()
@@ -67,6 +69,25 @@ def build_workload(
         text = prompt_text(start, target, encode)
         requests.append(BenchRequest(f"bench-{i}", text, tuple(encode(text)), out))
     return requests
+
+
+def workload_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """The workload's command-line options, one set for every benchmark command: requests,
+    seed, prompt lengths (uniform) and output lengths (exponential, clipped)."""
+    options = [
+        click.option("--requests", "n_requests", default=64, show_default=True),
+        click.option("--seed", default=20240917, show_default=True),
+        click.option("--prompt-min", default=16, show_default=True,
+                     help="prompt tokens, uniform"),
+        click.option("--prompt-max", default=256, show_default=True),
+        click.option("--output-mean", default=64.0, show_default=True,
+                     help="output tokens, exponential"),
+        click.option("--output-max", default=256, show_default=True,
+                     help="outputs clipped to [1, this]"),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
 def warmup_request(encode: Callable[[str], Sequence[int]]) -> BenchRequest:

@@ -1,17 +1,27 @@
 """`make bench`: the engine in-process vs the mesh over gRPC vs the mesh over HTTP, one run.
 
-Prints TTFT p50/p99 at concurrency 1 and output tokens/s at saturation for each path, and the
-ratios between them. Machines are shared and noisy: compare the ratios of one run.
+Prints TTFT p50/p99 at concurrency 1 and output tokens/s at saturation for each path, the
+ratios between them, and the CPU time each mesh service spends per output token in the
+saturation phases (from /proc, see proc_cpu.py) against the bare engine's. Machines are shared
+and noisy: compare the ratios of one run.
+
+With --pin (the default on >= 2 CPUs) the engine gets its own CPU(s) and everything else the
+rest: in-process, the whole bench process runs on the engine's CPUs; in the mesh, the bench
+process (the load generator), redis, the gateway, tokenizer and detokenizer run on the rest,
+and the scheduler, told MESHLM_ENGINE_CPUS, puts its engine thread on the engine's CPUs and its
+other threads on the rest itself (see pinning.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
-import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import click
@@ -20,6 +30,22 @@ import httpx
 import orjson
 from tqdm import tqdm
 
+from meshlm.bench.mesh_report import (
+    SERVICES,
+    Result,
+    cpu_line,
+    pinned_line,
+    placement_lines,
+    report,
+)
+from meshlm.bench.pinning import (
+    CpuPlan,
+    format_cpus,
+    pin_process,
+    set_tree_affinity,
+    thread_cpus,
+)
+from meshlm.bench.proc_cpu import cpu_delta, snapshot
 from meshlm.common.default_model import ensure_default_model
 from meshlm.launch.mesh import Mesh, MeshOptions
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -30,27 +56,6 @@ WORDS = "the river runs past a quiet town where lanterns glow in winter light".s
 
 def prompt(i: int, length: int) -> str:
     return " ".join(WORDS[(i + j) % len(WORDS)] for j in range(length))
-
-
-@dataclass
-class Result:
-    name: str
-    ttft: list[float]
-    tokens: int
-    seconds: float
-
-    @property
-    def p50(self) -> float:
-        return statistics.median(self.ttft) * 1000
-
-    @property
-    def p99(self) -> float:
-        q = sorted(self.ttft)
-        return q[min(len(q) - 1, int(round(0.99 * (len(q) - 1))))] * 1000
-
-    @property
-    def throughput(self) -> float:
-        return self.tokens / self.seconds
 
 
 # -- in-process -------------------------------------------------------------------------------
@@ -73,13 +78,14 @@ def bench_engine(model_path: str, n_ttft: int, n_sat: int, new_tokens: int,
             if any(o.new_token_ids for o in engine.step()):
                 ttft.append(time.perf_counter() - start)
     ids = [tok.encode(prompt(i, 16)) for i in range(n_sat)]
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for i, p in enumerate(ids):
         engine.add_request(f"s{i}", p, params)
     tokens = 0
     while engine.has_work():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return Result("in-process", ttft, tokens, time.perf_counter() - start)
+    return Result("in-process", ttft, tokens, time.perf_counter() - start,
+                  cpu={"engine": time.process_time() - cpu_start})
 
 
 # -- mesh over gRPC ---------------------------------------------------------------------------
@@ -99,16 +105,18 @@ async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_toke
     return first or 0.0, tokens
 
 
-async def bench_grpc(address: str, n_ttft: int, n_sat: int, new_tokens: int) -> Result:
+async def bench_grpc(address: str, n_ttft: int, n_sat: int, new_tokens: int,
+                     parts: Mapping[str, Sequence[int]]) -> Result:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = sglang_pb2_grpc.SglangServiceStub(channel)
         await _grpc_one(stub, "warm up", 2)
         ttft = [(await _grpc_one(stub, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="grpc ttft", leave=False)]
-        start = time.perf_counter()
+        cpu_before, start = snapshot(parts), time.perf_counter()
         results = await asyncio.gather(*(_grpc_one(stub, prompt(i, 16), new_tokens)
                                          for i in range(n_sat)))
-        return Result("mesh gRPC", ttft, sum(t for _, t in results), time.perf_counter() - start)
+        seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, snapshot(parts))
+        return Result("mesh gRPC", ttft, sum(t for _, t in results), seconds, cpu)
 
 
 # -- mesh over HTTP ---------------------------------------------------------------------------
@@ -131,7 +139,8 @@ async def _http_one(client: httpx.AsyncClient, url: str, text: str, new_tokens: 
     return first or 0.0, tokens
 
 
-async def bench_http(base: str, n_ttft: int, n_sat: int, new_tokens: int) -> Result:
+async def bench_http(base: str, n_ttft: int, n_sat: int, new_tokens: int,
+                     parts: Mapping[str, Sequence[int]]) -> Result:
     url = f"{base}/generate"
     limits = httpx.Limits(max_connections=n_sat + 4, max_keepalive_connections=n_sat + 4)
     # TCP_NODELAY as curl and browsers set it: otherwise Nagle + delayed ACK add ~40 ms.
@@ -141,33 +150,68 @@ async def bench_http(base: str, n_ttft: int, n_sat: int, new_tokens: int) -> Res
         await _http_one(client, url, "warm up", 2)
         ttft = [(await _http_one(client, url, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
-        start = time.perf_counter()
+        cpu_before, start = snapshot(parts), time.perf_counter()
         results = await asyncio.gather(*(_http_one(client, url, prompt(i, 16), new_tokens)
                                          for i in range(n_sat)))
-        return Result("mesh HTTP", ttft, sum(t for _, t in results), time.perf_counter() - start)
-
-
-def report(results: list[Result]) -> str:
-    base = results[0]
-    lines = [f"{'path':<12} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'out tok/s':>10}"]
-    for r in results:
-        lines.append(f"{r.name:<12} {r.p50:>12.2f} {r.p99:>12.2f} {r.throughput:>10.1f}")
-    lines.append("")
-    for r in results[1:]:
-        lines.append(f"{r.name} vs {base.name}: TTFT p50 +{r.p50 - base.p50:.2f} ms, "
-                     f"throughput {r.throughput / base.throughput:.1%}")
-    grpc_r, http_r = results[1], results[2]
-    lines.append(f"gRPC vs HTTP: TTFT p50 {grpc_r.p50 / http_r.p50:.2f}x, "
-                 f"throughput {grpc_r.throughput / http_r.throughput:.2f}x")
-    return "\n".join(lines)
+        seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, snapshot(parts))
+        return Result("mesh HTTP", ttft, sum(t for _, t in results), seconds, cpu)
 
 
 def _env_overrides() -> dict[str, str]:
     """MESHLM_BENCH_<NAME>=value sets MESHLM_<NAME> for the mesh's services only."""
-    import os
-
     prefix = "MESHLM_BENCH_"
     return {"MESHLM_" + k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)}
+
+
+def run_in_process(model_path: str, n_ttft: int, n_sat: int, new_tokens: int, threads: int,
+                   plan: CpuPlan | None) -> Result:
+    """The engine in this process; pinned, the whole process runs on the engine's CPUs."""
+    import torch
+
+    torch_threads = torch.get_num_threads()
+    with pin_process(plan.engine) if plan else contextlib.nullcontext():
+        try:
+            return bench_engine(model_path, n_ttft, n_sat, new_tokens, max_running=n_sat,
+                                threads=threads)
+        finally:
+            torch.set_num_threads(torch_threads)
+
+
+def run_mesh(model_path: str, n_ttft: int, n_sat: int, new_tokens: int, threads: int,
+             plan: CpuPlan | None) -> tuple[list[Result], dict[str, Counter[str]]]:
+    """The mesh over gRPC, then over HTTP; and how many threads of each service may run on
+    which CPUs (seen after the gRPC run).
+
+    Pinned, the scheduler places its own threads (MESHLM_ENGINE_CPUS); once the mesh is up,
+    every other service, redis and this process move to the rest CPUs. (The mesh starts on all
+    of this process's CPUs: a scheduler checks its engine CPUs against the CPUs it may use.)"""
+    env = {"MESHLM_MAX_RUNNING": str(n_sat), "MESHLM_NUM_THREADS": str(threads),
+           "MESHLM_LOG_LEVEL": "warning"}
+    if plan:
+        env["MESHLM_ENGINE_CPUS"] = format_cpus(plan.engine)
+    with tempfile.TemporaryDirectory() as tmp:
+        options = MeshOptions(workdir=Path(tmp), model_path=model_path, http_port=0,
+                              grpc_port=0, env={**env, **_env_overrides()})
+        with Mesh(options) as mesh, (
+                pin_process(plan.rest) if plan else contextlib.nullcontext()):
+            if plan:
+                _pin_all_but_schedulers(mesh, plan.rest)
+            parts = {role: [p.pid for p in mesh.replicas(role) if p.pid] for role in SERVICES}
+            results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_ttft, n_sat,
+                                              new_tokens, parts))]
+            cpus = {name: thread_cpus(p.pid) for name, p in mesh.services.items() if p.pid}
+            results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_ttft, n_sat,
+                                                  new_tokens, parts)))
+    return results, cpus
+
+
+def _pin_all_but_schedulers(mesh: Mesh, cpus: frozenset[int]) -> None:
+    """Move every service but the schedulers, with their children, and redis onto `cpus`."""
+    pids = [p.pid for p in mesh.services.values() if p.role != "scheduler"]
+    pids.append(mesh.redis.pid if mesh.redis else None)
+    for pid in pids:
+        if pid:
+            set_tree_affinity(cpus, pid)
 
 
 @click.command()
@@ -178,32 +222,45 @@ def _env_overrides() -> dict[str, str]:
 @click.option("--new-tokens", default=64, show_default=True)
 @click.option("--engine-threads", default=0, show_default=True,
               help="torch CPU threads for the engine, in-process and in the mesh (0 = torch's "
-                   "default)")
+                   "default; pinned, the number of engine CPUs)")
+@click.option("--pin/--no-pin", default=None,
+              help="give the engine its own CPU(s) and everything else the rest (default: pin "
+                   "when this process may use >= 2 CPUs)")
+@click.option("--engine-cpus", default="",
+              help="with --pin, the engine's CPU list, e.g. 0 or 0-1 (default: the first CPU "
+                   "this process may use)")
 def main(model_path: str, ttft_requests: int, saturation_requests: int, new_tokens: int,
-         engine_threads: int) -> None:
+         engine_threads: int, pin: bool | None, engine_cpus: str) -> None:
     model_path = model_path or str(ensure_default_model())
-    results = [bench_engine(model_path, ttft_requests, saturation_requests, new_tokens,
-                            max_running=saturation_requests, threads=engine_threads)]
-    with tempfile.TemporaryDirectory() as tmp:
-        options = MeshOptions(workdir=Path(tmp), model_path=model_path, http_port=0,
-                              grpc_port=0,
-                              env={"MESHLM_MAX_RUNNING": str(saturation_requests),
-                                   "MESHLM_NUM_THREADS": str(engine_threads),
-                                   "MESHLM_LOG_LEVEL": "warning", **_env_overrides()})
-        with Mesh(options) as mesh:
-            results.append(asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, ttft_requests,
-                                                  saturation_requests, new_tokens)))
-            results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, ttft_requests,
-                                                  saturation_requests, new_tokens)))
-    import os
+    if pin is None:
+        pin = len(os.sched_getaffinity(0)) >= 2
+    plan = None
+    if pin:
+        try:
+            plan = CpuPlan.split(engine_cpus)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    threads = engine_threads or (len(plan.engine) if plan else 0)
+    args = (model_path, ttft_requests, saturation_requests, new_tokens, threads, plan)
+    engine = run_in_process(*args)
+    (grpc_r, http_r), cpus = run_mesh(*args)
 
     import torch
 
-    threads = engine_threads or torch.get_num_threads()
     print(f"\nmodel: {model_path}; TTFT at concurrency 1 ({ttft_requests} requests), "
           f"throughput at {saturation_requests} concurrent x {new_tokens} tokens; "
-          f"engine threads {threads}; {os.cpu_count()} CPUs shared by every process\n")
-    print(report(results))
+          f"engine threads {threads or torch.get_num_threads()}; " + (
+              f"{os.cpu_count()} CPUs shared by every process" if plan is None else "pinned"))
+    if plan is not None:
+        print("\n".join(placement_lines(plan, cpus)))
+    print()
+    print(report([engine, grpc_r, http_r]))
+    print()
+    for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
+        print(cpu_line(engine, r, transport))
+    if plan is not None:
+        for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
+            print(pinned_line(engine, r, transport, plan))
 
 
 if __name__ == "__main__":

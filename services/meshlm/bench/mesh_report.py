@@ -1,0 +1,110 @@
+"""`make bench`'s results and report: latency, throughput, CPU per output token, and the goals.
+
+The goals are issue 16's: with the engine's cores pinned, the mesh keeps >= 90% of the
+in-process engine's throughput and adds <= 2 ms to TTFT p50 at concurrency 1; per output token
+the scheduler spends <= 1.15x the bare engine's CPU, the gateway <= 15 µs over gRPC (<= 30 µs
+over HTTP SSE) and the detokenizer <= 15 µs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from meshlm.bench.pinning import CpuPlan, describe, format_cpus
+
+THROUGHPUT_GOAL = 0.9        # mesh / in-process, pinned
+TTFT_GOAL_MS = 2.0           # mesh - in-process TTFT p50 at concurrency 1, pinned
+SCHEDULER_CPU_GOAL = 1.15    # scheduler CPU per output token / the bare engine's
+GATEWAY_CPU_GOAL_US = {"gRPC": 15.0, "HTTP": 30.0}
+DETOKENIZER_CPU_GOAL_US = 15.0
+SERVICES = ("scheduler", "gateway", "detokenizer", "tokenizer")  # the order they are reported
+
+
+@dataclass
+class Result:
+    """One path's run: TTFTs at concurrency 1, and its saturation phase's output tokens, wall
+    seconds and CPU seconds per part ("engine" in-process; each service role in the mesh)."""
+
+    name: str
+    ttft: list[float]
+    tokens: int
+    seconds: float
+    cpu: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def p50(self) -> float:
+        return statistics.median(self.ttft) * 1000
+
+    @property
+    def p99(self) -> float:
+        q = sorted(self.ttft)
+        return q[min(len(q) - 1, int(round(0.99 * (len(q) - 1))))] * 1000
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.seconds
+
+    def cpu_us_per_token(self, part: str) -> float:
+        """CPU µs `part` spent per output token in the saturation phase."""
+        return self.cpu[part] / max(1, self.tokens) * 1e6
+
+
+def report(results: list[Result]) -> str:
+    """The table and the ratios of the mesh paths (results[1:]) to the engine (results[0])."""
+    base = results[0]
+    lines = [f"{'path':<12} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'out tok/s':>10}"]
+    for r in results:
+        lines.append(f"{r.name:<12} {r.p50:>12.2f} {r.p99:>12.2f} {r.throughput:>10.1f}")
+    lines.append("")
+    for r in results[1:]:
+        lines.append(f"{r.name} vs {base.name}: TTFT p50 {r.p50 - base.p50:+.2f} ms, "
+                     f"throughput {r.throughput / base.throughput:.1%}")
+    grpc_r, http_r = results[1], results[2]
+    lines.append(f"gRPC vs HTTP: TTFT p50 {grpc_r.p50 / http_r.p50:.2f}x, "
+                 f"throughput {grpc_r.throughput / http_r.throughput:.2f}x")
+    return "\n".join(lines)
+
+
+def cpu_line(engine: Result, mesh: Result, transport: str) -> str:
+    """CPU µs per output token of each service on one transport, against the goals."""
+    bare = engine.cpu_us_per_token("engine")
+    parts = []
+    for name in SERVICES:
+        if name not in mesh.cpu:
+            continue
+        us = mesh.cpu_us_per_token(name)
+        if name == "scheduler":
+            parts.append(f"scheduler {us:.0f} ({us / bare:.2f}x engine; "
+                         f"goal <= {SCHEDULER_CPU_GOAL:.2f}x)")
+        elif name == "gateway":
+            parts.append(f"gateway {us:.0f} (goal <= {GATEWAY_CPU_GOAL_US[transport]:.0f})")
+        elif name == "detokenizer":
+            parts.append(f"detokenizer {us:.0f} (goal <= {DETOKENIZER_CPU_GOAL_US:.0f})")
+        else:
+            parts.append(f"{name} {us:.0f}")
+    return (f"CPU per output token (µs): engine in-process {bare:.0f}; "
+            f"{transport}: {', '.join(parts)}")
+
+
+def placement_lines(plan: CpuPlan, threads: Mapping[str, Counter[str]]) -> list[str]:
+    """Which CPUs each part was given, and which CPUs each service's threads were seen on
+    (`threads`: service -> {CPU list: how many of its threads may run there})."""
+    seen = "; ".join(f"{name} " + ", ".join(f"{n} on {cpus}" for cpus, n in by_cpus.most_common())
+                     for name, by_cpus in threads.items())
+    return [f"CPUs: the engine on {describe(plan.engine)} (in-process: the whole bench process; "
+            f"in the mesh: the scheduler's engine thread, MESHLM_ENGINE_CPUS="
+            f"{format_cpus(plan.engine)}); the load generator and every other service and "
+            f"thread on {describe(plan.rest)}",
+            f"threads of each mesh service by allowed CPUs: {seen}"]
+
+
+def pinned_line(engine: Result, mesh: Result, transport: str, plan: CpuPlan) -> str:
+    """The mesh/in-process ratio with the engine's CPUs pinned, against the goals."""
+    return (f"mesh {transport} / in-process, pinned (engine on {describe(plan.engine)}, "
+            f"the rest on {describe(plan.rest)}): throughput "
+            f"{mesh.throughput / engine.throughput:.2f} (goal >= {THROUGHPUT_GOAL}), "
+            f"TTFT p50 at concurrency 1 {mesh.p50 - engine.p50:+.2f} ms "
+            f"(goal <= +{TTFT_GOAL_MS:.0f} ms)")

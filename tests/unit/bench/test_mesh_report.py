@@ -1,0 +1,55 @@
+"""mesh_report: CPU per output token and the pinned ratios, against issue 16's goals."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from meshlm.bench.mesh_report import Result, cpu_line, pinned_line, placement_lines, report
+from meshlm.bench.pinning import CpuPlan
+
+ENGINE = Result("in-process", [0.010, 0.012, 0.011], tokens=1000, seconds=2.0,
+                cpu={"engine": 0.210})
+GRPC = Result("mesh gRPC", [0.0125, 0.013], tokens=1000, seconds=2.5,
+              cpu={"scheduler": 0.46, "gateway": 0.119, "detokenizer": 0.030,
+                   "tokenizer": 0.010})
+HTTP = Result("mesh HTTP", [0.014, 0.014], tokens=500, seconds=1.25,
+              cpu={"scheduler": 0.23, "gateway": 0.02, "detokenizer": 0.005,
+                   "tokenizer": 0.002})
+PLAN = CpuPlan(frozenset({0}), frozenset({1}))
+
+
+def test_cpu_us_per_token() -> None:
+    assert round(ENGINE.cpu_us_per_token("engine")) == 210
+    assert round(HTTP.cpu_us_per_token("gateway")) == 40
+
+
+def test_cpu_line_grpc() -> None:
+    assert cpu_line(ENGINE, GRPC, "gRPC") == (
+        "CPU per output token (µs): engine in-process 210; gRPC: scheduler 460 (2.19x engine; "
+        "goal <= 1.15x), gateway 119 (goal <= 15), detokenizer 30 (goal <= 15), tokenizer 10")
+
+
+def test_cpu_line_http_has_its_gateway_goal() -> None:
+    line = cpu_line(ENGINE, HTTP, "HTTP")
+    assert "; HTTP: scheduler 460 (2.19x engine" in line
+    assert "gateway 40 (goal <= 30)" in line
+
+
+def test_pinned_line() -> None:
+    assert pinned_line(ENGINE, GRPC, "gRPC", PLAN) == (
+        "mesh gRPC / in-process, pinned (engine on CPU 0, the rest on CPU 1): throughput 0.80 "
+        "(goal >= 0.9), TTFT p50 at concurrency 1 +1.75 ms (goal <= +2 ms)")
+
+
+def test_placement_lines_name_the_cpus_and_the_threads_seen() -> None:
+    lines = placement_lines(PLAN, {"scheduler": Counter({"1": 9, "0": 1}),
+                                   "gateway": Counter({"1": 4})})
+    assert "the engine on CPU 0" in lines[0] and "MESHLM_ENGINE_CPUS=0" in lines[0]
+    assert lines[1].endswith("scheduler 9 on 1, 1 on 0; gateway 4 on 1")
+
+
+def test_report_keeps_the_table_and_ratios() -> None:
+    text = report([ENGINE, GRPC, HTTP])
+    assert text.splitlines()[0].split() == ["path", "TTFT", "p50", "ms", "TTFT", "p99", "ms",
+                                            "out", "tok/s"]
+    assert "mesh gRPC vs in-process: TTFT p50 +1.75 ms, throughput 80.0%" in text

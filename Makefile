@@ -53,6 +53,8 @@ bench-engine: install $(BENCH_STAMP)
 
 # llama.cpp's llama-server, transformers serve and the mesh on one workload. The first run
 # downloads the llama-cpp-python sdist and builds llama-server (CPU; cached in ~/.cache/meshlm).
+# BENCH_ARGS=--sweep measures at concurrency 1, 4, 16 and 64 (or --concurrency 1,4,16) and
+# writes PNG plots of throughput and TTFT by concurrency into bench-results/.
 bench-peers: install $(BENCH_STAMP)
 	$(PY) -m meshlm.bench.peers $(BENCH_ARGS)
 

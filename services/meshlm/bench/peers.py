@@ -7,6 +7,14 @@ checkpoint tokenizer's. Every server streams over HTTP at the same concurrency (
 is measured for output tokens/s, TTFT p50 and ITL p50 (per request: time from the first event to
 the end over the tokens after the first); the report ends with meshlm's ratios to each peer.
 llama.cpp gets a new connection per request (see `LlamaCppServer`); the others keep theirs.
+
+`--concurrency` takes several values (repeated or comma-separated; `--sweep` adds 1, 4, 16
+and 64). Each server is then started once per concurrency, with llama.cpp's slots and meshlm's
+max_running equal to it, the three servers one after another at each concurrency, lowest
+first. A concurrency `c` runs the first max(--requests, 4 x c) requests of one seeded list
+(`requests_at`), so every run has at least four waves of streams and the smaller runs are a
+prefix of the larger. The report has the table and meshlm's ratios at every concurrency; with
+two or more, `plots.py` draws throughput and TTFT p50 by concurrency into `--plot-dir`.
 """
 
 from __future__ import annotations
@@ -41,6 +49,9 @@ from meshlm.bench.workload import (
 )
 
 PEERS = ("llama.cpp", "serve", "mesh")
+LABELS = {"llama.cpp": "llama.cpp", "serve": "transformers serve", "mesh": "meshlm"}
+SWEEP = (1, 4, 16, 64)
+WAVES = 4  # a concurrency c runs at least WAVES * c requests
 # Texts whose token ids llama.cpp must share with the tokenizer, beside the workload's prompts.
 TOKENIZER_PROBES = (
     "Hello world", "  two  spaces\tand a tab\n\nnew lines ", "3 33 333 3333 3.14 1,000,000",
@@ -74,8 +85,8 @@ def report_peers(results: dict[str, Result | None], concurrency: int) -> list[st
     lines += [f"{r.name:<64} {r.throughput:>10.1f} {fmt(r.ttft_ms(50), '.0f'):>12} "
               f"{fmt(r.itl_ms(50), '.1f'):>11} {r.tokens:>7}" for r in rows]
     mesh = results.get("mesh")
-    for key, label in (("llama.cpp", "llama.cpp"), ("serve", "transformers serve")):
-        peer = results.get(key)
+    for key in ("llama.cpp", "serve"):
+        peer, label = results.get(key), LABELS[key]
         tp, ttft, itl = (ratio(f(mesh), f(peer)) if mesh and peer else None for f in (
             lambda r: r.throughput, lambda r: r.ttft_ms(50), lambda r: r.itl_ms(50)))
         lines.append(f"meshlm / {label}: throughput {fmt(tp, '.2f', 'x')}, TTFT p50 "
@@ -83,34 +94,46 @@ def report_peers(results: dict[str, Result | None], concurrency: int) -> list[st
     return lines
 
 
-@click.command()
-@workload_options
-@click.option("--concurrency", default=16, show_default=True,
-              help="concurrent streams; llama.cpp slots and meshlm max_running")
-@click.option("--threads", default=0, show_default=True,
-              help="compute threads for every server (0 = CPUs - 1, at least 1)")
-@click.option("--skip", multiple=True, type=click.Choice(PEERS), help="leave a server out")
-def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_mean: float,
-         output_max: int, concurrency: int, threads: int, skip: tuple[str, ...]) -> None:
-    for key, value in OFFLINE_ENV.items():  # before transformers is imported: local files only
-        os.environ.setdefault(key, value)
-    from meshlm.tokenizer.tokenization import TextTokenizer
+def parse_concurrencies(values: Sequence[str], sweep: bool) -> list[int]:
+    """The concurrencies to measure, ascending, each once: every `--concurrency` value (an
+    integer or a comma-separated list of them), plus `SWEEP` when `sweep` is set."""
+    found = set(SWEEP) if sweep else set()
+    for value in values:
+        for item in value.split(","):
+            try:
+                c = int(item)
+            except ValueError:
+                raise click.BadParameter(f"{item.strip()!r} is not an integer",
+                                         param_hint="--concurrency") from None
+            if c < 1:
+                raise click.BadParameter(f"{c} is below 1", param_hint="--concurrency")
+            found.add(c)
+    if not found:
+        raise click.BadParameter("no concurrency given", param_hint="--concurrency")
+    return sorted(found)
 
-    model_path = ensure_bench_model()
-    threads = threads or max(1, (os.cpu_count() or 2) - 1)  # as bench-engine, see there
-    tok = TextTokenizer.from_pretrained(str(model_path))
-    requests = build_workload(n_requests, tok.encode, seed, (prompt_min, prompt_max),
-                              output_mean, (1, output_max))
-    warmup = warmup_request(tok.encode)
-    started = time.perf_counter()
-    runs: dict[str, Callable[[], Result]] = {
+
+def requests_at(n_requests: int, concurrency: int) -> int:
+    """Requests run at `concurrency`: --requests, but at least `WAVES` waves of streams."""
+    return max(n_requests, WAVES * concurrency)
+
+
+def servers(model_path: Path, requests: Sequence[BenchRequest], warmup: BenchRequest,
+            concurrency: int, threads: int) -> dict[str, Callable[[], Result]]:
+    """Each server's run at one concurrency, in the order they are measured."""
+    return {
         "llama.cpp": lambda: run_llama_cpp(model_path, requests, warmup, concurrency, threads),
         "serve": lambda: run_transformers_serve(str(model_path), requests, warmup, concurrency,
                                                 threads),
         "mesh": lambda: run_mesh(str(model_path), requests, warmup, concurrency, threads),
     }
+
+
+def measure(runs: dict[str, Callable[[], Result]], skip: Sequence[str],
+            failures: list[str]) -> dict[str, Result | None]:
+    """Run each server not in `skip`, one after another; a failure is appended to `failures`
+    and leaves that server's result None."""
     results: dict[str, Result | None] = dict.fromkeys(PEERS)
-    failures = []
     for peer, run in runs.items():
         if peer in skip:
             continue
@@ -122,16 +145,80 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
         else:
             tqdm.write(f"{result.name}: {result.throughput:.1f} out tok/s")
         gc.collect()
+    return results
 
-    out_lens = [r.max_new_tokens for r in requests]
+
+def plot(results: dict[int, dict[str, Result | None]], plot_dir: Path, title: str,
+         notes: list[str]) -> list[Path]:
+    """Draw the charts of a sweep (`plots.py`) and return their paths; none with fewer than
+    two concurrencies. A missing matplotlib skips the plots, not the run: it goes to `notes`."""
+    if len(results) < 2:
+        return []
+    try:
+        from meshlm.bench.plots import write_plots
+    except ImportError as e:
+        notes.append(f"plots skipped: {e} (it comes with the bench extra: make bench-peers)")
+        return []
+    series = {LABELS[p]: {c: r for c, by_peer in results.items() if (r := by_peer[p]) is not None}
+              for p in PEERS}
+    return write_plots({k: v for k, v in series.items() if v}, plot_dir, title)
+
+
+@click.command()
+@workload_options
+@click.option("--concurrency", "concurrency_values", multiple=True, default=("16",),
+              show_default=True, help="concurrent streams, repeated or comma-separated "
+              "(1,4,16); llama.cpp slots and meshlm max_running follow it")
+@click.option("--sweep", is_flag=True, help=f"also measure at {', '.join(map(str, SWEEP))}")
+@click.option("--threads", default=0, show_default=True,
+              help="compute threads for every server (0 = CPUs - 1, at least 1)")
+@click.option("--skip", multiple=True, type=click.Choice(PEERS), help="leave a server out")
+@click.option("--plot-dir", default="bench-results", show_default=True,
+              type=click.Path(file_okay=False, path_type=Path),
+              help="where the PNG plots go (with two or more concurrencies)")
+def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_mean: float,
+         output_max: int, concurrency_values: tuple[str, ...], sweep: bool, threads: int,
+         skip: tuple[str, ...], plot_dir: Path) -> None:
+    concurrencies = parse_concurrencies(concurrency_values, sweep)
+    for key, value in OFFLINE_ENV.items():  # before transformers is imported: local files only
+        os.environ.setdefault(key, value)
+    from meshlm.tokenizer.tokenization import TextTokenizer
+
+    model_path = ensure_bench_model()
+    threads = threads or max(1, (os.cpu_count() or 2) - 1)  # as bench-engine, see there
+    tok = TextTokenizer.from_pretrained(str(model_path))
+    counts = {c: requests_at(n_requests, c) for c in concurrencies}
+    workload = build_workload(max(counts.values()), tok.encode, seed, (prompt_min, prompt_max),
+                              output_mean, (1, output_max))
+    warmup = warmup_request(tok.encode)
+    started = time.perf_counter()
+    results: dict[int, dict[str, Result | None]] = {}
+    failures: list[str] = []
+    for c in concurrencies:  # each concurrency: the three servers one after another
+        failed: list[str] = []
+        runs = servers(model_path, workload[:counts[c]], warmup, c, threads)
+        results[c] = measure(runs, skip, failed)
+        failures += [f"concurrency {c}: {f}" for f in failed]
+
+    tokens = {c: sum(r.max_new_tokens for r in workload[:n]) for c, n in counts.items()}
+    sizes = "; ".join(f"concurrency {c}: {n} requests, {tokens[c]} output tokens"
+                      for c, n in counts.items())
     print(f"\nmodel: {model_path} (Llama, float32, CPU; llama.cpp: the same weights as GGUF "
-          f"f32)\nworkload: {n_requests} requests, seed {seed}, prompts {prompt_min}-"
-          f"{prompt_max} tokens, outputs mean {sum(out_lens) / len(out_lens):.1f} "
-          f"({sum(out_lens)} tokens), EOS ignored\n{os.cpu_count()} CPUs; {threads} compute "
-          f"threads in every server; whole run {time.perf_counter() - started:.0f} s\n")
-    lines = report_peers(results, concurrency)
-    notes = [f"{r.name}: {n}" for r in results.values() if r is not None for n in r.notes]
-    lines += ["", "notes:"] + [f"- {n}" for n in failures + notes]
+          f"f32)\nworkload: seed {seed}, prompts {prompt_min}-{prompt_max} tokens, outputs "
+          f"exponential mean {output_mean:g} clipped to [1, {output_max}], EOS ignored; the "
+          f"first max({n_requests}, {WAVES} x concurrency) requests of one list\n{sizes}\n"
+          f"{os.cpu_count()} CPUs; {threads} compute threads in every server; whole run "
+          f"{time.perf_counter() - started:.0f} s\n")
+    lines: list[str] = []
+    for c in concurrencies:
+        lines += report_peers(results[c], c) + [""]
+    notes = [f"concurrency {c}, {r.name}: {n}" for c, by_peer in results.items()
+             for r in by_peer.values() if r is not None for n in r.notes]
+    title = (f"{model_path.name} (Llama f32, CPU), {threads} compute "
+             f"thread{'s' if threads > 1 else ''}, {os.cpu_count()} CPUs")
+    paths = plot(results, plot_dir, title, notes)
+    lines += [f"plot written: {path}" for path in paths] + ([""] if paths else [])
+    lines += ["notes:"] + [f"- {n}" for n in failures + notes]
     print("\n".join(lines))
 
 

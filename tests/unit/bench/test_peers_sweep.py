@@ -1,0 +1,74 @@
+"""bench-peers over several concurrencies: option parsing, requests per concurrency, the runs'
+order and failures, and the plots' hand-off (no server is started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from meshlm.bench import peers
+from meshlm.bench.engine import Result
+
+
+def test_concurrency_default_is_a_single_16() -> None:
+    assert peers.parse_concurrencies(("16",), sweep=False) == [16]
+
+
+def test_concurrency_repeated_and_comma_lists_merge_sorted_and_unique() -> None:
+    assert peers.parse_concurrencies(("16", "1,4", " 64 ,4"), sweep=False) == [1, 4, 16, 64]
+
+
+def test_sweep_adds_the_standard_concurrencies() -> None:
+    assert peers.parse_concurrencies(("16",), sweep=True) == [1, 4, 16, 64]
+    assert peers.parse_concurrencies(("8",), sweep=True) == [1, 4, 8, 16, 64]
+
+
+@pytest.mark.parametrize("bad", ["0", "-4", "four", "1,,4", ""])
+def test_bad_concurrency_is_a_usage_error(bad: str) -> None:
+    with pytest.raises(click.BadParameter):
+        peers.parse_concurrencies((bad,), sweep=False)
+
+
+def test_bad_concurrency_stops_the_command_before_any_work() -> None:
+    out = CliRunner().invoke(peers.main, ["--concurrency", "0"])
+    assert out.exit_code == 2 and "--concurrency" in out.output
+
+
+def test_requests_per_concurrency_are_at_least_four_waves() -> None:
+    assert [peers.requests_at(64, c) for c in peers.SWEEP] == [64, 64, 64, 256]
+    assert peers.requests_at(16, 4) == 16 and peers.requests_at(10, 4) == 16
+
+
+def test_measure_runs_in_order_skips_and_records_failures() -> None:
+    order: list[str] = []
+
+    def ok(name: str) -> Result:
+        order.append(name)
+        return Result(name, 10, 1.0)
+
+    def broken() -> Result:
+        order.append("serve")
+        raise RuntimeError("no port")
+
+    failures: list[str] = []
+    runs = {"llama.cpp": lambda: ok("llama.cpp"), "serve": broken, "mesh": lambda: ok("mesh")}
+    results = peers.measure(runs, ("llama.cpp",), failures)
+    assert order == ["serve", "mesh"]
+    assert results["llama.cpp"] is None and results["serve"] is None
+    assert results["mesh"] is not None and results["mesh"].name == "mesh"
+    assert failures == ["serve failed: RuntimeError: no port"]
+
+
+def test_plot_needs_two_concurrencies_and_leaves_out_missing_servers(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    mesh, llama = Result("mesh", 100, 1.0, [0.1]), Result("llama", 50, 1.0, [0.2])
+    notes: list[str] = []
+    one = {16: {"llama.cpp": llama, "serve": None, "mesh": mesh}}
+    assert peers.plot(one, tmp_path, "t", notes) == [] and not any(tmp_path.iterdir())
+    two = {1: {"llama.cpp": llama, "serve": None, "mesh": mesh}, **one}
+    paths = peers.plot(two, tmp_path / "out", "t", notes)
+    assert [p.name for p in paths] == ["peers-throughput.png", "peers-ttft.png"]
+    assert all(p.is_file() for p in paths) and notes == []

@@ -314,12 +314,13 @@ class Mesh:
     def _backend_flags(self, name: str) -> dict[str, str]:
         flags = {**self._common_flags(name), "model-path": self.options.model_path,
                  "announce-redis-url": self._redis_url if self.options.discover else ""}
-        if name == "scheduler" and "MESHLM_NUM_THREADS" not in {**os.environ, **self.options.env}:
-            # Every service shares this machine: leave the rest of the mesh a core, or the
-            # engine's spinning OpenMP workers starve it (measured: ~40% vs ~65% of in-process
-            # throughput on 2 cores); several schedulers share the rest.
-            share = ((os.cpu_count() or 2) - 1) // self.options.count("scheduler")
-            flags["num-threads"] = str(max(1, share))
+        schedulers = self.options.count("scheduler")
+        if name == "scheduler" and schedulers > 1 and "MESHLM_CPUS" not in {
+                **os.environ, **self.options.env}:
+            # Each scheduler sizes its engine threads to its share of the cores it measures
+            # (scheduler/cpus.py); several on one machine split the cores between them.
+            cores = len(os.sched_getaffinity(0))
+            flags["cpus"] = f"{max(1.0, cores / schedulers):g}"
         return flags
 
     def _gateway_flags(self, http_port: int, grpc_port: int, public_tls: bool) -> dict[str, str]:

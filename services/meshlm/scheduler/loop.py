@@ -261,30 +261,38 @@ class EngineLoop:
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Step the engine for ever (cancel to stop)."""
+        """Step the engine for ever (cancel to stop). A step's outputs are sent while the next
+        step computes: the engine thread does not wait for the event loop's encoding and
+        sending, which needs no engine state."""
+        unsent: list[StepOutput] = []
         while True:
             # 1. sleep until there is work or a deadline to enforce; between steps, run control
             # calls (flush, pause)
             next_deadline = self._expire()
-            if not self.engine.has_work() and not self._pending and not self._controls:
+            if (not self.engine.has_work() and not self._pending and not self._controls
+                    and not unsent):
                 self.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), next_deadline)
             if self._controls:
                 await self._run_controls()
-            # 2. plan on the loop thread, run the forward pass in the engine thread
+            # 2. plan on the loop thread, start the forward pass on the engine thread
             plan = self.engine.schedule()
-            result = None
+            step: asyncio.Future[Any] | None = None
             if plan is not None:
                 self.watchdog.step_started()
-                result = await self.on_engine_thread(self.engine.execute, plan)
+                step = asyncio.ensure_future(self.on_engine_thread(self.engine.execute, plan))
+            # 3. meanwhile, send the previous step's outputs
+            if unsent:
+                await self._emit(unsent)
+            result = None
+            if step is not None:
+                result = await step
                 await self.watchdog.step_finished()
-            # 3. fold results back, then send this step's outputs
-            outputs = self._pending + self.engine.postprocess(plan, result)
+            # 4. fold results back; their outputs leave during the next step
+            unsent = self._pending + self.engine.postprocess(plan, result)
             self._pending = []
-            if outputs:
-                await self._emit(outputs)
-            elif plan is None:
+            if not unsent and plan is None:
                 await asyncio.sleep(0)
 
     async def _emit(self, outputs: list[StepOutput]) -> None:

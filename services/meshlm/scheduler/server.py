@@ -34,6 +34,7 @@ from meshlm.common.service import (
 from meshlm.common.streams import StreamPool
 from meshlm.scheduler import wire
 from meshlm.scheduler.control import EngineControl
+from meshlm.scheduler.cpus import DEFAULT_MESH_US, CpuPlan, auto_threads, parse_cpu_list
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
 from meshlm.scheduler.loop import EngineLoop
 from meshlm.scheduler.torch_trace import EngineTorchTrace
@@ -65,7 +66,17 @@ class SchedulerConfig(ServiceConfig):
     prefix_cache: bool = cfg.field(True, "reuse the KV of shared prompt prefixes")
     packed_linears: bool = cfg.field(True, "CPU: pack the decoder's weights once for oneDNN "
                                            "(faster small batches)")
-    num_threads: int = cfg.field(0, "torch CPU threads; 0 = torch's default")
+    num_threads: int = cfg.field(0, "torch CPU threads; 0 = auto: on the CPU, the engine's "
+                                    "share of the cores, measured at start-up (cpus.py)")
+    engine_cpus: str = cfg.field("", "CPUs the engine computes on (a list: 0-1,3), one thread "
+                                     "each unless --num-threads says; the service's other "
+                                     "threads take the remaining CPUs; empty = no pinning")
+    cpus: float = cfg.field(0.0, "cores this scheduler counts as its own for auto threads; "
+                                 "0 = what it may use (affinity mask, cgroup CPU quota)")
+    mesh_cpu_us: float = cfg.field(DEFAULT_MESH_US, "CPU us per output token the rest of the "
+                                                    "mesh spends on these cores, for auto "
+                                                    "threads (make bench measures it); 0 = "
+                                                    "the engine has the cores to itself")
     max_queued: int = cfg.field(1024, "requests waiting for a running slot; beyond it a new "
                                       "request ends at once with RESOURCE_EXHAUSTED")
     stall_timeout: float = cfg.field(DEFAULT_STALL_TIMEOUT,
@@ -138,17 +149,24 @@ async def serve(config: SchedulerConfig) -> None:
     # Every torch call happens on this one thread, the engine's: the model is built here too.
     # (Torch from a second thread brings a second OpenMP pool whose spinning workers halve the
     # speed of both on a small machine.)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    cpu_plan = (CpuPlan.pinned(parse_cpu_list(config.engine_cpus), config.num_threads)
+                if config.engine_cpus else CpuPlan(config.num_threads))
+    cpu_plan.pin_process()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
+                                  initializer=cpu_plan.pin_engine_thread)
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, EngineConfig(
         model_path=model_path, device=config.device, dtype=config.dtype,
         load_format=config.load_format, max_running=config.max_running,
         max_batched_tokens=config.max_batched_tokens,
-        max_model_len=config.max_model_len or None, num_threads=config.num_threads or None,
+        max_model_len=config.max_model_len or None, num_threads=cpu_plan.threads or None,
         block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
         kv_cache_bytes=config.kv_cache_bytes, mem_fraction=config.mem_fraction,
         enable_prefix_cache=config.prefix_cache, packed_cpu_linears=config.packed_linears,
     ))
     await asyncio.get_running_loop().run_in_executor(executor, _warm_up, engine)
+    if not cpu_plan.threads and engine.device == "cpu":
+        await asyncio.get_running_loop().run_in_executor(
+            executor, auto_threads, engine, config.mesh_cpu_us, config.cpus or None)
     peers = MeshPeers(config)
     outputs: StreamPool[detokenizer_pb2.TokenOutput] = peers.stream_pool(
         "scheduler->detokenizer", "detokenizer",

@@ -186,19 +186,36 @@ async def run_http(name: str, stream: StreamFn, requests: Sequence[BenchRequest]
 
 def run_mesh(model_path: str, requests: Sequence[BenchRequest], warmup: BenchRequest,
              concurrency: int, threads: int) -> Result:
-    """The whole mesh (Redis + four services) on loopback, driven over HTTP /generate."""
+    """The whole mesh (Redis + four services) on loopback, driven over HTTP /generate;
+    `threads` 0: the scheduler chooses its engine's threads (as `make run`)."""
     from meshlm.launch.mesh import Mesh, MeshOptions
 
-    env = {"MESHLM_MAX_RUNNING": str(concurrency), "MESHLM_NUM_THREADS": str(threads),
-           "MESHLM_LOG_LEVEL": "warning"}
+    env = {"MESHLM_MAX_RUNNING": str(concurrency), "MESHLM_LOG_LEVEL": "info"}
+    if threads:
+        env["MESHLM_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory() as tmp:
         options = MeshOptions(workdir=Path(tmp), model_path=model_path, http_port=0,
                               grpc_port=0, env=env)
         with Mesh(options) as mesh:
             base = mesh.addresses.gateway_http
-            return asyncio.run(run_http(
+            result = asyncio.run(run_http(
                 "meshlm mesh, HTTP /generate",
                 lambda c, r: meshlm_stream(c, base, r), requests, warmup, concurrency))
+            result.notes += engine_threads_said(mesh.log_path("scheduler"))
+            return result
+
+
+def engine_threads_said(scheduler_log: Path) -> list[str]:
+    """What the scheduler's start-up line says it chose for its engine's threads."""
+    import json
+
+    for line in scheduler_log.read_text(errors="replace").splitlines():
+        if '"engine_threads"' in line:
+            e = json.loads(line)
+            return [f"the engine chose {e['threads']} threads on {e['cores']:g} cores: "
+                    f"{e['engine_us_per_token']} us of engine CPU per output token against "
+                    f"{e['mesh_us_per_token']} for the rest of the mesh"]
+    return []
 
 
 def run_transformers_serve(model_path: str, requests: Sequence[BenchRequest],

@@ -119,14 +119,25 @@ def requests_at(n_requests: int, concurrency: int) -> int:
 
 
 def servers(model_path: Path, requests: Sequence[BenchRequest], warmup: BenchRequest,
-            concurrency: int, threads: int) -> dict[str, Callable[[], Result]]:
-    """Each server's run at one concurrency, in the order they are measured."""
+            concurrency: int, peer_threads: int, mesh_threads: int
+            ) -> dict[str, Callable[[], Result]]:
+    """Each server's run at one concurrency, in the order they are measured (`mesh_threads`
+    0: the mesh sizes its engine threads itself)."""
     return {
-        "llama.cpp": lambda: run_llama_cpp(model_path, requests, warmup, concurrency, threads),
+        "llama.cpp": lambda: run_llama_cpp(model_path, requests, warmup, concurrency,
+                                           peer_threads),
         "serve": lambda: run_transformers_serve(str(model_path), requests, warmup, concurrency,
-                                                threads),
-        "mesh": lambda: run_mesh(str(model_path), requests, warmup, concurrency, threads),
+                                                peer_threads),
+        "mesh": lambda: run_mesh(str(model_path), requests, warmup, concurrency, mesh_threads),
     }
+
+
+def threads_said(threads: int, cpus: int) -> str:
+    """The thread counts of a run, in words."""
+    if threads:
+        return f"{threads} compute thread{'s' if threads > 1 else ''} in every server"
+    return (f"llama.cpp and transformers serve on {cpus} threads, meshlm as shipped (its "
+            "engine's threads chosen at start-up, see its engine_threads log line)")
 
 
 def measure(runs: dict[str, Callable[[], Result]], skip: Sequence[str],
@@ -171,7 +182,8 @@ def plot(results: dict[int, dict[str, Result | None]], plot_dir: Path, title: st
               "(1,4,16); llama.cpp slots and meshlm max_running follow it")
 @click.option("--sweep", is_flag=True, help=f"also measure at {', '.join(map(str, SWEEP))}")
 @click.option("--threads", default=0, show_default=True,
-              help="compute threads for every server (0 = CPUs - 1, at least 1)")
+              help="compute threads for every server (0: llama.cpp and transformers serve "
+                   "get every CPU, meshlm runs as shipped and sizes its engine itself)")
 @click.option("--skip", multiple=True, type=click.Choice(PEERS), help="leave a server out")
 @click.option("--plot-dir", default="bench-results", show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
@@ -185,7 +197,7 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
     from meshlm.tokenizer.tokenization import TextTokenizer
 
     model_path = ensure_bench_model()
-    threads = threads or max(1, (os.cpu_count() or 2) - 1)  # as bench-engine, see there
+    cpus = len(os.sched_getaffinity(0))
     tok = TextTokenizer.from_pretrained(str(model_path))
     counts = {c: requests_at(n_requests, c) for c in concurrencies}
     workload = build_workload(max(counts.values()), tok.encode, seed, (prompt_min, prompt_max),
@@ -196,7 +208,7 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
     failures: list[str] = []
     for c in concurrencies:  # each concurrency: the three servers one after another
         failed: list[str] = []
-        runs = servers(model_path, workload[:counts[c]], warmup, c, threads)
+        runs = servers(model_path, workload[:counts[c]], warmup, c, threads or cpus, threads)
         results[c] = measure(runs, skip, failed)
         failures += [f"concurrency {c}: {f}" for f in failed]
 
@@ -207,15 +219,14 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
           f"f32)\nworkload: seed {seed}, prompts {prompt_min}-{prompt_max} tokens, outputs "
           f"exponential mean {output_mean:g} clipped to [1, {output_max}], EOS ignored; the "
           f"first max({n_requests}, {WAVES} x concurrency) requests of one list\n{sizes}\n"
-          f"{os.cpu_count()} CPUs; {threads} compute threads in every server; whole run "
+          f"{cpus} CPUs; {threads_said(threads, cpus)}; whole run "
           f"{time.perf_counter() - started:.0f} s\n")
     lines: list[str] = []
     for c in concurrencies:
         lines += report_peers(results[c], c) + [""]
     notes = [f"concurrency {c}, {r.name}: {n}" for c, by_peer in results.items()
              for r in by_peer.values() if r is not None for n in r.notes]
-    title = (f"{model_path.name} (Llama f32, CPU), {threads} compute "
-             f"thread{'s' if threads > 1 else ''}, {os.cpu_count()} CPUs")
+    title = f"{model_path.name} (Llama f32, CPU), {cpus} CPUs, {threads_said(threads, cpus)}"
     paths = plot(results, plot_dir, title, notes)
     lines += [f"plot written: {path}" for path in paths] + ([""] if paths else [])
     lines += ["notes:"] + [f"- {n}" for n in failures + notes]

@@ -8,8 +8,8 @@ and noisy: compare the ratios of one run.
 With --pin (the default on >= 2 CPUs) the engine gets its own CPU(s) and everything else the
 rest: in-process, the whole bench process runs on the engine's CPUs; in the mesh, the bench
 process (the load generator), redis, the gateway, tokenizer and detokenizer run on the rest,
-and the scheduler, told MESHLM_ENGINE_CPUS, puts its engine thread on the engine's CPUs and its
-other threads on the rest itself (see pinning.py).
+and the scheduler, told MESHLM_ENGINE_CPUS, puts itself (engine and event loop) on the
+engine's CPUs (see pinning.py and scheduler/cpus.py).
 """
 
 from __future__ import annotations
@@ -182,9 +182,8 @@ def run_mesh(model_path: str, n_ttft: int, n_sat: int, new_tokens: int, threads:
     """The mesh over gRPC, then over HTTP; and how many threads of each service may run on
     which CPUs (seen after the gRPC run).
 
-    Pinned, the scheduler places its own threads (MESHLM_ENGINE_CPUS); once the mesh is up,
-    every other service, redis and this process move to the rest CPUs. (The mesh starts on all
-    of this process's CPUs: a scheduler checks its engine CPUs against the CPUs it may use.)"""
+    Pinned, the scheduler places itself (MESHLM_ENGINE_CPUS); once the mesh is up,
+    every other service, redis and this process move to the rest CPUs."""
     env = {"MESHLM_MAX_RUNNING": str(n_sat), "MESHLM_NUM_THREADS": str(threads),
            "MESHLM_LOG_LEVEL": "warning"}
     if plan:

@@ -95,7 +95,7 @@ def placement_lines(plan: CpuPlan, threads: Mapping[str, Counter[str]]) -> list[
     seen = "; ".join(f"{name} " + ", ".join(f"{n} on {cpus}" for cpus, n in by_cpus.most_common())
                      for name, by_cpus in threads.items())
     return [f"CPUs: the engine on {describe(plan.engine)} (in-process: the whole bench process; "
-            f"in the mesh: the scheduler's engine thread, MESHLM_ENGINE_CPUS="
+            f"in the mesh: the scheduler, engine and event loop, MESHLM_ENGINE_CPUS="
             f"{format_cpus(plan.engine)}); the load generator and every other service and "
             f"thread on {describe(plan.rest)}",
             f"threads of each mesh service by allowed CPUs: {seen}"]

@@ -2,9 +2,7 @@
 
 `make bench --pin` gives the engine its own CPU(s) and everything else the rest, so that the
 mesh and the in-process engine are compared with the engine's cores equal and not shared.
-Affinity is per thread on Linux (os.sched_setaffinity(0, ...) moves only the calling thread), so
-set_affinity moves every thread of a process; threads and children started later inherit the
-mask of the thread that starts them.
+CPU lists and moving a process's threads: `meshlm.common.affinity`.
 """
 
 from __future__ import annotations
@@ -14,36 +12,9 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from meshlm.bench.proc_cpu import descendants
-
-
-def parse_cpus(text: str) -> set[int]:
-    """"0", "0-1", "0,2-3" -> {0}, {0, 1}, {0, 2, 3} (the kernel's cpu list format)."""
-    cpus: set[int] = set()
-    for part in text.replace(" ", "").split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        first, last = int(lo), int(hi or lo)
-        if first > last:
-            raise ValueError(f"bad CPU range {part!r}")
-        cpus.update(range(first, last + 1))
-    if not cpus:
-        raise ValueError(f"no CPUs in {text!r}")
-    return cpus
-
-
-def format_cpus(cpus: Iterable[int]) -> str:
-    """{0, 1, 2, 5} -> "0-2,5"."""
-    ranges: list[list[int]] = []
-    for cpu in sorted(set(cpus)):
-        if ranges and cpu == ranges[-1][1] + 1:
-            ranges[-1][1] = cpu
-        else:
-            ranges.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges)
+from meshlm.common.affinity import format_cpus, parse_cpu_list, set_affinity, thread_ids
 
 
 def describe(cpus: Iterable[int]) -> str:
@@ -65,7 +36,7 @@ class CpuPlan:
         gets what is left of this process's affinity; ValueError if either would be empty or
         the engine's CPUs are not allowed here."""
         allowed = os.sched_getaffinity(0)
-        engine = parse_cpus(engine_cpus) if engine_cpus else {min(allowed)}
+        engine = set(parse_cpu_list(engine_cpus)) if engine_cpus else {min(allowed)}
         if not engine <= allowed:
             raise ValueError(f"engine CPUs {format_cpus(engine)} are not all in this "
                              f"process's affinity {format_cpus(allowed)}")
@@ -73,25 +44,6 @@ class CpuPlan:
         if not rest:
             raise ValueError(f"no CPUs left besides the engine's {format_cpus(engine)}")
         return cls(frozenset(engine), frozenset(rest))
-
-
-def thread_ids(pid: int = 0) -> list[int]:
-    """The thread ids of a process (0 = this one)."""
-    return [int(t.name) for t in Path(f"/proc/{pid or 'self'}/task").iterdir()]
-
-
-def set_affinity(cpus: Iterable[int], pid: int = 0) -> None:
-    """Move every thread of process `pid` (0 = this one) onto `cpus`; no-op if it is gone."""
-    cpus = set(cpus)
-    try:
-        tids = thread_ids(pid)
-    except FileNotFoundError:
-        return
-    for tid in tids:
-        try:
-            os.sched_setaffinity(tid, cpus)
-        except ProcessLookupError:
-            continue  # the thread ended
 
 
 def set_tree_affinity(cpus: Iterable[int], pid: int) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from meshlm.common import config as cfg
+from meshlm.common.affinity import parse_cpu_list
 from meshlm.common.metrics import SchedulerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
@@ -34,7 +35,7 @@ from meshlm.common.service import (
 from meshlm.common.streams import StreamPool
 from meshlm.scheduler import wire
 from meshlm.scheduler.control import EngineControl
-from meshlm.scheduler.cpus import DEFAULT_MESH_US, CpuPlan, auto_threads, parse_cpu_list
+from meshlm.scheduler.cpus import DEFAULT_MESH_US, EngineCpus, auto_threads
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
 from meshlm.scheduler.loop import EngineLoop
 from meshlm.scheduler.torch_trace import EngineTorchTrace
@@ -68,9 +69,9 @@ class SchedulerConfig(ServiceConfig):
                                            "(faster small batches)")
     num_threads: int = cfg.field(0, "torch CPU threads; 0 = auto: on the CPU, the engine's "
                                     "share of the cores, measured at start-up (cpus.py)")
-    engine_cpus: str = cfg.field("", "CPUs the engine computes on (a list: 0-1,3), one thread "
-                                     "each unless --num-threads says; the service's other "
-                                     "threads take the remaining CPUs; empty = no pinning")
+    engine_cpus: str = cfg.field("", "CPUs the service runs on, engine and event loop (a "
+                                     "list: 0-1,3), one engine thread each unless "
+                                     "--num-threads says; empty = no pinning")
     cpus: float = cfg.field(0.0, "cores this scheduler counts as its own for auto threads; "
                                  "0 = what it may use (affinity mask, cgroup CPU quota)")
     mesh_cpu_us: float = cfg.field(DEFAULT_MESH_US, "CPU us per output token the rest of the "
@@ -149,11 +150,10 @@ async def serve(config: SchedulerConfig) -> None:
     # Every torch call happens on this one thread, the engine's: the model is built here too.
     # (Torch from a second thread brings a second OpenMP pool whose spinning workers halve the
     # speed of both on a small machine.)
-    cpu_plan = (CpuPlan.pinned(parse_cpu_list(config.engine_cpus), config.num_threads)
-                if config.engine_cpus else CpuPlan(config.num_threads))
+    cpu_plan = (EngineCpus.pinned(parse_cpu_list(config.engine_cpus), config.num_threads)
+                if config.engine_cpus else EngineCpus(config.num_threads))
     cpu_plan.pin_process()
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
-                                  initializer=cpu_plan.pin_engine_thread)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, EngineConfig(
         model_path=model_path, device=config.device, dtype=config.dtype,
         load_format=config.load_format, max_running=config.max_running,

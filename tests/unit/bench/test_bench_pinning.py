@@ -10,22 +10,7 @@ import pytest
 from meshlm.bench import pinning
 
 
-@pytest.mark.parametrize(("text", "cpus"), [
-    ("0", {0}), ("0-1", {0, 1}), ("0,2-3", {0, 2, 3}), ("3, 1", {1, 3}), ("2-2", {2}),
-])
-def test_parse_cpus(text: str, cpus: set[int]) -> None:
-    assert pinning.parse_cpus(text) == cpus
-
-
-@pytest.mark.parametrize("text", ["", ",", "3-1", "a"])
-def test_parse_cpus_refuses(text: str) -> None:
-    with pytest.raises(ValueError):
-        pinning.parse_cpus(text)
-
-
-def test_format_and_describe() -> None:
-    assert pinning.format_cpus({5, 0, 1, 2}) == "0-2,5"
-    assert pinning.format_cpus([3]) == "3"
+def test_describe() -> None:
     assert pinning.describe({0}) == "CPU 0"
     assert pinning.describe({1, 2, 3}) == "CPUs 1-3"
 

@@ -4,29 +4,19 @@ measurement and pinning the engine thread."""
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from meshlm.scheduler.cpus import (
-    CpuPlan,
+    EngineCpus,
     auto_threads,
     choose_threads,
     measure_engine_us,
-    parse_cpu_list,
     usable_cpus,
 )
 from meshlm.scheduler.engine.engine import Engine
-
-
-def test_cpu_lists_parse_ranges_and_singles() -> None:
-    assert parse_cpu_list("0") == {0}
-    assert parse_cpu_list("0-2,5, 7") == {0, 1, 2, 5, 7}
-    for bad in ("", "a", "3-1", "-1", "0-x"):
-        with pytest.raises(ValueError, match="CPU"):
-            parse_cpu_list(bad)
 
 
 @pytest.mark.parametrize(("cores", "engine_us", "mesh_us", "threads"), [
@@ -75,25 +65,14 @@ def test_auto_threads_sets_what_it_chooses(gqa_engine: Engine) -> None:
         torch.set_num_threads(threads)
 
 
-def test_pinning_puts_the_engine_thread_on_its_cpus() -> None:
-    allowed = sorted(os.sched_getaffinity(0))
-    plan = CpuPlan.pinned(frozenset(allowed[:1]))
-    assert plan.threads == 1
-    assert plan.other_cpus == (frozenset(allowed[1:]) or None)
-    seen: list[set[int]] = []
-
-    def engine_thread() -> None:
-        plan.pin_engine_thread()
-        seen.append(os.sched_getaffinity(0))
-
-    t = threading.Thread(target=engine_thread)
-    t.start()
-    t.join()
-    assert seen == [set(allowed[:1])]
-    assert os.sched_getaffinity(0) == set(allowed)  # this thread untouched
+def test_pinning_gives_one_engine_thread_per_cpu() -> None:
+    allowed = frozenset(os.sched_getaffinity(0))
+    plan = EngineCpus.pinned(allowed)
+    assert (plan.threads, plan.cpus) == (len(allowed), allowed)
+    assert EngineCpus.pinned(allowed, num_threads=3).threads == 3
 
 
-def test_engine_cpus_outside_the_mask_are_refused() -> None:
-    outside = max(os.sched_getaffinity(0)) + 1
-    with pytest.raises(ValueError, match="not among the CPUs"):
-        CpuPlan.pinned(frozenset({outside}))
+def test_cpus_the_kernel_refuses_are_a_clear_error() -> None:
+    absent = frozenset({os.cpu_count() or 1, 4096})  # no such CPU on this machine
+    with pytest.raises(ValueError, match=r"cannot run on CPUs .*\(--engine-cpus\)"):
+        EngineCpus.pinned(absent).pin_process()

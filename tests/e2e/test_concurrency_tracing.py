@@ -1,5 +1,5 @@
 """64 concurrent greedy streams give each prompt's solo text; one trace per request spans all
-four services, parented along the request's path."""
+four services, parented along the request's path; HTTP streams trace without error lines."""
 
 from __future__ import annotations
 
@@ -80,3 +80,35 @@ def test_one_trace_per_request_across_all_services(otlp, stub):
     # The gateway's span hangs under the RPC's server span, in the same trace.
     rpc = [s for s in receiver.spans if s["span_id"] == gw["parent"]]
     assert rpc and rpc[0]["name"] == "TextGenerate" and rpc[0]["trace_id"] == gw["trace_id"]
+
+
+def test_streamed_http_requests_trace_without_errors(otlp, mesh):
+    """The gateway's span of an HTTP stream covers the whole stream though the stream's steps
+    run in more than one task; no request leaves an error in the gateway's log."""
+    import httpx
+
+    receiver, _ = otlp
+    log = mesh.log_path("gateway")
+    start = log.stat().st_size
+    rids = [f"http-trace-{uuid.uuid4().hex}" for _ in range(4)]
+
+    def stream(rid: str) -> int:
+        body = {"text": "trace me", "rid": rid, "stream": True,
+                "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        with httpx.stream("POST", f"{mesh.addresses.gateway_http}/generate", json=body,
+                          timeout=60) as resp:
+            return sum(1 for line in resp.iter_lines() if line.startswith("data: {"))
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        assert list(pool.map(stream, rids)) == [4] * 4
+
+    def gateway_spans(spans):
+        return {s["attributes"]["meshlm.rid"].string_value for s in spans
+                if s["service"] == "meshlm-gateway" and s["name"] == "gateway.generate"
+                and s["attributes"].get("meshlm.rid") is not None} >= set(rids)
+
+    assert receiver.wait_for(gateway_spans, timeout=30), "a gateway span per stream"
+    with log.open() as f:
+        f.seek(start)
+        errors = [line for line in f if '"level":"error"' in line]
+    assert errors == []

@@ -9,13 +9,16 @@ messages still join each request's trace.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Status, StatusCode
 
 _provider: TracerProvider | None = None
 
@@ -43,6 +46,25 @@ def shutdown_tracing() -> None:
 
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
+
+
+@contextmanager
+def detached_span(tracer: trace.Tracer, name: str,
+                  attributes: Mapping[str, Any]) -> Iterator[trace.Span]:
+    """A span for the body of an async generator, parented by the current span but not made
+    current itself: a generator's steps may run in different tasks (an HTTP stream's pump), and
+    OpenTelemetry cannot reset a context it attached in another task (it logs an error for
+    every such request). An exception is recorded on the span and sets its status, as
+    `start_as_current_span` does; pass the span on explicitly (`carrier_of(span)`)."""
+    span = tracer.start_span(name, attributes=attributes)
+    try:
+        yield span
+    except Exception as exc:
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        span.end()
 
 
 def carrier_of(span: trace.Span | None = None) -> dict[str, str]:

@@ -25,7 +25,7 @@ from meshlm.common.metrics import GatewayMetrics
 from meshlm.common.profiling import Profiling
 from meshlm.common.rpc import CallContext
 from meshlm.common.streams import BatchedStream
-from meshlm.common.tracing import carrier_of, tracer
+from meshlm.common.tracing import carrier_of, detached_span, tracer
 from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.api.observers import RequestObservers
 from meshlm.gateway.api.request_record import RequestRecord
@@ -107,8 +107,7 @@ class GenerationRPCs:
         self.core.table.add_group(rid, pendings)
         record = RequestRecord(self.core.registry, rid, route, tokenizer, v.n)
         name = "gateway.embed" if v.embed else "gateway.generate"
-        with self.tracer.start_as_current_span(name, attributes={"meshlm.rid": rid,
-                                                                 "meshlm.n": v.n}) as span:
+        with detached_span(self.tracer, name, {"meshlm.rid": rid, "meshlm.n": v.n}) as span:
             watch = RequestObservers(span, [self.metrics.track() for _ in children],
                                      self.profiling.events, [c.rid for c in children])
             dispatched = False

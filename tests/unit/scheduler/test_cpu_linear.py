@@ -43,3 +43,12 @@ def test_nothing_packed_where_unavailable() -> None:
     assert not available(torch.device("meta"), torch.float32)
     model = nn.Sequential(nn.Linear(4, 4)).half()
     assert pack_linears(model) == 0
+
+
+def test_row_buckets_pad_small_batches_and_stay_few() -> None:
+    from meshlm.scheduler.models.cpu_linear import MIN_ROWS, row_bucket
+
+    assert [row_bucket(n) for n in range(1, MIN_ROWS + 1)] == [MIN_ROWS] * MIN_ROWS
+    assert [row_bucket(n) for n in range(MIN_ROWS + 1, 17)] == list(range(MIN_ROWS + 1, 17))
+    assert all(row_bucket(n) >= n for n in range(1, 4097))
+    assert len({row_bucket(n) for n in range(1, 2049)}) <= 60

@@ -9,6 +9,7 @@ with the bench extra, and a caller without it gets the ImportError of this modul
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def _chart(series: Mapping[str, Mapping[int, Result]], concurrencies: list[int],
             ax.set_ylim(bottom=0)
         ax.set_xlabel("concurrent streams")
         ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=10)
+        ax.set_title(textwrap.fill(title, 90), fontsize=9)
         ax.grid(True, which="major", alpha=0.3)
         ax.grid(True, which="minor", alpha=0.1)
         if ax.get_lines():

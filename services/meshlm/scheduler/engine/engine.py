@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from meshlm.common.logs import get_logger
+from meshlm.scheduler.engine.host_memory import retain_freed_memory
 from meshlm.scheduler.engine.kv_cache import KVCache
 from meshlm.scheduler.engine.model_runner import ModelRunner
 from meshlm.scheduler.engine.policy import BatchPlanner
@@ -85,6 +86,8 @@ class Engine:
         self.config = config
         dev = resolve_device(config.device)
         self.device = str(dev)
+        # CPU steps free and reallocate megabytes of temporaries: keep them mapped
+        self.retained_memory = dev.type == "cpu" and retain_freed_memory()
         self.model_config = ModelConfig.from_dir(config.model_path)
         dtype = resolve_dtype(config.dtype, self.model_config)
         self.dtype = str(dtype).removeprefix("torch.")
@@ -127,6 +130,7 @@ class Engine:
             max_batched_tokens=config.max_batched_tokens, block_size=config.block_size,
             kv_blocks=num_blocks, kv_cache_gib=round(self.runner.kv.nbytes / 2**30, 3),
             threads=torch.get_num_threads(), packed_linears=packed,
+            retained_memory=self.retained_memory,
         )
 
     def _num_blocks(self, block_bytes: int, dev: torch.device) -> int:

@@ -1,7 +1,8 @@
 """`make bench`: the engine in-process vs the mesh over gRPC vs the mesh over HTTP, one run.
 
-Prints TTFT p50/p99 at concurrency 1 and output tokens/s at saturation for each path, the
-ratios between them, and the CPU time each mesh service spends per output token in the
+Prints TTFT p50/p99 at concurrency 1 and output tokens/s at saturation for each path (by
+default issue 16's workload: 256 requests kept 64 in flight, output lengths exponential with
+mean 128, the same seeded lengths everywhere), the ratios between them, and the CPU time each mesh service spends per output token in the
 saturation phases (from /proc, see proc_cpu.py) against the bare engine's. Machines are shared
 and noisy: compare the ratios of one run.
 
@@ -16,13 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import click
 import grpc
@@ -46,29 +50,67 @@ from meshlm.bench.pinning import (
     thread_cpus,
 )
 from meshlm.bench.proc_cpu import cpu_delta, snapshot
+from meshlm.bench.workload import output_lengths
 from meshlm.common.default_model import ensure_default_model
 from meshlm.launch.mesh import Mesh, MeshOptions
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 WORDS = "the river runs past a quiet town where lanterns glow in winter light".split()
+SEED = 20240917
+T = TypeVar("T")
 
 
 def prompt(i: int, length: int) -> str:
     return " ".join(WORDS[(i + j) % len(WORDS)] for j in range(length))
 
 
+@dataclass(frozen=True)
+class Saturation:
+    """The saturation phase: `requests` (prompt, output tokens) kept `concurrency` at a time
+    (in-process: the engine's running batch refills at once; in the mesh: each client starts
+    its next request when one ends)."""
+
+    requests: tuple[tuple[str, int], ...]
+    concurrency: int
+
+    @classmethod
+    def build(cls, n: int, concurrency: int, mean_tokens: int, fixed: bool) -> Saturation:
+        """`n` requests of 16-word prompts; output lengths exponential with `mean_tokens`
+        (seeded, clipped to [1, 4 x mean]) or, `fixed`, all `mean_tokens`."""
+        lengths = ([mean_tokens] * n if fixed
+                   else output_lengths(n, mean_tokens, 1, 4 * mean_tokens, seed=SEED))
+        return cls(tuple((prompt(i, 16), k) for i, k in enumerate(lengths)), concurrency)
+
+    @property
+    def tokens(self) -> int:
+        return sum(k for _, k in self.requests)
+
+    def describe(self) -> str:
+        return (f"{len(self.requests)} requests ({self.tokens} output tokens) at concurrency "
+                f"{self.concurrency}")
+
+
+async def _limited(concurrency: int, calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run `calls` with at most `concurrency` in flight, in order; their results."""
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(call: Callable[[], Awaitable[T]]) -> T:
+        async with slots:
+            return await call()
+
+    return await asyncio.gather(*(one(c) for c in calls))
+
+
 # -- in-process -------------------------------------------------------------------------------
 
-def bench_engine(model_path: str, n_ttft: int, n_sat: int, new_tokens: int,
-                 max_running: int, threads: int) -> Result:
+def bench_engine(model_path: str, n_ttft: int, sat: Saturation, threads: int) -> Result:
     from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
     from meshlm.tokenizer.tokenization import TextTokenizer
 
     tok = TextTokenizer.from_pretrained(model_path)
-    engine = Engine(EngineConfig(model_path=model_path, max_running=max_running,
+    engine = Engine(EngineConfig(model_path=model_path, max_running=sat.concurrency,
                                  num_threads=threads or None))
-    params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     ttft = []
     for i in tqdm(range(n_ttft), desc="engine ttft", leave=False):
         start = time.perf_counter()
@@ -77,10 +119,11 @@ def bench_engine(model_path: str, n_ttft: int, n_sat: int, new_tokens: int,
         while engine.has_work():
             if any(o.new_token_ids for o in engine.step()):
                 ttft.append(time.perf_counter() - start)
-    ids = [tok.encode(prompt(i, 16)) for i in range(n_sat)]
+    ids = [tok.encode(text) for text, _ in sat.requests]
     start, cpu_start = time.perf_counter(), time.process_time()
-    for i, p in enumerate(ids):
-        engine.add_request(f"s{i}", p, params)
+    for i, (p, (_, new_tokens)) in enumerate(zip(ids, sat.requests, strict=True)):
+        engine.add_request(f"s{i}", p, SamplingParams(
+            temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
     tokens = 0
     while engine.has_work():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
@@ -105,7 +148,7 @@ async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_toke
     return first or 0.0, tokens
 
 
-async def bench_grpc(address: str, n_ttft: int, n_sat: int, new_tokens: int,
+async def bench_grpc(address: str, n_ttft: int, sat: Saturation,
                      parts: Mapping[str, Sequence[int]]) -> Result:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = sglang_pb2_grpc.SglangServiceStub(channel)
@@ -113,8 +156,8 @@ async def bench_grpc(address: str, n_ttft: int, n_sat: int, new_tokens: int,
         ttft = [(await _grpc_one(stub, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="grpc ttft", leave=False)]
         cpu_before, start = snapshot(parts), time.perf_counter()
-        results = await asyncio.gather(*(_grpc_one(stub, prompt(i, 16), new_tokens)
-                                         for i in range(n_sat)))
+        results = await _limited(sat.concurrency, [
+            functools.partial(_grpc_one, stub, text, k) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, snapshot(parts))
         return Result("mesh gRPC", ttft, sum(t for _, t in results), seconds, cpu)
 
@@ -139,10 +182,11 @@ async def _http_one(client: httpx.AsyncClient, url: str, text: str, new_tokens: 
     return first or 0.0, tokens
 
 
-async def bench_http(base: str, n_ttft: int, n_sat: int, new_tokens: int,
+async def bench_http(base: str, n_ttft: int, sat: Saturation,
                      parts: Mapping[str, Sequence[int]]) -> Result:
     url = f"{base}/generate"
-    limits = httpx.Limits(max_connections=n_sat + 4, max_keepalive_connections=n_sat + 4)
+    limits = httpx.Limits(max_connections=sat.concurrency + 4,
+                          max_keepalive_connections=sat.concurrency + 4)
     # TCP_NODELAY as curl and browsers set it: otherwise Nagle + delayed ACK add ~40 ms.
     transport = httpx.AsyncHTTPTransport(
         limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
@@ -151,8 +195,8 @@ async def bench_http(base: str, n_ttft: int, n_sat: int, new_tokens: int,
         ttft = [(await _http_one(client, url, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
         cpu_before, start = snapshot(parts), time.perf_counter()
-        results = await asyncio.gather(*(_http_one(client, url, prompt(i, 16), new_tokens)
-                                         for i in range(n_sat)))
+        results = await _limited(sat.concurrency, [
+            functools.partial(_http_one, client, url, text, k) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, snapshot(parts))
         return Result("mesh HTTP", ttft, sum(t for _, t in results), seconds, cpu)
 
@@ -163,7 +207,7 @@ def _env_overrides() -> dict[str, str]:
     return {"MESHLM_" + k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)}
 
 
-def run_in_process(model_path: str, n_ttft: int, n_sat: int, new_tokens: int, threads: int,
+def run_in_process(model_path: str, n_ttft: int, sat: Saturation, threads: int,
                    plan: CpuPlan | None) -> Result:
     """The engine in this process; pinned, the whole process runs on the engine's CPUs."""
     import torch
@@ -171,20 +215,19 @@ def run_in_process(model_path: str, n_ttft: int, n_sat: int, new_tokens: int, th
     torch_threads = torch.get_num_threads()
     with pin_process(plan.engine) if plan else contextlib.nullcontext():
         try:
-            return bench_engine(model_path, n_ttft, n_sat, new_tokens, max_running=n_sat,
-                                threads=threads)
+            return bench_engine(model_path, n_ttft, sat, threads)
         finally:
             torch.set_num_threads(torch_threads)
 
 
-def run_mesh(model_path: str, n_ttft: int, n_sat: int, new_tokens: int, threads: int,
+def run_mesh(model_path: str, n_ttft: int, sat: Saturation, threads: int,
              plan: CpuPlan | None) -> tuple[list[Result], dict[str, Counter[str]]]:
     """The mesh over gRPC, then over HTTP; and how many threads of each service may run on
     which CPUs (seen after the gRPC run).
 
     Pinned, the scheduler places itself (MESHLM_ENGINE_CPUS); once the mesh is up,
     every other service, redis and this process move to the rest CPUs."""
-    env = {"MESHLM_MAX_RUNNING": str(n_sat), "MESHLM_NUM_THREADS": str(threads),
+    env = {"MESHLM_MAX_RUNNING": str(sat.concurrency), "MESHLM_NUM_THREADS": str(threads),
            "MESHLM_LOG_LEVEL": "warning"}
     if plan:
         env["MESHLM_ENGINE_CPUS"] = format_cpus(plan.engine)
@@ -196,11 +239,11 @@ def run_mesh(model_path: str, n_ttft: int, n_sat: int, new_tokens: int, threads:
             if plan:
                 _pin_all_but_schedulers(mesh, plan.rest)
             parts = {role: [p.pid for p in mesh.replicas(role) if p.pid] for role in SERVICES}
-            results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_ttft, n_sat,
-                                              new_tokens, parts))]
+            results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_ttft, sat,
+                                              parts))]
             cpus = {name: thread_cpus(p.pid) for name, p in mesh.services.items() if p.pid}
-            results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_ttft, n_sat,
-                                                  new_tokens, parts)))
+            results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_ttft, sat,
+                                                  parts)))
     return results, cpus
 
 
@@ -217,8 +260,13 @@ def _pin_all_but_schedulers(mesh: Mesh, cpus: frozenset[int]) -> None:
 @click.option("--model-path", default="", envvar="MESHLM_MODEL_PATH",
               help="checkpoint (default: the embedded model)")
 @click.option("--ttft-requests", default=50, show_default=True)
-@click.option("--saturation-requests", default=64, show_default=True)
-@click.option("--new-tokens", default=64, show_default=True)
+@click.option("--saturation-requests", default=256, show_default=True)
+@click.option("--concurrency", default=64, show_default=True,
+              help="requests in flight in the saturation phase (and the engine's max_running)")
+@click.option("--new-tokens", default=128, show_default=True,
+              help="mean output tokens per request (exponential, seeded; see --fixed-tokens)")
+@click.option("--fixed-tokens", is_flag=True,
+              help="every request makes exactly --new-tokens tokens (all end at once)")
 @click.option("--engine-threads", default=0, show_default=True,
               help="torch CPU threads for the engine, in-process and in the mesh (0 = torch's "
                    "default; pinned, the number of engine CPUs)")
@@ -228,8 +276,9 @@ def _pin_all_but_schedulers(mesh: Mesh, cpus: frozenset[int]) -> None:
 @click.option("--engine-cpus", default="",
               help="with --pin, the engine's CPU list, e.g. 0 or 0-1 (default: the first CPU "
                    "this process may use)")
-def main(model_path: str, ttft_requests: int, saturation_requests: int, new_tokens: int,
-         engine_threads: int, pin: bool | None, engine_cpus: str) -> None:
+def main(model_path: str, ttft_requests: int, saturation_requests: int, concurrency: int,
+         new_tokens: int, fixed_tokens: bool, engine_threads: int, pin: bool | None,
+         engine_cpus: str) -> None:
     model_path = model_path or str(ensure_default_model())
     if pin is None:
         pin = len(os.sched_getaffinity(0)) >= 2
@@ -240,14 +289,15 @@ def main(model_path: str, ttft_requests: int, saturation_requests: int, new_toke
         except ValueError as e:
             raise click.UsageError(str(e)) from None
     threads = engine_threads or (len(plan.engine) if plan else 0)
-    args = (model_path, ttft_requests, saturation_requests, new_tokens, threads, plan)
+    sat = Saturation.build(saturation_requests, concurrency, new_tokens, fixed_tokens)
+    args = (model_path, ttft_requests, sat, threads, plan)
     engine = run_in_process(*args)
     (grpc_r, http_r), cpus = run_mesh(*args)
 
     import torch
 
     print(f"\nmodel: {model_path}; TTFT at concurrency 1 ({ttft_requests} requests), "
-          f"throughput at {saturation_requests} concurrent x {new_tokens} tokens; "
+          f"throughput: {sat.describe()}; "
           f"engine threads {threads or torch.get_num_threads()}; " + (
               f"{os.cpu_count()} CPUs shared by every process" if plan is None else "pinned"))
     if plan is not None:

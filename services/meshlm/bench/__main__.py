@@ -2,8 +2,9 @@
 
 Prints TTFT p50/p99 at concurrency 1 and output tokens/s at saturation for each path (by
 default issue 16's workload: 256 requests kept 64 in flight, output lengths exponential with
-mean 128, the same seeded lengths everywhere), the ratios between them, and the CPU time each mesh service spends per output token in the
-saturation phases (from /proc, see proc_cpu.py) against the bare engine's. Machines are shared
+mean 128, the same seeded lengths everywhere), the ratios between them, and the CPU time each
+mesh service spends per output token in the saturation phases (from /proc, see proc_cpu.py)
+against the bare engine's. Machines are shared
 and noisy: compare the ratios of one run.
 
 With --pin (the default on >= 2 CPUs) the engine gets its own CPU(s) and everything else the

@@ -4,6 +4,7 @@ batching, finish reasons, aborts (incl. from another thread's point of view), sa
 from __future__ import annotations
 
 import json
+import platform
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -318,3 +319,10 @@ def test_overload_completes_everything_within_the_cache(make_engine: EngineFacto
     for i in (0, 17, 42):
         engine.add_request("alone", ps[i], greedy(lengths[i]))
         assert tokens_of(run_all(engine)["alone"]) == tokens_of(outs[f"o{i}"])
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_a_cpu_engine_keeps_freed_memory_mapped(gqa_engine: Engine) -> None:
+    # see tests/unit/common/test_memory_retained.py for what that saves
+    assert gqa_engine.device == "cpu"
+    assert gqa_engine.retained_memory

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from meshlm.common.logs import get_logger
-from meshlm.scheduler.engine.host_memory import retain_freed_memory
+from meshlm.common.memory import retain_freed_memory
 from meshlm.scheduler.engine.kv_cache import KVCache
 from meshlm.scheduler.engine.model_runner import ModelRunner
 from meshlm.scheduler.engine.policy import BatchPlanner

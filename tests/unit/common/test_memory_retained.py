@@ -1,4 +1,5 @@
-"""The CPU engine keeps freed step temporaries mapped instead of faulting them in again."""
+"""A process that retains freed memory (the CPU engine) reuses its freed temporaries instead
+of faulting them in again."""
 
 from __future__ import annotations
 
@@ -8,14 +9,12 @@ import sys
 
 import pytest
 
-from meshlm.scheduler.engine.engine import Engine
-
 # A step's temporaries as the engine makes them: megabytes each, their sizes changing from step
 # to step. After the first cycle (the peak) the process has all the memory it needs; prints
 # the minor page faults of the cycles after that.
 STEPS = """
 import resource, sys, torch
-from meshlm.scheduler.engine.host_memory import retain_freed_memory
+from meshlm.common.memory import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 def faults():
@@ -46,11 +45,5 @@ def _faults(mode: str) -> int:
 def test_freed_temporaries_are_reused_without_page_faults() -> None:
     # 28 steps touch ~75k pages of temporaries; by default glibc unmaps and trims most of them
     # and faults them back in on the next step
-    assert _faults("default") > 10_000
-    assert _faults("retain") < 1_000
-
-
-@glibc
-def test_a_cpu_engine_retains_freed_memory(gqa_engine: Engine) -> None:
-    assert gqa_engine.device == "cpu"
-    assert gqa_engine.retained_memory
+    assert _faults("default") > 20_000
+    assert _faults("retain") < 5_000  # at most a few heap extensions

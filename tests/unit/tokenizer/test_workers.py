@@ -1,4 +1,4 @@
-"""The tokenizer's worker threads: work never runs on the event loop, and a big input has a
+"""The tokenizer's worker threads: only tiny work runs on the event loop, and a big input has a
 thread of its own, so it holds up no small one."""
 
 from __future__ import annotations
@@ -9,12 +9,14 @@ import threading
 from meshlm.tokenizer.workers import Workers
 
 
-async def test_work_runs_off_the_event_loop() -> None:
-    workers = Workers(big_chars=100)
+async def test_work_runs_off_the_event_loop_unless_tiny() -> None:
+    workers = Workers(big_chars=100, inline_chars=5)
     try:
         loop_thread = threading.current_thread().name
+        tiny = await workers.run(4, lambda: threading.current_thread().name)
         small = await workers.run(10, lambda: threading.current_thread().name)
         big = await workers.run(100, lambda: threading.current_thread().name)
+        assert tiny == loop_thread  # less work than handing it to a thread and back
         assert small != loop_thread and small.startswith("tokenize_")
         assert big.startswith("tokenize-big")
     finally:
@@ -43,7 +45,7 @@ async def test_failures_reach_the_caller() -> None:
         raise ValueError("bad template")
 
     try:
-        for chars in (1, 1000):
+        for chars in (1, 50, 1000):
             try:
                 await workers.run(chars, fail)
             except ValueError as e:

@@ -27,11 +27,18 @@ def test_packed_model_matches_plain(fixture: str, request: pytest.FixtureRequest
     path: Path = request.getfixturevalue(fixture)
     plain, cfg = load_model(path)
     packed, _ = load_model(path)
-    assert pack_linears(packed) == 7 * cfg.num_layers
-    # Per layer: q/k/v fused, o, gate/up fused, down.
-    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == 4 * cfg.num_layers
+    tied = cfg.tie_word_embeddings
+    assert pack_linears(packed) == 7 * cfg.num_layers + (0 if tied else 1)
+    # Per layer: q/k/v fused, o, gate/up fused, down; the head, unless tied to the embedding
+    # (packing it would hold the matrix twice)
+    assert sum(isinstance(m, PackedLinear) for m in packed.modules()) == (
+        4 * cfg.num_layers + (0 if tied else 1))
     assert sum(isinstance(m, FusedPackedLinear) for m in packed.modules()) == 2 * cfg.num_layers
-    assert isinstance(packed.lm_head, nn.Linear)  # may be tied to the embedding: left alone
+    if tied:
+        assert isinstance(packed.lm_head, nn.Linear)
+        assert packed.lm_head.weight is packed.model.embed_tokens.weight
+    else:
+        assert isinstance(packed.lm_head, PackedLinear)
     assert not any(isinstance(m, nn.Linear) for m in packed.model.layers.modules())
     ids = torch.tensor([[3, 17, 5, 99, 42, 7, 1, 250]])
     torch.testing.assert_close(packed.forward_full(ids), plain.forward_full(ids),

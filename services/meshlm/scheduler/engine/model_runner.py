@@ -44,7 +44,7 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype
         self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                           cfg.head_dim, dtype, device)
         self.windows = [cfg.window_of(layer) for layer in range(cfg.num_layers)]

@@ -1,9 +1,12 @@
 """OpenTelemetry set-up and in-band context propagation.
 
-Each service has its own TracerProvider (service.name = meshlm-<role>); spans are exported over
-OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT) is set. A request's trace
-context travels in-band as a W3C `traceparent` map inside the internal messages, so batched
-messages still join each request's trace.
+Spans are exported over OTLP/gRPC when OTEL_EXPORTER_OTLP_ENDPOINT (or ..._TRACES_ENDPOINT)
+is set: each service then has its own TracerProvider (service.name = meshlm-<role>). Without an
+endpoint nothing would read them, so no provider is set up and OpenTelemetry's no-op tracer
+stands in (recorded spans cost ~48 µs per service hop of a request, no-op ones ~14). A
+request's trace context travels in-band as a W3C `traceparent` map inside the internal
+messages, so batched messages still join each request's trace (a client's own traceparent
+passes through the mesh either way).
 """
 
 from __future__ import annotations
@@ -23,17 +26,21 @@ from opentelemetry.trace import Status, StatusCode
 _provider: TracerProvider | None = None
 
 
-def setup_tracing(role: str) -> None:
-    global _provider
-    if _provider is not None:
-        return
-    _provider = TracerProvider(resource=Resource.create({"service.name": f"meshlm-{role}"}))
-    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
-    ):
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+def exporting() -> bool:
+    """Whether an OTLP endpoint for traces is configured."""
+    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
-        _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+
+def setup_tracing(role: str) -> None:
+    """Record and export this service's spans, if there is an endpoint to export them to."""
+    global _provider
+    if _provider is not None or not exporting():
+        return
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    _provider = TracerProvider(resource=Resource.create({"service.name": f"meshlm-{role}"}))
+    _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(_provider)
 
 

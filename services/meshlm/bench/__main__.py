@@ -105,13 +105,19 @@ async def _limited(concurrency: int, calls: Sequence[Callable[[], Awaitable[T]]]
 
 # -- in-process -------------------------------------------------------------------------------
 
-def bench_engine(model_path: str, n_ttft: int, sat: Saturation, threads: int) -> Result:
+def bench_engine(model_path: str, n_warm: int, n_ttft: int, sat: Saturation,
+                 threads: int) -> Result:
     from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
     from meshlm.tokenizer.tokenization import TextTokenizer
 
     tok = TextTokenizer.from_pretrained(model_path)
     engine = Engine(EngineConfig(model_path=model_path, max_running=sat.concurrency,
                                  num_threads=threads or None))
+    for i in range(n_warm):
+        engine.add_request(f"w{i}", tok.encode(prompt(i, 16)), SamplingParams(
+            temperature=0.0, max_new_tokens=2, ignore_eos=True))
+        while engine.has_work():
+            engine.step()
     ttft = []
     for i in tqdm(range(n_ttft), desc="engine ttft", leave=False):
         start = time.perf_counter()
@@ -149,11 +155,12 @@ async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_toke
     return first or 0.0, tokens
 
 
-async def bench_grpc(address: str, n_ttft: int, sat: Saturation,
+async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
                      parts: Mapping[str, Sequence[int]]) -> Result:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = sglang_pb2_grpc.SglangServiceStub(channel)
-        await _grpc_one(stub, "warm up", 2)
+        for i in range(n_warm):
+            await _grpc_one(stub, prompt(i, 16), 2)
         ttft = [(await _grpc_one(stub, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="grpc ttft", leave=False)]
         cpu_before, start = snapshot(parts), time.perf_counter()
@@ -183,7 +190,7 @@ async def _http_one(client: httpx.AsyncClient, url: str, text: str, new_tokens: 
     return first or 0.0, tokens
 
 
-async def bench_http(base: str, n_ttft: int, sat: Saturation,
+async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
                      parts: Mapping[str, Sequence[int]]) -> Result:
     url = f"{base}/generate"
     limits = httpx.Limits(max_connections=sat.concurrency + 4,
@@ -192,7 +199,8 @@ async def bench_http(base: str, n_ttft: int, sat: Saturation,
     transport = httpx.AsyncHTTPTransport(
         limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
     async with httpx.AsyncClient(timeout=600, transport=transport) as client:
-        await _http_one(client, url, "warm up", 2)
+        for i in range(n_warm):
+            await _http_one(client, url, prompt(i, 16), 2)
         ttft = [(await _http_one(client, url, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
         cpu_before, start = snapshot(parts), time.perf_counter()
@@ -208,20 +216,20 @@ def _env_overrides() -> dict[str, str]:
     return {"MESHLM_" + k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)}
 
 
-def run_in_process(model_path: str, n_ttft: int, sat: Saturation, threads: int,
-                   plan: CpuPlan | None) -> Result:
+def run_in_process(model_path: str, n_warm: int, n_ttft: int, sat: Saturation,
+                   threads: int, plan: CpuPlan | None) -> Result:
     """The engine in this process; pinned, the whole process runs on the engine's CPUs."""
     import torch
 
     torch_threads = torch.get_num_threads()
     with pin_process(plan.engine) if plan else contextlib.nullcontext():
         try:
-            return bench_engine(model_path, n_ttft, sat, threads)
+            return bench_engine(model_path, n_warm, n_ttft, sat, threads)
         finally:
             torch.set_num_threads(torch_threads)
 
 
-def run_mesh(model_path: str, n_ttft: int, sat: Saturation, threads: int,
+def run_mesh(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threads: int,
              plan: CpuPlan | None) -> tuple[list[Result], dict[str, Counter[str]]]:
     """The mesh over gRPC, then over HTTP; and how many threads of each service may run on
     which CPUs (seen after the gRPC run).
@@ -240,10 +248,10 @@ def run_mesh(model_path: str, n_ttft: int, sat: Saturation, threads: int,
             if plan:
                 _pin_all_but_schedulers(mesh, plan.rest)
             parts = {role: [p.pid for p in mesh.replicas(role) if p.pid] for role in SERVICES}
-            results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_ttft, sat,
+            results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_warm, n_ttft, sat,
                                               parts))]
             cpus = {name: thread_cpus(p.pid) for name, p in mesh.services.items() if p.pid}
-            results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_ttft, sat,
+            results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_warm, n_ttft, sat,
                                                   parts)))
     return results, cpus
 
@@ -260,6 +268,8 @@ def _pin_all_but_schedulers(mesh: Mesh, cpus: frozenset[int]) -> None:
 @click.command()
 @click.option("--model-path", default="", envvar="MESHLM_MODEL_PATH",
               help="checkpoint (default: the embedded model)")
+@click.option("--warmup-requests", default=20, show_default=True,
+              help="requests each path (in-process, gRPC, HTTP) serves before its TTFT phase")
 @click.option("--ttft-requests", default=50, show_default=True)
 @click.option("--saturation-requests", default=256, show_default=True)
 @click.option("--concurrency", default=64, show_default=True,
@@ -277,9 +287,9 @@ def _pin_all_but_schedulers(mesh: Mesh, cpus: frozenset[int]) -> None:
 @click.option("--engine-cpus", default="",
               help="with --pin, the engine's CPU list, e.g. 0 or 0-1 (default: the first CPU "
                    "this process may use)")
-def main(model_path: str, ttft_requests: int, saturation_requests: int, concurrency: int,
-         new_tokens: int, fixed_tokens: bool, engine_threads: int, pin: bool | None,
-         engine_cpus: str) -> None:
+def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_requests: int,
+         concurrency: int, new_tokens: int, fixed_tokens: bool, engine_threads: int,
+         pin: bool | None, engine_cpus: str) -> None:
     model_path = model_path or str(ensure_default_model())
     if pin is None:
         pin = len(os.sched_getaffinity(0)) >= 2
@@ -291,13 +301,14 @@ def main(model_path: str, ttft_requests: int, saturation_requests: int, concurre
             raise click.UsageError(str(e)) from None
     threads = engine_threads or (len(plan.engine) if plan else 0)
     sat = Saturation.build(saturation_requests, concurrency, new_tokens, fixed_tokens)
-    args = (model_path, ttft_requests, sat, threads, plan)
+    args = (model_path, warmup_requests, ttft_requests, sat, threads, plan)
     engine = run_in_process(*args)
     (grpc_r, http_r), cpus = run_mesh(*args)
 
     import torch
 
-    print(f"\nmodel: {model_path}; TTFT at concurrency 1 ({ttft_requests} requests), "
+    print(f"\nmodel: {model_path}; TTFT at concurrency 1 ({ttft_requests} requests, after "
+          f"{warmup_requests} warm-up requests on each path), "
           f"throughput: {sat.describe()}; "
           f"engine threads {threads or torch.get_num_threads()}; " + (
               f"{os.cpu_count()} CPUs shared by every process" if plan is None else "pinned"))

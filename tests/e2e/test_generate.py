@@ -4,6 +4,7 @@ HTTP /generate answers JSON and streams SSE, the transcoded RPCs answer over HTT
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import grpc
 import httpx
@@ -210,3 +211,13 @@ def test_http_generate_batches_match_single_requests(mesh):
     assert [last[i]["text"] for i in range(3)] == [x["text"] for x in alone]
     assert all(last[i]["meta_info"]["finish_reason"] == {"type": "length", "length": n}
                for i, n in enumerate((4, 6, 3)))
+
+
+def test_the_schedulers_engine_thread_has_its_own_os_name(mesh):
+    """`top -H` (and make bench's CPU figures) tell the engine's thread, with the OpenMP
+    workers it starts, from the scheduler's event loop and gRPC threads."""
+    pid = mesh.service("scheduler").pid
+    tasks = Path(f"/proc/{pid}/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+    assert "meshlm-engine" in names
+    assert any(name != "meshlm-engine" for name in names)  # the event loop's thread, at least

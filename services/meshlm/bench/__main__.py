@@ -24,7 +24,7 @@ import socket
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -36,6 +36,7 @@ import orjson
 from tqdm import tqdm
 
 from meshlm.bench.mesh_report import (
+    ENGINE_THREAD_PART,
     SERVICES,
     Result,
     cpu_line,
@@ -54,6 +55,7 @@ from meshlm.bench.proc_cpu import cpu_delta, snapshot
 from meshlm.bench.workload import output_lengths
 from meshlm.common.default_model import ensure_default_model
 from meshlm.launch.mesh import Mesh, MeshOptions
+from meshlm.scheduler.cpus import ENGINE_THREAD
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
@@ -156,17 +158,17 @@ async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_toke
 
 
 async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
-                     parts: Mapping[str, Sequence[int]]) -> Result:
+                     measure: Callable[[], dict[str, float]]) -> Result:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = sglang_pb2_grpc.SglangServiceStub(channel)
         for i in range(n_warm):
             await _grpc_one(stub, prompt(i, 16), 2)
         ttft = [(await _grpc_one(stub, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="grpc ttft", leave=False)]
-        cpu_before, start = snapshot(parts), time.perf_counter()
+        cpu_before, start = measure(), time.perf_counter()
         results = await _limited(sat.concurrency, [
             functools.partial(_grpc_one, stub, text, k) for text, k in sat.requests])
-        seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, snapshot(parts))
+        seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
         return Result("mesh gRPC", ttft, sum(t for _, t in results), seconds, cpu)
 
 
@@ -191,7 +193,7 @@ async def _http_one(client: httpx.AsyncClient, url: str, text: str, new_tokens: 
 
 
 async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
-                     parts: Mapping[str, Sequence[int]]) -> Result:
+                     measure: Callable[[], dict[str, float]]) -> Result:
     url = f"{base}/generate"
     limits = httpx.Limits(max_connections=sat.concurrency + 4,
                           max_keepalive_connections=sat.concurrency + 4)
@@ -203,10 +205,10 @@ async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
             await _http_one(client, url, prompt(i, 16), 2)
         ttft = [(await _http_one(client, url, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
-        cpu_before, start = snapshot(parts), time.perf_counter()
+        cpu_before, start = measure(), time.perf_counter()
         results = await _limited(sat.concurrency, [
             functools.partial(_http_one, client, url, text, k) for text, k in sat.requests])
-        seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, snapshot(parts))
+        seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
         return Result("mesh HTTP", ttft, sum(t for _, t in results), seconds, cpu)
 
 
@@ -248,11 +250,13 @@ def run_mesh(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threads
             if plan:
                 _pin_all_but_schedulers(mesh, plan.rest)
             parts = {role: [p.pid for p in mesh.replicas(role) if p.pid] for role in SERVICES}
+            measure = functools.partial(snapshot, parts, {
+                ENGINE_THREAD_PART: (parts["scheduler"], ENGINE_THREAD)})
             results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_warm, n_ttft, sat,
-                                              parts))]
+                                              measure))]
             cpus = {name: thread_cpus(p.pid) for name, p in mesh.services.items() if p.pid}
             results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_warm, n_ttft, sat,
-                                                  parts)))
+                                                  measure)))
     return results, cpus
 
 

@@ -1,11 +1,14 @@
-"""CPU lists ("0-1,3", the kernel's format) and moving every thread of a process to a set of
-CPUs. Affinity is per thread on Linux: os.sched_setaffinity(0, ...) moves only the calling
-thread, so `set_affinity` moves each of a process's threads; threads and children started
-later inherit the mask of the thread that starts them."""
+"""CPU lists ("0-1,3", the kernel's format), moving every thread of a process to a set of
+CPUs, and naming a thread for the OS. Affinity is per thread on Linux: os.sched_setaffinity(0,
+...) moves only the calling thread, so `set_affinity` moves each of a process's threads;
+threads and children started later inherit the mask (and the OS name) of the thread that
+starts them."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -57,3 +60,13 @@ def set_affinity(cpus: Iterable[int], pid: int = 0) -> None:
             os.sched_setaffinity(tid, cpus)
         except ProcessLookupError:
             continue  # the thread ended
+
+
+def name_thread(name: str) -> None:
+    """Give the calling thread an OS name (its /proc comm, at most 15 bytes: what `top -H`, `ps
+    -L` and the bench's per-thread CPU figures show); threads it starts later inherit it. Does
+    nothing off Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_name = 15
+    ctypes.CDLL(None).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)

@@ -36,6 +36,9 @@ log = get_logger(__name__)
 # ~150, the scheduler's loop ~50, detokenizer ~25, tokenizer ~10), measured by `make bench`
 # on 2 cores; `--mesh-cpu-us` overrides it.
 DEFAULT_MESH_US = 250.0
+# The OS name of the engine thread (and of the OpenMP workers it starts), apart from the event
+# loop's and gRPC's threads in `top -H` and in `make bench`'s CPU figures.
+ENGINE_THREAD = "meshlm-engine"
 CALIBRATION_ROWS = 16
 CALIBRATION_STEPS = 4
 

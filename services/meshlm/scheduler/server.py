@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from meshlm.common import config as cfg
-from meshlm.common.affinity import parse_cpu_list
+from meshlm.common.affinity import name_thread, parse_cpu_list
 from meshlm.common.metrics import SchedulerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
@@ -35,7 +35,7 @@ from meshlm.common.service import (
 from meshlm.common.streams import StreamPool
 from meshlm.scheduler import wire
 from meshlm.scheduler.control import EngineControl
-from meshlm.scheduler.cpus import DEFAULT_MESH_US, EngineCpus, auto_threads
+from meshlm.scheduler.cpus import DEFAULT_MESH_US, ENGINE_THREAD, EngineCpus, auto_threads
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
 from meshlm.scheduler.loop import EngineLoop
 from meshlm.scheduler.torch_trace import EngineTorchTrace
@@ -153,7 +153,8 @@ async def serve(config: SchedulerConfig) -> None:
     cpu_plan = (EngineCpus.pinned(parse_cpu_list(config.engine_cpus), config.num_threads)
                 if config.engine_cpus else EngineCpus(config.num_threads))
     cpu_plan.pin_process()
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine",
+                                  initializer=name_thread, initargs=(ENGINE_THREAD,))
     engine = await asyncio.get_running_loop().run_in_executor(executor, Engine, EngineConfig(
         model_path=model_path, device=config.device, dtype=config.dtype,
         load_format=config.load_format, max_running=config.max_running,

@@ -74,9 +74,41 @@ def test_snapshot_and_delta_per_part() -> None:
     assert spent["busy"] >= BURN - 0.1
 
 
+# Burns BURN CPU seconds on a thread it names "burner" (its main thread idles), prints "done",
+# then blocks until its stdin closes, the burner still alive (an ended thread's /proc entry is
+# gone).
+NAMED = f"""
+import sys, threading, time
+from meshlm.common.affinity import name_thread
+closed = threading.Event()
+def burn():
+    name_thread("burner")
+    start = time.thread_time()
+    while time.thread_time() - start < {BURN}:
+        pass
+    print("done", flush=True)
+    closed.wait()
+threading.Thread(target=burn).start()
+sys.stdin.read()
+closed.set()
+"""
+
+
+def test_a_named_thread_group_is_counted_apart() -> None:
+    with running(NAMED) as proc:
+        before = proc_cpu.snapshot({"all": [proc.pid]}, {"burner": ([proc.pid], "burner")})
+        wait_done(proc)
+        spent = proc_cpu.cpu_delta(before, proc_cpu.snapshot(
+            {"all": [proc.pid]}, {"burner": ([proc.pid], "burner"), "none": ([proc.pid], "x")}))
+    assert spent["burner"] >= BURN - 0.1
+    assert spent["all"] >= spent["burner"]
+    assert spent["none"] == 0.0  # no thread of that name
+
+
 def test_a_process_that_is_gone_counts_zero() -> None:
     with open("/proc/sys/kernel/pid_max") as f:
         no_such_pid = int(f.read())  # pids are below pid_max
     assert proc_cpu.cpu_seconds(no_such_pid) == 0.0
     assert proc_cpu.children(no_such_pid) == []
     assert proc_cpu.snapshot({"gone": [no_such_pid]}) == {"gone": 0.0}
+    assert proc_cpu.named_threads_cpu_seconds(no_such_pid, "meshlm-engine") == 0.0

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections import Counter
 
-from meshlm.bench.mesh_report import Result, cpu_line, pinned_line, placement_lines, report
+from meshlm.bench.mesh_report import (
+    ENGINE_THREAD_PART,
+    Result,
+    cpu_line,
+    pinned_line,
+    placement_lines,
+    report,
+)
 from meshlm.bench.pinning import CpuPlan
 
 ENGINE = Result("in-process", [0.010, 0.012, 0.011], tokens=1000, seconds=2.0,
@@ -27,6 +34,13 @@ def test_cpu_line_grpc() -> None:
     assert cpu_line(ENGINE, GRPC, "gRPC") == (
         "CPU per output token (µs): engine in-process 210; gRPC: scheduler 460 (2.19x engine; "
         "goal <= 1.15x), gateway 119 (goal <= 15), detokenizer 30 (goal <= 15), tokenizer 10")
+
+
+def test_cpu_line_splits_the_schedulers_cpu_when_its_engine_thread_was_measured() -> None:
+    split = Result("mesh gRPC", [0.0125], tokens=1000, seconds=2.5,
+                   cpu={**GRPC.cpu, ENGINE_THREAD_PART: 0.4})
+    assert ("scheduler 460 (2.19x engine; goal <= 1.15x; engine thread 400, event loop and "
+            "gRPC threads 60)") in cpu_line(ENGINE, split, "gRPC")
 
 
 def test_cpu_line_http_has_its_gateway_goal() -> None:

@@ -12,12 +12,15 @@ from safetensors.torch import load_file, save_file
 from scheduler_helpers import write_checkpoint
 
 from meshlm.scheduler.engine.kv_cache import (
+    MAX_DECODE_GROUPS,
     KVCache,
     PagedAttention,
     StepItem,
     build_attention_meta,
     decode_groups,
 )
+from meshlm.scheduler.kernels import native
+from meshlm.scheduler.kernels.native import DecodeAttention
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.llama import LlamaForCausalLM, rope_inv_freq
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
@@ -116,24 +119,32 @@ def test_llama3_rope_scaling_is_identity_at_factor_one() -> None:
 
 def _packed_step(model: LlamaForCausalLM, cache: KVCache, windows: list[int | None],
                  items: list[tuple[list[int], list[int], int, int]],
-                 group_cost: int = 16) -> torch.Tensor:
+                 group_cost: int = 16, kernel: DecodeAttention | None = None) -> torch.Tensor:
     """One packed forward over (tokens, block table, start, n) items -> logits [T, V]."""
     ids = [t for tokens, _, start, n in items for t in tokens[start : start + n]]
     pos = [p for _, _, start, n in items for p in range(start, start + n)]
     meta = build_attention_meta([StepItem(table, start, n) for _, table, start, n in items],
-                                cache.block_size, "cpu", group_cost)
-    hidden = model(torch.tensor([ids]), torch.tensor([pos]), PagedAttention(cache, meta, windows))
+                                cache.block_size, "cpu", group_cost,
+                                max_groups=1 if kernel else MAX_DECODE_GROUPS)
+    attention = PagedAttention(cache, meta, windows, kernel)
+    hidden = model(torch.tensor([ids]), torch.tensor([pos]), attention)
     return model.compute_logits(hidden[0])
 
 
-@pytest.mark.parametrize(("window", "group_cost"), [(None, 16), (6, 16), (None, 0), (6, 0)])
+@pytest.mark.parametrize(("window", "group_cost", "backend"), [
+    (None, 16, "torch"), (6, 16, "torch"), (None, 0, "torch"), (6, 0, "torch"),
+    (None, 16, "native"), (6, 16, "native"),
+])
 @torch.inference_mode()
 def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: int | None,
-                                                     group_cost: int) -> None:
+                                                     group_cost: int, backend: str) -> None:
     """Prompts computed in chunks (one from position 0, one after a cached context), mixed
     with single-token decodes in one packed step, through scattered block tables ==
-    full recompute; also with a sliding window shorter than the sequences, and with the
-    decodes in one padded group or (group cost 0) a group each."""
+    full recompute; also with a sliding window shorter than the sequences, with the
+    decodes in one padded group or (group cost 0) a group each, and with the decodes read
+    in place by the native kernel."""
+    kernel = native.load() if backend == "native" else None
+    assert not isinstance(kernel, native.BuildError), kernel
     model, cfg = load_model(gqa_model)
     cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     windows = [window] * cfg.num_layers
@@ -144,8 +155,10 @@ def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: in
     a = [5, 9, 13, 200, 7, 8, 100, 31, 77, 12, 3]
     b = [44, 3, 18, 90, 91, 92, 17]
     ta, tb = [9, 2, 14, 3], [0, 11, 5, 6]  # scattered blocks
-    logits = _packed_step(model, cache, windows, [(a, ta, 0, 5), (b, tb, 0, 1)])
-    logits = _packed_step(model, cache, windows, [(a, ta, 5, 6), (b, tb, 1, 6)])
+    logits = _packed_step(model, cache, windows, [(a, ta, 0, 5), (b, tb, 0, 1)],
+                          group_cost, kernel)
+    logits = _packed_step(model, cache, windows, [(a, ta, 5, 6), (b, tb, 1, 6)],
+                          group_cost, kernel)
     full_a = model.forward_full(torch.tensor([a]))[0]
     full_b = model.forward_full(torch.tensor([b]))[0]
     assert torch.allclose(logits[:6], full_a[5:], atol=1e-4)
@@ -154,7 +167,8 @@ def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: in
         a.append(len(a) * 7 % 500)
         b.append(len(b) * 11 % 500)
         step = _packed_step(model, cache, windows,
-                            [(a, ta, len(a) - 1, 1), (b, tb, len(b) - 1, 1)], group_cost)
+                            [(a, ta, len(a) - 1, 1), (b, tb, len(b) - 1, 1)], group_cost,
+                            kernel)
         assert torch.allclose(step[0], model.forward_full(torch.tensor([a]))[0, -1], atol=1e-4)
         assert torch.allclose(step[1], model.forward_full(torch.tensor([b]))[0, -1], atol=1e-4)
 

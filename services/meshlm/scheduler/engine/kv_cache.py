@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from meshlm.scheduler.kernels.native import DecodeAttention
+
 
 class KVCache:
     """Preallocated K and V for `num_blocks` blocks of `block_size` tokens."""
@@ -104,8 +106,10 @@ MAX_DECODE_GROUPS = 4
 
 
 def build_attention_meta(items: list[StepItem], block_size: int, device: torch.device | str,
-                         group_cost: int = GROUP_COST_BLOCKS) -> AttentionMeta:
-    """The packed step's slots, decode groups and chunk spans, items in packing order."""
+                         group_cost: int = GROUP_COST_BLOCKS,
+                         max_groups: int = MAX_DECODE_GROUPS) -> AttentionMeta:
+    """The packed step's slots, decode groups (at most `max_groups`) and chunk spans, items in
+    packing order."""
     bs = block_size
     slots: list[int] = []
     decodes: list[tuple[int, list[int], int]] = []  # (packed row, table, position)
@@ -121,7 +125,7 @@ def build_attention_meta(items: list[StepItem], block_size: int, device: torch.d
             chunks.append(ChunkSpan(a, len(slots), item.start, table))
     decodes.sort(key=lambda d: len(d[1]))
     groups = []
-    for lo, hi in decode_groups([len(d[1]) for d in decodes], group_cost):
+    for lo, hi in decode_groups([len(d[1]) for d in decodes], group_cost, max_groups):
         members = decodes[lo:hi]
         width = len(members[-1][1])
         groups.append(DecodeGroup(
@@ -164,11 +168,17 @@ class PagedAttention:
     position p sees keys at positions (p - window, p].
     """
 
-    def __init__(self, cache: KVCache, meta: AttentionMeta, windows: list[int | None]) -> None:
+    def __init__(self, cache: KVCache, meta: AttentionMeta, windows: list[int | None],
+                 decode_kernel: DecodeAttention | None = None) -> None:
         self.cache = cache
         self.meta = meta
         self.windows = windows
         self._decode_bias: dict[tuple[int, int | None], Tensor] = {}
+        # The native kernel reads the blocks in place: decode rows need no gather (and come
+        # as one group, `build_attention_meta(max_groups=1)`).
+        self.decode_kernel = decode_kernel if meta.decodes else None
+        self._spans: dict[int | None, tuple[Tensor, Tensor]] = {}
+        self._scratch: Tensor | None = None
         # Rows of the 2-D cache view each decode group / chunk reads: the same for K and V and
         # for every layer, so computed once per step.
         self._group_rows = [_cache_rows(cache.k[0], g.tables) for g in meta.decodes]
@@ -182,7 +192,9 @@ class PagedAttention:
         vc.view(hkv, -1, d).index_copy_(1, slots, v[0])
         window = self.windows[layer]
         out = torch.empty_like(q)
-        for i, group in enumerate(self.meta.decodes):
+        if self.decode_kernel is not None:
+            self._decode_in_place(q[0], out[0], kc, vc, window)
+        for i, group in enumerate(self.meta.decodes if self.decode_kernel is None else ()):
             rows, shape = self._group_rows[i], group.tables.shape
             keys, values = _gather(kc, rows, shape), _gather(vc, rows, shape)
             qd = q[0].index_select(1, group.rows)  # [Hq, B, D]
@@ -206,6 +218,24 @@ class PagedAttention:
                                                    enable_gqa=True)
             out[:, :, a:b] = o
         return out
+
+    def _decode_in_place(self, q: Tensor, out: Tensor, kc: Tensor, vc: Tensor,
+                         window: int | None) -> None:
+        """Every decode row at once through the native kernel: q and out [Hq, T, D]."""
+        assert self.decode_kernel is not None
+        group = self.meta.decodes[0]
+        span = self._spans.get(window)
+        if span is None:
+            last = group.positions + 1
+            first = (last - window).clamp_(min=0) if window is not None else torch.zeros_like(last)
+            span = self._spans[window] = (first, last)
+        if self._scratch is None:
+            size = self.decode_kernel.scratch_size(q.shape[0], kc.shape[0],
+                                                   group.tables.shape[1] * kc.shape[2])
+            self._scratch = torch.empty(size, dtype=torch.float32)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        self.decode_kernel(q, out, group.rows, group.tables, *span, kc, vc, self._scratch)
 
     def _bias(self, index: int, window: int | None, length: int) -> Tensor:
         """Decode group `index`'s additive mask [B, 1, L], built once per step and window."""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from meshlm.scheduler.engine.kv_cache import (
+    MAX_DECODE_GROUPS,
     AttentionMeta,
     KVCache,
     PagedAttention,
@@ -23,6 +24,7 @@ from meshlm.scheduler.engine.kv_cache import (
 from meshlm.scheduler.engine.logprobs import chosen_and_top, log_softmax, of_token_ids, top
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
 from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, Sequence
+from meshlm.scheduler.kernels.native import DecodeAttention
 from meshlm.scheduler.models.llama import LlamaForCausalLM
 
 
@@ -37,10 +39,12 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
+        decode_kernel: DecodeAttention | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
         self.device = device
+        self.decode_kernel = decode_kernel  # None: decode attention in torch ops
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
@@ -58,7 +62,7 @@ class ModelRunner:
     def run(self, plan: Plan) -> list[ItemResult]:
         items = plan.items
         input_ids, positions, meta = self._prepare(items)
-        attention = PagedAttention(self.kv, meta, self.windows)
+        attention = PagedAttention(self.kv, meta, self.windows, self.decode_kernel)
         hidden = self.model(input_ids[None], positions[None], attention)[0]  # [T, H]
         results = [ItemResult() for _ in items]
         self._reset_rows([item for item in items if item.reset_row])
@@ -118,6 +122,7 @@ class ModelRunner:
         meta = build_attention_meta(
             [StepItem(item.seq.table.blocks, item.start, item.num_tokens) for item in items],
             self.block_size, self.device,
+            max_groups=1 if self.decode_kernel else MAX_DECODE_GROUPS,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)

@@ -178,6 +178,12 @@ def test_streams_over_grpc_and_http_through_published_ports(stack: Stack) -> Non
     body = reply.json()
     assert body["object"] == "chat.completion" and body["usage"]["completion_tokens"] > 0
 
+    # The image's build stage compiled the C decode-attention kernel; the image has no
+    # compiler, and the scheduler serves with the kernel.
+    logs = stack.compose("logs", "--no-log-prefix", "scheduler").stdout.splitlines()
+    ready = [json.loads(line[line.index("{"):]) for line in logs if '"engine_ready"' in line]
+    assert ready and ready[-1]["attention_backend"] == "native", logs[-20:]
+
 
 def _added(stack: Stack, role: str) -> set[str]:
     """The `role` replicas' IPs the gateway added (its dependency_added log lines)."""

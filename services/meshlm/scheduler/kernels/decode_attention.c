@@ -13,7 +13,8 @@
  * scratch holds scratch_per_thread floats per OpenMP thread: at least
  * (num_heads / num_kv_heads) * max(last - first); a group of at most MAX_GROUP query heads.
  *
- * Built by kernels/native.py; one clone per instruction set, picked at load time. */
+ * Built by kernels/native.py; on x86-64 one clone per instruction set, picked at load
+ * time. */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
@@ -21,7 +22,13 @@
 
 #define MAX_GROUP 64
 
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#if defined(__x86_64__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define CLONES
+#endif
+
+CLONES
 void meshlm_decode_attention_f32(
     const float *q, int64_t q_head_stride, int64_t q_row_stride,
     float *out, int64_t out_head_stride, int64_t out_row_stride,

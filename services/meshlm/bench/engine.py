@@ -201,21 +201,25 @@ def run_mesh(model_path: str, requests: Sequence[BenchRequest], warmup: BenchReq
             result = asyncio.run(run_http(
                 "meshlm mesh, HTTP /generate",
                 lambda c, r: meshlm_stream(c, base, r), requests, warmup, concurrency))
-            result.notes += engine_threads_said(mesh.log_path("scheduler"))
+            result.notes += engine_choices_said(mesh.log_path("scheduler"))
             return result
 
 
-def engine_threads_said(scheduler_log: Path) -> list[str]:
-    """What the scheduler's start-up line says it chose for its engine's threads."""
+def engine_choices_said(scheduler_log: Path) -> list[str]:
+    """What the scheduler's start-up lines say it chose: its decode attention backend
+    (`engine_ready`) and its engine's threads (`engine_threads`)."""
     import json
 
+    said = []
     for line in scheduler_log.read_text(errors="replace").splitlines():
-        if '"engine_threads"' in line:
+        if '"engine_ready"' in line:
+            said.append(f"decode attention: {json.loads(line)['attention_backend']}")
+        elif '"engine_threads"' in line:
             e = json.loads(line)
-            return [f"the engine chose {e['threads']} threads on {e['cores']:g} cores: "
-                    f"{e['engine_us_per_token']} us of engine CPU per output token against "
-                    f"{e['mesh_us_per_token']} for the rest of the mesh"]
-    return []
+            said.append(f"the engine chose {e['threads']} threads on {e['cores']:g} cores: "
+                        f"{e['engine_us_per_token']} us of engine CPU per output token "
+                        f"against {e['mesh_us_per_token']} for the rest of the mesh")
+    return said
 
 
 def run_transformers_serve(model_path: str, requests: Sequence[BenchRequest],

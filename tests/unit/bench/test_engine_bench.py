@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+from pathlib import Path
 
 import pytest
 
 from meshlm.bench import serving
 from meshlm.bench import workload as wl
-from meshlm.bench.engine import Result, report_http, report_inprocess
+from meshlm.bench.engine import Result, engine_choices_said, report_http, report_inprocess
 
 
 def encode(text: str) -> list[int]:
@@ -138,3 +139,20 @@ def test_sse_data_lines() -> None:
     assert serving._data(": keep-alive") is None and serving._data("") is None
     with pytest.raises(serving.StreamError, match="boom"):
         serving._data('data: {"error": {"message": "boom"}}')
+
+
+def test_the_schedulers_start_up_choices_become_notes(tmp_path: Path) -> None:
+    log = tmp_path / "scheduler.log"
+    log.write_text("\n".join([
+        '{"event": "engine_ready", "attention_backend": "native", "threads": 1}',
+        'not json: an interleaved line',
+        '{"event": "engine_threads", "threads": 2, "cores": 2.0, '
+        '"engine_us_per_token": 998, "mesh_us_per_token": 250}',
+    ]))
+    assert engine_choices_said(log) == [
+        "decode attention: native",
+        "the engine chose 2 threads on 2 cores: 998 us of engine CPU per output token "
+        "against 250 for the rest of the mesh",
+    ]
+    log.write_text("")
+    assert engine_choices_said(log) == []

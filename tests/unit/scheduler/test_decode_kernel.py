@@ -20,15 +20,17 @@ def _kernel() -> native.DecodeAttention:
     return kernel
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(4, 4, None), (8, 2, None),
-                                                           (8, 4, 5), (6, 1, 40)])
+@pytest.mark.parametrize(("heads", "kv_heads", "window", "d"), [
+    (4, 4, None, 16), (8, 2, None, 64), (8, 4, 5, 128), (6, 1, 40, 16), (4, 2, 7, 64),
+])
 def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
-                                                     window: int | None) -> None:
+                                                     window: int | None, d: int) -> None:
     """Rows of different lengths, scattered and shared blocks, queries taken out of order
     from a packed step whose head and row strides are not contiguous ones, and a sliding
-    window: the same output as the gather and two matmuls."""
+    window: the same output as the gather and two matmuls; head sizes the kernel unrolls
+    (64, 128) and one it does not."""
     torch.manual_seed(0)
-    d, bs, blocks, rows = 16, 4, 32, 5
+    bs, blocks, rows = 4, 32, 5
     k_cache = torch.randn(kv_heads, blocks, bs, d)
     v_cache = torch.randn(kv_heads, blocks, bs, d)
     positions = torch.tensor([0, 3, 17, 9, 30])

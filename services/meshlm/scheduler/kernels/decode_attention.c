@@ -28,6 +28,68 @@
 #define CLONES
 #endif
 
+/* One query row's attention for one KV head: its `group` query heads over positions
+ * [lo, lo + n), walked block by block (no division per key). `D` is a constant where the
+ * caller inlines it with one (64, 128), so the loops over a head unroll into registers. */
+static inline __attribute__((always_inline)) void attend_row(
+    const float *const *qs, float *const *os, int64_t group, const float *keys,
+    const float *values, const int64_t *table, int64_t lo, int64_t n, int64_t block_size,
+    const int64_t D, float scale, float *scores)
+{
+    const int64_t end = lo + n;
+    for (int64_t j = 0; j < group; j++) {
+        const float *qv = qs[j];
+        float *sj = scores + j * n;
+        for (int64_t p = lo; p < end;) {
+            const int64_t off = p % block_size;
+            const int64_t stop = (end - p < block_size - off) ? end : p + (block_size - off);
+            const float *k = keys + (table[p / block_size] * block_size + off) * D;
+            for (; p + 4 <= stop; p += 4, k += 4 * D) {
+                float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+                #pragma omp simd reduction(+:s0, s1, s2, s3)
+                for (int64_t i = 0; i < D; i++) {
+                    s0 += qv[i] * k[i];
+                    s1 += qv[i] * k[D + i];
+                    s2 += qv[i] * k[2 * D + i];
+                    s3 += qv[i] * k[3 * D + i];
+                }
+                float *sp = sj + (p - lo);
+                sp[0] = s0 * scale; sp[1] = s1 * scale; sp[2] = s2 * scale; sp[3] = s3 * scale;
+            }
+            for (; p < stop; p++, k += D) {
+                float s0 = 0.f;
+                #pragma omp simd reduction(+:s0)
+                for (int64_t i = 0; i < D; i++) s0 += qv[i] * k[i];
+                sj[p - lo] = s0 * scale;
+            }
+        }
+        float m = -FLT_MAX;
+        for (int64_t t = 0; t < n; t++) m = sj[t] > m ? sj[t] : m;
+        float total = 0.f;
+        #pragma omp simd reduction(+:total)
+        for (int64_t t = 0; t < n; t++) {
+            const float e = expf(sj[t] - m);
+            sj[t] = e;
+            total += e;
+        }
+        float acc[D];
+        for (int64_t i = 0; i < D; i++) acc[i] = 0.f;
+        for (int64_t p = lo; p < end;) {
+            const int64_t off = p % block_size;
+            const int64_t stop = (end - p < block_size - off) ? end : p + (block_size - off);
+            const float *v = values + (table[p / block_size] * block_size + off) * D;
+            for (; p < stop; p++, v += D) {
+                const float w = sj[p - lo];
+                #pragma omp simd
+                for (int64_t i = 0; i < D; i++) acc[i] += w * v[i];
+            }
+        }
+        const float inv = 1.f / total;
+        float *o = os[j];
+        for (int64_t i = 0; i < D; i++) o[i] = acc[i] * inv;
+    }
+}
+
 CLONES
 void meshlm_decode_attention_f32(
     const float *q, int64_t q_head_stride, int64_t q_row_stride,
@@ -43,60 +105,29 @@ void meshlm_decode_attention_f32(
     #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int64_t h = 0; h < num_kv_heads; h++) {
         for (int64_t r = 0; r < num_rows; r++) {
-            const int64_t lo = first[r], n = last[r] - first[r];
-            const int64_t *table = tables + r * table_width;
-            const float *keys = k_cache + h * head_size;
-            const float *values = v_cache + h * head_size;
-            float *scores = scratch + omp_get_thread_num() * scratch_per_thread;
-            float maxs[MAX_GROUP], sums[MAX_GROUP];
             const float *qs[MAX_GROUP];
             float *os[MAX_GROUP];
             for (int64_t j = 0; j < group; j++) {
                 qs[j] = q + (h * group + j) * q_head_stride + rows[r] * q_row_stride;
                 os[j] = out + (h * group + j) * out_head_stride + rows[r] * out_row_stride;
-                maxs[j] = -FLT_MAX;
             }
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t p = lo + t;
-                const float *k = keys + (table[p / block_size] * block_size + p % block_size)
-                                 * head_dim;
-                for (int64_t j = 0; j < group; j++) {
-                    const float *qv = qs[j];
-                    float s = 0.f;
-                    #pragma omp simd reduction(+:s)
-                    for (int64_t i = 0; i < head_dim; i++) s += qv[i] * k[i];
-                    s *= scale;
-                    scores[j * n + t] = s;
-                    if (s > maxs[j]) maxs[j] = s;
-                }
-            }
-            for (int64_t j = 0; j < group; j++) {
-                float *sj = scores + j * n;
-                const float m = maxs[j];
-                float total = 0.f;
-                #pragma omp simd reduction(+:total)
-                for (int64_t t = 0; t < n; t++) {
-                    const float e = expf(sj[t] - m);
-                    sj[t] = e;
-                    total += e;
-                }
-                sums[j] = total;
-                for (int64_t i = 0; i < head_dim; i++) os[j][i] = 0.f;
-            }
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t p = lo + t;
-                const float *v = values + (table[p / block_size] * block_size + p % block_size)
-                                 * head_dim;
-                for (int64_t j = 0; j < group; j++) {
-                    float *o = os[j];
-                    const float w = scores[j * n + t];
-                    #pragma omp simd
-                    for (int64_t i = 0; i < head_dim; i++) o[i] += w * v[i];
-                }
-            }
-            for (int64_t j = 0; j < group; j++) {
-                const float inv = 1.f / sums[j];
-                for (int64_t i = 0; i < head_dim; i++) os[j][i] *= inv;
+            const float *keys = k_cache + h * head_size;
+            const float *values = v_cache + h * head_size;
+            const int64_t *table = tables + r * table_width;
+            const int64_t lo = first[r], n = last[r] - first[r];
+            float *scores = scratch + omp_get_thread_num() * scratch_per_thread;
+            switch (head_dim) {
+            case 64:
+                attend_row(qs, os, group, keys, values, table, lo, n, block_size, 64, scale,
+                           scores);
+                break;
+            case 128:
+                attend_row(qs, os, group, keys, values, table, lo, n, block_size, 128, scale,
+                           scores);
+                break;
+            default:
+                attend_row(qs, os, group, keys, values, table, lo, n, block_size, head_dim,
+                           scale, scores);
             }
         }
     }

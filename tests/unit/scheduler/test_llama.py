@@ -20,8 +20,10 @@ from meshlm.scheduler.engine.kv_cache import (
     decode_groups,
 )
 from meshlm.scheduler.kernels import native
-from meshlm.scheduler.kernels.native import DecodeAttention
+from meshlm.scheduler.kernels.native import Kernels
+from meshlm.scheduler.models import llama_fused
 from meshlm.scheduler.models.config import ModelConfig
+from meshlm.scheduler.models.cpu_linear import pack_linears
 from meshlm.scheduler.models.llama import LlamaForCausalLM, rope_inv_freq
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
 
@@ -119,21 +121,30 @@ def test_llama3_rope_scaling_is_identity_at_factor_one() -> None:
 
 def _packed_step(model: LlamaForCausalLM, cache: KVCache, windows: list[int | None],
                  items: list[tuple[list[int], list[int], int, int]],
-                 group_cost: int = 16, kernel: DecodeAttention | None = None) -> torch.Tensor:
-    """One packed forward over (tokens, block table, start, n) items -> logits [T, V]."""
+                 group_cost: int = 16, kernel: Kernels | None = None,
+                 fused: bool = False) -> torch.Tensor:
+    """One packed forward over (tokens, block table, start, n) items -> logits [T, V]; with
+    `fused`, through `llama_fused.fused_forward` and `kernel`."""
     ids = [t for tokens, _, start, n in items for t in tokens[start : start + n]]
     pos = [p for _, _, start, n in items for p in range(start, start + n)]
     meta = build_attention_meta([StepItem(table, start, n) for _, table, start, n in items],
                                 cache.block_size, "cpu", group_cost,
                                 max_groups=1 if kernel else MAX_DECODE_GROUPS)
     attention = PagedAttention(cache, meta, windows, kernel)
+    if fused:
+        assert kernel is not None
+        fused_model = llama_fused.fuse(model)
+        assert fused_model is not None
+        hidden = llama_fused.fused_forward(fused_model, kernel, torch.tensor(ids),
+                                           torch.tensor(pos), attention)
+        return model.compute_logits(hidden)
     hidden = model(torch.tensor([ids]), torch.tensor([pos]), attention)
     return model.compute_logits(hidden[0])
 
 
 @pytest.mark.parametrize(("window", "group_cost", "backend"), [
     (None, 16, "torch"), (6, 16, "torch"), (None, 0, "torch"), (6, 0, "torch"),
-    (None, 16, "native"), (6, 16, "native"),
+    (None, 16, "native"), (6, 16, "native"), (None, 16, "fused"), (6, 16, "fused"),
 ])
 @torch.inference_mode()
 def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: int | None,
@@ -141,11 +152,16 @@ def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: in
     """Prompts computed in chunks (one from position 0, one after a cached context), mixed
     with single-token decodes in one packed step, through scattered block tables ==
     full recompute; also with a sliding window shorter than the sequences, with the
-    decodes in one padded group or (group cost 0) a group each, and with the decodes read
-    in place by the native kernel."""
-    kernel = native.load() if backend == "native" else None
+    decodes in one padded group or (group cost 0) a group each, with the decodes read in
+    place by the native kernel, and with the whole forward through the C kernels (its steps
+    of 2 decodes padded to the packed linears' smallest row bucket, 6)."""
+    kernel = native.load() if backend != "torch" else None
     assert not isinstance(kernel, native.BuildError), kernel
     model, cfg = load_model(gqa_model)
+    fused = backend == "fused"
+    if fused:
+        assert llama_fused.fuse(model) is None  # not packed yet
+        pack_linears(model)
     cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
     windows = [window] * cfg.num_layers
     if window is not None:  # the reference applies the same window
@@ -156,9 +172,9 @@ def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: in
     b = [44, 3, 18, 90, 91, 92, 17]
     ta, tb = [9, 2, 14, 3], [0, 11, 5, 6]  # scattered blocks
     logits = _packed_step(model, cache, windows, [(a, ta, 0, 5), (b, tb, 0, 1)],
-                          group_cost, kernel)
+                          group_cost, kernel, fused)
     logits = _packed_step(model, cache, windows, [(a, ta, 5, 6), (b, tb, 1, 6)],
-                          group_cost, kernel)
+                          group_cost, kernel, fused)
     full_a = model.forward_full(torch.tensor([a]))[0]
     full_b = model.forward_full(torch.tensor([b]))[0]
     assert torch.allclose(logits[:6], full_a[5:], atol=1e-4)
@@ -168,7 +184,7 @@ def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: in
         b.append(len(b) * 11 % 500)
         step = _packed_step(model, cache, windows,
                             [(a, ta, len(a) - 1, 1), (b, tb, len(b) - 1, 1)], group_cost,
-                            kernel)
+                            kernel, fused)
         assert torch.allclose(step[0], model.forward_full(torch.tensor([a]))[0, -1], atol=1e-4)
         assert torch.allclose(step[1], model.forward_full(torch.tensor([b]))[0, -1], atol=1e-4)
 

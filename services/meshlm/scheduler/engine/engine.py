@@ -65,7 +65,7 @@ class EngineConfig:
     mem_fraction: float = 0.85  # CUDA: share of device memory for weights + KV cache
     enable_prefix_cache: bool = True
     packed_cpu_linears: bool = True  # CPU: decoder projections prepacked for oneDNN
-    attention_backend: str = "auto"  # decode attention: native (C kernel), torch, auto
+    attention_backend: str = "auto"  # native (meshlm's C kernels), torch, auto
 
 
 # CPU, auto budget: room for max_running full-length sequences, but at most this much.
@@ -75,31 +75,31 @@ CPU_KV_BYTES_CAP = 2 * 2**30
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
-def decode_kernel(backend: str, mc: ModelConfig, dtype: torch.dtype,
-                  device: torch.device) -> native.DecodeAttention | None:
-    """The decode attention kernel `backend` asks for: native (meshlm's C kernel, built on
-    first use: CPU, float32), torch (torch ops, any device), or auto (native where it serves
-    the model and builds, else torch; the reason is logged)."""
+def cpu_kernels(backend: str, mc: ModelConfig, dtype: torch.dtype,
+                device: torch.device) -> native.Kernels | None:
+    """The kernels `backend` asks for: native (meshlm's C kernels, built on first use: CPU,
+    float32), torch (torch ops, any device), or auto (native where they serve the model and
+    build, else torch; the reason is logged)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if backend == "torch":
         return None
     if not native.supports(mc.num_heads, mc.num_kv_heads, dtype, device):
-        why = (f"the native kernel serves float32 on the CPU with at most "
+        why = (f"the native kernels serve float32 on the CPU with at most "
                f"{native.MAX_GROUP} query heads per KV head, not {dtype} on {device} with "
                f"{mc.num_heads}/{mc.num_kv_heads}")
         if backend == "native":
             raise ValueError(f"attention backend native: {why}")
         log.info("attention_backend_torch", reason=why)
         return None
-    kernel = native.load()
-    if isinstance(kernel, native.BuildError):
+    kernels = native.load()
+    if isinstance(kernels, native.BuildError):
         if backend == "native":
-            raise ValueError(f"attention backend native: {kernel}")
-        log.warning("attention_backend_torch", reason=str(kernel))
+            raise ValueError(f"attention backend native: {kernels}")
+        log.warning("attention_backend_torch", reason=str(kernels))
         return None
-    return kernel
+    return kernels
 
 
 def resolve_device(name: str) -> torch.device:
@@ -152,11 +152,11 @@ class Engine:
             prefix_cache=config.enable_prefix_cache,
             can_generate=mc.has_lm_head,
         )
-        kernel = decode_kernel(config.attention_backend, mc, dtype, dev)
-        self.attention_backend = "torch" if kernel is None else "native"
+        kernels = cpu_kernels(config.attention_backend, mc, dtype, dev)
+        self.attention_backend = "torch" if kernels is None else "native"
         self.runner = ModelRunner(
             self.model, config.max_running, num_blocks, config.block_size,
-            tuple(sorted(self.eos_token_ids)), dev, kernel,
+            tuple(sorted(self.eos_token_ids)), dev, kernels,
         )
         log.info(
             "engine_ready", model_path=config.model_path, device=self.device, dtype=self.dtype,
@@ -164,7 +164,8 @@ class Engine:
             max_batched_tokens=config.max_batched_tokens, block_size=config.block_size,
             kv_blocks=num_blocks, kv_cache_gib=round(self.runner.kv.nbytes / 2**30, 3),
             threads=torch.get_num_threads(), packed_linears=packed,
-            attention_backend=self.attention_backend, retained_memory=self.retained_memory,
+            attention_backend=self.attention_backend, fused_layers=self.runner.fused is not None,
+            retained_memory=self.retained_memory,
         )
 
     def _num_blocks(self, block_bytes: int, dev: torch.device) -> int:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from meshlm.scheduler.kernels.native import DecodeAttention
+from meshlm.scheduler.kernels.native import Kernels
 
 
 class KVCache:
@@ -169,32 +169,43 @@ class PagedAttention:
     """
 
     def __init__(self, cache: KVCache, meta: AttentionMeta, windows: list[int | None],
-                 decode_kernel: DecodeAttention | None = None) -> None:
+                 kernels: Kernels | None = None) -> None:
         self.cache = cache
         self.meta = meta
         self.windows = windows
         self._decode_bias: dict[tuple[int, int | None], Tensor] = {}
-        # The native kernel reads the blocks in place: decode rows need no gather (and come
-        # as one group, `build_attention_meta(max_groups=1)`).
-        self.decode_kernel = decode_kernel if meta.decodes else None
+        # meshlm's C kernels write the keys and values, and the decode rows' attention reads
+        # the blocks in place: no gather (the decodes come as one group,
+        # `build_attention_meta(max_groups=1)`).
+        self.kernels = kernels
         self._spans: dict[int | None, tuple[Tensor, Tensor]] = {}
         self._scratch: Tensor | None = None
         # Rows of the 2-D cache view each decode group / chunk reads: the same for K and V and
         # for every layer, so computed once per step.
-        self._group_rows = [_cache_rows(cache.k[0], g.tables) for g in meta.decodes]
+        self._group_rows = [] if kernels else [_cache_rows(cache.k[0], g.tables)
+                                               for g in meta.decodes]
         self._chunk_rows = [_cache_rows(cache.k[0], c.table[None]) for c in meta.chunks]
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+               out: Tensor | None = None) -> Tensor:
+        """Writes k and v into the cache, then attends. The output is `out` where given
+        ([1, Hq, T, D], any strides with D contiguous), else a new one laid out token-major
+        ([1, T, Hq, D] transposed), so that the o projection's reshape is a view."""
         kc, vc = self.cache.k[layer], self.cache.v[layer]  # [Hkv, NB, bs, D]
         hkv, _, _, d = kc.shape
         slots = self.meta.slot_mapping
-        kc.view(hkv, -1, d).index_copy_(1, slots, k[0])
-        vc.view(hkv, -1, d).index_copy_(1, slots, v[0])
+        if self.kernels is not None:
+            self.kernels.store_kv(k[0], v[0], slots, kc, vc)
+        else:
+            kc.view(hkv, -1, d).index_copy_(1, slots, k[0])
+            vc.view(hkv, -1, d).index_copy_(1, slots, v[0])
         window = self.windows[layer]
-        out = torch.empty_like(q)
-        if self.decode_kernel is not None:
+        if out is None:
+            b, hq, t, _ = q.shape
+            out = q.new_empty(b, t, hq, d).transpose(1, 2)
+        if self.kernels is not None and self.meta.decodes:
             self._decode_in_place(q[0], out[0], kc, vc, window)
-        for i, group in enumerate(self.meta.decodes if self.decode_kernel is None else ()):
+        for i, group in enumerate(self.meta.decodes if self.kernels is None else ()):
             rows, shape = self._group_rows[i], group.tables.shape
             keys, values = _gather(kc, rows, shape), _gather(vc, rows, shape)
             qd = q[0].index_select(1, group.rows)  # [Hq, B, D]
@@ -222,7 +233,7 @@ class PagedAttention:
     def _decode_in_place(self, q: Tensor, out: Tensor, kc: Tensor, vc: Tensor,
                          window: int | None) -> None:
         """Every decode row at once through the native kernel: q and out [Hq, T, D]."""
-        assert self.decode_kernel is not None
+        assert self.kernels is not None
         group = self.meta.decodes[0]
         span = self._spans.get(window)
         if span is None:
@@ -230,12 +241,13 @@ class PagedAttention:
             first = (last - window).clamp_(min=0) if window is not None else torch.zeros_like(last)
             span = self._spans[window] = (first, last)
         if self._scratch is None:
-            size = self.decode_kernel.scratch_size(q.shape[0], kc.shape[0],
-                                                   group.tables.shape[1] * kc.shape[2])
+            size = self.kernels.scratch_size(q.shape[0], kc.shape[0],
+                                             group.tables.shape[1] * kc.shape[2])
             self._scratch = torch.empty(size, dtype=torch.float32)
         if q.stride(-1) != 1:
             q = q.contiguous()
-        self.decode_kernel(q, out, group.rows, group.tables, *span, kc, vc, self._scratch)
+        self.kernels.decode_attention(q, out, group.rows, group.tables, *span, kc, vc,
+                                      self._scratch)
 
     def _bias(self, index: int, window: int | None, length: int) -> Tensor:
         """Decode group `index`'s additive mask [B, 1, L], built once per step and window."""

@@ -24,7 +24,8 @@ from meshlm.scheduler.engine.kv_cache import (
 from meshlm.scheduler.engine.logprobs import chosen_and_top, log_softmax, of_token_ids, top
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
 from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, Sequence
-from meshlm.scheduler.kernels.native import DecodeAttention
+from meshlm.scheduler.kernels.native import Kernels
+from meshlm.scheduler.models import llama_fused
 from meshlm.scheduler.models.llama import LlamaForCausalLM
 
 
@@ -39,12 +40,14 @@ class ModelRunner:
         block_size: int,
         eos_token_ids: tuple[int, ...],
         device: torch.device,
-        decode_kernel: DecodeAttention | None = None,
+        kernels: Kernels | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
         self.device = device
-        self.decode_kernel = decode_kernel  # None: decode attention in torch ops
+        self.kernels = kernels  # None: attention and the layers' other work in torch ops
+        # The whole forward through the kernels, where the model's projections were packed.
+        self.fused = llama_fused.fuse(model) if kernels is not None else None
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
@@ -62,8 +65,13 @@ class ModelRunner:
     def run(self, plan: Plan) -> list[ItemResult]:
         items = plan.items
         input_ids, positions, meta = self._prepare(items)
-        attention = PagedAttention(self.kv, meta, self.windows, self.decode_kernel)
-        hidden = self.model(input_ids[None], positions[None], attention)[0]  # [T, H]
+        attention = PagedAttention(self.kv, meta, self.windows, self.kernels)
+        if self.fused is not None:
+            assert self.kernels is not None
+            hidden = llama_fused.fused_forward(self.fused, self.kernels, input_ids, positions,
+                                               attention)
+        else:
+            hidden = self.model(input_ids[None], positions[None], attention)[0]  # [T, H]
         results = [ItemResult() for _ in items]
         self._reset_rows([item for item in items if item.reset_row])
         # Rows whose logits are needed: the last token of each item that draws one, then of
@@ -122,7 +130,7 @@ class ModelRunner:
         meta = build_attention_meta(
             [StepItem(item.seq.table.blocks, item.start, item.num_tokens) for item in items],
             self.block_size, self.device,
-            max_groups=1 if self.decode_kernel else MAX_DECODE_GROUPS,
+            max_groups=1 if self.kernels else MAX_DECODE_GROUPS,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)

@@ -1,15 +1,16 @@
-"""meshlm's own CPU kernels, in C (`decode_attention.c`): compiled with the machine's C
-compiler the first time a scheduler needs them, kept under the cache directory
-(`$MESHLM_CACHE_DIR/kernels/`, one file per source and flags), loaded with ctypes. The
-library carries a clone of each function per instruction set (AVX-512, AVX2, baseline), chosen
-when it loads, so one built elsewhere (an image's build stage) runs on any x86-64 CPU.
+"""meshlm's own CPU kernels, in C (`decode_attention.c`, `layer_ops.c`): compiled into one
+library with the machine's C compiler the first time a scheduler needs them, kept under the
+cache directory (`$MESHLM_CACHE_DIR/kernels/`, one file per sources and flags), loaded with
+ctypes. The library carries a clone of each function per instruction set (AVX-512, AVX2,
+baseline), chosen when it loads, so one built elsewhere (an image's build stage) runs on any
+x86-64 CPU.
 
 The library links OpenMP by its usual name (libgomp.so.1), which resolves to the runtime
 torch has already loaded: its threads are torch's own, and `threads` is torch's count. A
 ctypes call releases the GIL for as long as the kernel runs.
 
-`load()` returns None, with the reason, where no compiler is found or the build fails; the
-engine then keeps its torch attention (`--attention-backend auto`).
+`load()` returns the reason (a BuildError) where no compiler is found or the build fails;
+the engine then keeps its torch ops (`--attention-backend auto`).
 """
 
 from __future__ import annotations
@@ -31,14 +32,21 @@ from torch import Tensor
 
 from meshlm.common.default_model import default_cache_dir
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c",
+                                                             "layer_ops.c"))
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT = 120.0
 MAX_GROUP = 64  # query heads per KV head the kernel holds (decode_attention.c MAX_GROUP)
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-_ARGTYPES: list[Any] = ([_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _P, _P, _P] + [_I] * 6
-             + [ctypes.c_float, _P, _I, ctypes.c_int])
+_P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_SIGNATURES: dict[str, list[Any]] = {
+    "meshlm_decode_attention_f32": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _P, _P, _P]
+                                   + [_I] * 6 + [_F, _P, _I, _INT],
+    "meshlm_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _INT],
+    "meshlm_rope_f32": [_P, _I, _I, _I, _I, _P, _P, _INT],
+    "meshlm_store_kv_f32": [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I],
+    "meshlm_silu_mul_f32": [_P, _P, _I, _I, _INT],
+}
 
 
 class BuildError(RuntimeError):
@@ -46,58 +54,99 @@ class BuildError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class DecodeAttention:
-    """The loaded decode-attention kernel (see decode_attention.c for the layouts)."""
+class Kernels:
+    """The loaded library: one method per kernel (the C sources give the layouts). Arrays
+    are float32 on the CPU unless said otherwise; a method checks nothing, its caller
+    passes what it documents."""
 
-    fn: Callable[..., None]
+    fns: dict[str, Callable[..., None]]
     path: Path
 
-    def __call__(self, q: Tensor, out: Tensor, rows: Tensor, tables: Tensor, first: Tensor,
-                 last: Tensor, k_cache: Tensor, v_cache: Tensor, scratch: Tensor) -> None:
+    def decode_attention(self, q: Tensor, out: Tensor, rows: Tensor, tables: Tensor,
+                         first: Tensor, last: Tensor, k_cache: Tensor, v_cache: Tensor,
+                         scratch: Tensor) -> None:
         """q and out [Hq, T, D] (any head and row strides; D contiguous) at packed rows
         `rows` [B]; tables [B, W], first and last [B] (int64, contiguous); caches
-        [Hkv, NB, bs, D] contiguous float32; scratch float32 of `scratch_size` elements."""
+        [Hkv, NB, bs, D] contiguous; scratch of `scratch_size` elements."""
         hq, _, d = q.shape
         hkv, nb, bs, _ = k_cache.shape
         threads = torch.get_num_threads()
-        self.fn(q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
-                out.stride(1), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
-                first.data_ptr(), last.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                nb, bs, rows.shape[0], hq, hkv, d, d**-0.5, scratch.data_ptr(),
-                scratch.numel() // threads, threads)
+        self.fns["meshlm_decode_attention_f32"](
+            q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
+            out.stride(1), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
+            first.data_ptr(), last.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            nb, bs, rows.shape[0], hq, hkv, d, d**-0.5, scratch.data_ptr(),
+            scratch.numel() // threads, threads)
 
     @staticmethod
     def scratch_size(num_heads: int, num_kv_heads: int, max_keys: int) -> int:
         """Scratch floats for steps whose rows attend over at most `max_keys` positions."""
         return torch.get_num_threads() * (num_heads // num_kv_heads) * max_keys
 
+    def add_rmsnorm(self, x: Tensor, add: Tensor | None, weight: Tensor, eps: float,
+                    out: Tensor) -> None:
+        """x += add (in place; none when add is None), then out = RMSNorm(x) * weight:
+        x, add and out [N, H] contiguous, weight [H]."""
+        rows, hidden = x.shape
+        self.fns["meshlm_add_rmsnorm_f32"](
+            x.data_ptr(), None if add is None else add.data_ptr(), weight.data_ptr(),
+            out.data_ptr(), rows, hidden, eps, torch.get_num_threads())
+
+    def rope(self, x: Tensor, heads: int, head_dim: int, cos: Tensor,
+             signed_sin: Tensor) -> None:
+        """RoPE in place on the first `heads` heads of each row of x [N, W] (rows may be
+        strided, each row contiguous); cos and signed_sin [N, head_dim] contiguous
+        (`RotaryEmbedding`'s)."""
+        self.fns["meshlm_rope_f32"](
+            x.data_ptr(), x.shape[0], x.stride(0), heads, head_dim, cos.data_ptr(),
+            signed_sin.data_ptr(), torch.get_num_threads())
+
+    def store_kv(self, k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor,
+                 v_cache: Tensor) -> None:
+        """Keys and values [Hkv, T, D] (any head and token strides; D contiguous) into cache
+        slots `slots` [T] (int64) of a layer's caches [Hkv, NB, bs, D] contiguous."""
+        heads, tokens, d = k.shape
+        self.fns["meshlm_store_kv_f32"](
+            k.data_ptr(), k.stride(1), k.stride(0), v.data_ptr(), v.stride(1), v.stride(0),
+            tokens, heads, d, slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            k_cache.shape[1] * k_cache.shape[2])
+
+    def silu_mul(self, gate_up: Tensor, out: Tensor) -> None:
+        """out [N, I] = silu(gate) * up, gate_up [N, 2I] holding gate then up; contiguous."""
+        rows, inter = out.shape
+        self.fns["meshlm_silu_mul_f32"](gate_up.data_ptr(), out.data_ptr(), rows, inter,
+                                        torch.get_num_threads())
+
 
 def supports(num_heads: int, num_kv_heads: int, dtype: torch.dtype,
              device: torch.device) -> bool:
-    """Whether the kernel serves a model of these heads, dtype and device."""
+    """Whether the kernels serve a model of these heads, dtype and device."""
     return (device.type == "cpu" and dtype == torch.float32
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP)
 
 
 @cache
-def load() -> DecodeAttention | BuildError:
-    """The kernel, built first if this source has not been built with this compiler; or the
-    reason it cannot be had. Once per process."""
+def load() -> Kernels | BuildError:
+    """The kernels, built first if these sources have not been built with this compiler; or
+    the reason they cannot be had. Once per process."""
     try:
         path = _build()
         lib = ctypes.CDLL(str(path))
-        fn = lib.meshlm_decode_attention_f32
+        fns = {name: getattr(lib, name) for name in _SIGNATURES}
     except (BuildError, OSError, AttributeError) as e:
         return e if isinstance(e, BuildError) else BuildError(str(e))
-    fn.argtypes = _ARGTYPES
-    fn.restype = None
-    return DecodeAttention(fn, path)
+    for name, argtypes in _SIGNATURES.items():
+        fns[name].argtypes = argtypes
+        fns[name].restype = None
+    return Kernels(fns, path)
 
 
 def built_path() -> Path:
-    """Where this source's library is (or will be) built: one file per source and flags."""
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return default_cache_dir() / "kernels" / f"decode_attention-{key}.so"
+    """Where these sources' library is (or will be) built: one file per sources and flags."""
+    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return default_cache_dir() / "kernels" / f"meshlm-kernels-{digest.hexdigest()[:16]}.so"
 
 
 def _build() -> Path:
@@ -117,7 +166,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         if done.returncode != 0:
             raise BuildError(f"{compiler} failed: {done.stderr.strip()[-500:]}")

@@ -87,8 +87,12 @@ class PackedLinear(nn.Module):
         padded = row_bucket(n)
         if padded != n:
             rows = F.pad(rows, (0, 0, 0, padded - n))
-        y = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return y[:n].reshape(*shape[:-1], self.out_features)
+        return self.rows(rows)[:n].reshape(*shape[:-1], self.out_features)
+
+    def rows(self, x: Tensor) -> Tensor:
+        """x [N, in_features] with N a `row_bucket` -> [N, out_features]: no padding, no
+        reshape (the fused CPU forward keeps its rows bucketed from the start)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def warm_up(self, max_rows: int) -> None:
         """Build the kernel of every row bucket up to `max_rows` now, not on a request's path."""

@@ -21,10 +21,11 @@ from meshlm.scheduler.models.config import ModelConfig
 class AttentionBackend(Protocol):
     """Where attention reads its keys and values from (a KV cache, or just the new tokens)."""
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+               out: Tensor | None = None) -> Tensor:
         """q [B, Hq, T, D], k and v [B, Hkv, T, D] of the new tokens, RoPE applied.
 
-        Returns the attention output [B, Hq, T, D].
+        Returns the attention output [B, Hq, T, D]: `out` where given, written in place.
         """
         ...
 
@@ -36,15 +37,18 @@ class CausalAttention:
     def __init__(self, config: ModelConfig | None = None) -> None:
         self.config = config
 
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor,
+               out: Tensor | None = None) -> Tensor:
         window = self.config.window_of(layer) if self.config is not None else None
         t = q.shape[2]
         if window is None or window >= t:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        pos = torch.arange(t, device=q.device)
-        behind = pos[:, None] - pos[None, :]  # query row minus key column
-        mask = (behind >= 0) & (behind < window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            pos = torch.arange(t, device=q.device)
+            behind = pos[:, None] - pos[None, :]  # query row minus key column
+            mask = (behind >= 0) & (behind < window)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return o if out is None else out.copy_(o)
 
 
 class RMSNorm(nn.Module):

@@ -1,5 +1,6 @@
-"""The native decode attention kernel (kernels/decode_attention.c) against the torch path it
-replaces, and how the engine picks a backend."""
+"""meshlm's C kernels (kernels/decode_attention.c, kernels/layer_ops.c) against the torch ops
+they replace, the fused forward against the model's own, and how the engine picks a
+backend."""
 
 from __future__ import annotations
 
@@ -8,16 +9,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshlm.scheduler.engine.engine import Engine, EngineConfig, decode_kernel
+from meshlm.scheduler.engine.engine import Engine, EngineConfig, cpu_kernels
 from meshlm.scheduler.engine.kv_cache import _cache_rows, _decode_attention, _gather, _visible
 from meshlm.scheduler.kernels import native
 from meshlm.scheduler.models.config import ModelConfig
+from meshlm.scheduler.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
 
 
-def _kernel() -> native.DecodeAttention:
-    kernel = native.load()
-    assert not isinstance(kernel, native.BuildError), kernel
-    return kernel
+def _kernels() -> native.Kernels:
+    kernels = native.load()
+    assert not isinstance(kernels, native.BuildError), kernels
+    return kernels
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "window", "d"), [
@@ -44,9 +46,10 @@ def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
 
     last = positions + 1
     first = (last - window).clamp(min=0) if window is not None else torch.zeros_like(last)
-    kernel = _kernel()
-    scratch = torch.empty(kernel.scratch_size(heads, kv_heads, tables.shape[1] * bs))
-    kernel(packed, out, picked, tables, first, last, k_cache, v_cache, scratch)
+    kernels = _kernels()
+    scratch = torch.empty(kernels.scratch_size(heads, kv_heads, tables.shape[1] * bs))
+    kernels.decode_attention(packed, out, picked, tables, first, last, k_cache, v_cache,
+                             scratch)
 
     rows_2d = _cache_rows(k_cache, tables)
     keys = _gather(k_cache, rows_2d, tuple(tables.shape))
@@ -81,13 +84,13 @@ def test_a_build_is_kept_and_serves_without_a_compiler(monkeypatch: pytest.Monke
 def test_the_backend_asked_for_is_the_one_served(gqa_model: Path) -> None:
     cfg = ModelConfig.from_dir(gqa_model)
     cpu = torch.device("cpu")
-    assert decode_kernel("torch", cfg, torch.float32, cpu) is None
-    assert isinstance(decode_kernel("native", cfg, torch.float32, cpu), native.DecodeAttention)
-    assert decode_kernel("auto", cfg, torch.bfloat16, cpu) is None  # torch serves the rest
-    with pytest.raises(ValueError, match="native kernel serves float32"):
-        decode_kernel("native", cfg, torch.bfloat16, cpu)
+    assert cpu_kernels("torch", cfg, torch.float32, cpu) is None
+    assert isinstance(cpu_kernels("native", cfg, torch.float32, cpu), native.Kernels)
+    assert cpu_kernels("auto", cfg, torch.bfloat16, cpu) is None  # torch serves the rest
+    with pytest.raises(ValueError, match="native kernels serve float32"):
+        cpu_kernels("native", cfg, torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="expected one of auto, native, torch"):
-        decode_kernel("flash", cfg, torch.float32, cpu)
+        cpu_kernels("flash", cfg, torch.float32, cpu)
 
 
 @torch.inference_mode()
@@ -100,6 +103,7 @@ def test_native_and_torch_engines_draw_the_same_tokens(gqa_model: Path) -> None:
         engine = Engine(EngineConfig(model_path=str(gqa_model), block_size=4, max_running=4,
                                      attention_backend=backend))
         assert engine.attention_backend == backend
+        assert (engine.runner.fused is not None) == (backend == "native")  # all in C
         params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
         for i, n in enumerate((3, 17, 40)):
             engine.add_request(f"r{i}", [(i * 31 + j * 7) % 200 + 3 for j in range(n)], params)
@@ -110,3 +114,66 @@ def test_native_and_torch_engines_draw_the_same_tokens(gqa_model: Path) -> None:
         outputs[backend] = tokens
     assert outputs["native"] == outputs["torch"]
     assert all(len(t) == 24 for t in outputs["native"].values())
+
+
+def test_add_rmsnorm_matches_the_residual_add_and_the_models_norm() -> None:
+    torch.manual_seed(1)
+    norm = RMSNorm(96, 1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x, add = torch.randn(7, 96), torch.randn(7, 96)
+    expected_x = x + add
+    out = torch.empty(7, 96)
+    _kernels().add_rmsnorm(x, add, norm.weight.detach(), norm.eps, out)
+    torch.testing.assert_close(x, expected_x)
+    torch.testing.assert_close(out, norm(expected_x).detach(), atol=1e-5, rtol=1e-5)
+    before = x.clone()
+    _kernels().add_rmsnorm(x, None, norm.weight.detach(), norm.eps, out)  # no add
+    assert torch.equal(x, before)
+    torch.testing.assert_close(out, norm(before).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_in_place_matches_apply_rotary_on_the_leading_heads_only() -> None:
+    """RoPE over the query and key heads of packed q/k/v rows; the value heads after them
+    are left as they were."""
+    torch.manual_seed(2)
+    cfg = ModelConfig.from_dict({"hidden_size": 64, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "intermediate_size": 8,
+                                 "num_hidden_layers": 1, "vocab_size": 8})
+    d = cfg.head_dim
+    positions = torch.tensor([0, 5, 6, 300, 2])
+    cos, sin = RotaryEmbedding(cfg)(positions, torch.float32)  # [5, 1, D]
+    qkv = torch.randn(5, 8 * d)  # 4 query, 2 key, 2 value heads
+    heads = qkv.view(5, 8, d).transpose(0, 1)  # [heads, T, D]
+    expected = apply_rotary(heads[:6], cos.view(1, 5, d), sin.view(1, 5, d))
+    values = heads[6:].clone()
+    _kernels().rope(qkv, 6, d, cos.view(5, d), sin.view(5, d))
+    torch.testing.assert_close(heads[:6], expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(heads[6:], values)
+
+
+def test_store_kv_writes_each_token_to_its_slot_and_nothing_else() -> None:
+    """Keys and values in the layouts the forwards leave them (keys contiguous after RoPE,
+    values a strided view of the packed projection) into scattered slots."""
+    torch.manual_seed(3)
+    heads, d, bs, blocks = 2, 16, 4, 6
+    k_cache, v_cache = torch.zeros(heads, blocks, bs, d), torch.zeros(heads, blocks, bs, d)
+    k = torch.randn(heads, 5, d)
+    v = torch.randn(5, 3 * heads * d)[:, heads * d : 2 * heads * d].view(5, heads, d)
+    v = v.transpose(0, 1)  # [heads, T, D], rows 3 * heads * d apart
+    slots = torch.tensor([13, 2, 22, 7, 0])
+    _kernels().store_kv(k, v, slots, k_cache, v_cache)
+    flat_k, flat_v = k_cache.view(heads, -1, d), v_cache.view(heads, -1, d)
+    torch.testing.assert_close(flat_k[:, slots], k, atol=0, rtol=0)
+    torch.testing.assert_close(flat_v[:, slots], v, atol=0, rtol=0)
+    others = [s for s in range(blocks * bs) if s not in slots.tolist()]
+    assert torch.count_nonzero(flat_k[:, others]) == 0 == torch.count_nonzero(flat_v[:, others])
+
+
+@pytest.mark.parametrize("rows", [3, 64])  # one thread, and enough elements for all
+def test_silu_mul_matches_the_mlp(rows: int) -> None:
+    torch.manual_seed(4)
+    gate_up = torch.randn(rows, 2 * 1536) * 4
+    out = torch.empty(rows, 1536)
+    _kernels().silu_mul(gate_up, out)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)

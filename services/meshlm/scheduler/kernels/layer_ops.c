@@ -1,0 +1,107 @@
+/* The work of a decoder layer between its matmuls, float32 on the CPU, each in one call
+ * instead of a handful of torch ops: the residual add fused with RMSNorm, RoPE in place, the
+ * KV cache write and SiLU(gate) * up. At decode sizes every torch op costs several
+ * microseconds of dispatch against well under one of arithmetic; these run in one pass over
+ * the rows, on torch's OpenMP threads where a call has enough elements to share.
+ *
+ * Rows are tokens; every row-major array here has its rows `stride` floats apart (the
+ * contiguous ones: their width). Built with decode_attention.c by kernels/native.py. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__)
+#define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#else
+#define CLONES
+#endif
+
+/* Elements below which a call stays on the calling thread: waking the others costs more. */
+#define PARALLEL_MIN 65536
+
+/* x += add (when add is not NULL), then out = weight * x / sqrt(mean(x^2) + eps), row by row
+ * over [rows, hidden] contiguous arrays: HF's residual add and LlamaRMSNorm in one pass. */
+CLONES
+void meshlm_add_rmsnorm_f32(float *x, const float *add, const float *weight, float *out,
+                            int64_t rows, int64_t hidden, float eps, int threads)
+{
+    #pragma omp parallel for num_threads(threads) if (rows * hidden >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * hidden;
+        float *o = out + r * hidden;
+        float squares = 0.f;
+        if (add != NULL) {
+            const float *a = add + r * hidden;
+            #pragma omp simd reduction(+:squares)
+            for (int64_t i = 0; i < hidden; i++) {
+                const float v = xr[i] + a[i];
+                xr[i] = v;
+                squares += v * v;
+            }
+        } else {
+            #pragma omp simd reduction(+:squares)
+            for (int64_t i = 0; i < hidden; i++) squares += xr[i] * xr[i];
+        }
+        const float scale = 1.f / sqrtf(squares / (float)hidden + eps);
+        #pragma omp simd
+        for (int64_t i = 0; i < hidden; i++) o[i] = weight[i] * (xr[i] * scale);
+    }
+}
+
+/* RoPE in place on the first `heads` heads of each row of x ([rows, stride], a head every
+ * head_dim floats): HF's x * cos + rotate_half(x) * sin, with cos and signed_sin [rows,
+ * head_dim] contiguous and the sign of rotate_half carried by signed_sin (its first half
+ * negated). */
+CLONES
+void meshlm_rope_f32(float *x, int64_t rows, int64_t stride, int64_t heads, int64_t head_dim,
+                     const float *cos, const float *signed_sin, int threads)
+{
+    const int64_t half = head_dim / 2;
+    #pragma omp parallel for num_threads(threads) if (rows * heads * head_dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * head_dim, *s = signed_sin + r * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + r * stride + h * head_dim;
+            #pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                const float a = v[i], b = v[i + half];
+                v[i] = a * c[i] + b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+/* Row r's keys and values into cache slot slots[r] of each head: caches [heads, head_slots,
+ * head_dim]; key head h of row r at k + r * k_stride + h * k_head_stride (head_dim floats),
+ * values alike with their own strides. */
+CLONES
+void meshlm_store_kv_f32(const float *k, int64_t k_stride, int64_t k_head_stride,
+                         const float *v, int64_t v_stride, int64_t v_head_stride,
+                         int64_t rows, int64_t heads, int64_t head_dim, const int64_t *slots,
+                         float *k_cache, float *v_cache, int64_t head_slots)
+{
+    const size_t bytes = (size_t)head_dim * sizeof(float);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t at = (h * head_slots + slots[r]) * head_dim;
+            memcpy(k_cache + at, k + r * k_stride + h * k_head_stride, bytes);
+            memcpy(v_cache + at, v + r * v_stride + h * v_head_stride, bytes);
+        }
+    }
+}
+
+/* out = silu(gate) * up, where each row of gate_up [rows, 2 * inter] holds gate then up. */
+CLONES
+void meshlm_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
+                         int threads)
+{
+    #pragma omp parallel for num_threads(threads) if (rows * inter >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        #pragma omp simd
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}

@@ -67,10 +67,14 @@ class SchedulerConfig(ServiceConfig):
     prefix_cache: bool = cfg.field(True, "reuse the KV of shared prompt prefixes")
     packed_linears: bool = cfg.field(True, "CPU: pack the decoder's weights once for oneDNN "
                                            "(faster small batches)")
-    attention_backend: str = cfg.field("auto", "decode attention: native (meshlm's C kernel, "
-                                               "built at start-up with the machine's C "
-                                               "compiler: CPU, float32) | torch | auto "
-                                               "(native where it serves, else torch)")
+    attention_backend: str = cfg.field("auto", "native (meshlm's C kernels for attention and "
+                                               "the layers' work between matmuls, built at "
+                                               "start-up with the machine's C compiler: CPU, "
+                                               "float32) | torch | auto (native where it "
+                                               "serves, else torch)")
+    kv_cache_dtype: str = cfg.field("auto", "KV cache element type: auto (the model's) | "
+                                            "float32 | bfloat16 | float16 (half the memory "
+                                            "and bandwidth of float32)")
     num_threads: int = cfg.field(0, "torch CPU threads; 0 = auto: on the CPU, the engine's "
                                     "share of the cores, measured at start-up (cpus.py)")
     engine_cpus: str = cfg.field("", "CPUs the service runs on, engine and event loop (a "
@@ -167,7 +171,7 @@ async def serve(config: SchedulerConfig) -> None:
         block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
         kv_cache_bytes=config.kv_cache_bytes, mem_fraction=config.mem_fraction,
         enable_prefix_cache=config.prefix_cache, packed_cpu_linears=config.packed_linears,
-        attention_backend=config.attention_backend,
+        attention_backend=config.attention_backend, kv_cache_dtype=config.kv_cache_dtype,
     ))
     await asyncio.get_running_loop().run_in_executor(executor, _warm_up, engine)
     if not cpu_plan.threads and engine.device == "cpu":

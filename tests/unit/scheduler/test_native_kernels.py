@@ -22,19 +22,23 @@ def _kernels() -> native.Kernels:
     return kernels
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "window", "d"), [
-    (4, 4, None, 16), (8, 2, None, 64), (8, 4, 5, 128), (6, 1, 40, 16), (4, 2, 7, 64),
+@pytest.mark.parametrize(("heads", "kv_heads", "window", "d", "kv_dtype"), [
+    (4, 4, None, 16, torch.float32), (8, 2, None, 64, torch.float32),
+    (8, 4, 5, 128, torch.float32), (6, 1, 40, 16, torch.float32),
+    (4, 2, 7, 64, torch.float32), (8, 2, None, 64, torch.bfloat16),
+    (8, 4, 5, 128, torch.bfloat16), (6, 1, 40, 16, torch.bfloat16),
 ])
 def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
-                                                     window: int | None, d: int) -> None:
+                                                     window: int | None, d: int,
+                                                     kv_dtype: torch.dtype) -> None:
     """Rows of different lengths, scattered and shared blocks, queries taken out of order
     from a packed step whose head and row strides are not contiguous ones, and a sliding
     window: the same output as the gather and two matmuls; head sizes the kernel unrolls
-    (64, 128) and one it does not."""
+    (64, 128) and one it does not; caches of float32 and bfloat16."""
     torch.manual_seed(0)
     bs, blocks, rows = 4, 32, 5
-    k_cache = torch.randn(kv_heads, blocks, bs, d)
-    v_cache = torch.randn(kv_heads, blocks, bs, d)
+    k_cache = torch.randn(kv_heads, blocks, bs, d).to(kv_dtype)
+    v_cache = torch.randn(kv_heads, blocks, bs, d).to(kv_dtype)
     positions = torch.tensor([0, 3, 17, 9, 30])
     tables = torch.stack([torch.randperm(blocks)[:8] for _ in range(rows)])
     tables[1, :2] = tables[0, :2]  # a shared prefix block
@@ -52,8 +56,8 @@ def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
                              scratch)
 
     rows_2d = _cache_rows(k_cache, tables)
-    keys = _gather(k_cache, rows_2d, tuple(tables.shape))
-    values = _gather(v_cache, rows_2d, tuple(tables.shape))
+    keys = _gather(k_cache, rows_2d, tuple(tables.shape), torch.float32)
+    values = _gather(v_cache, rows_2d, tuple(tables.shape), torch.float32)
     visible = _visible(positions, keys.shape[2], window)
     bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None, :]
     expected = _decode_attention(packed.index_select(1, picked).contiguous(), keys, values,
@@ -84,25 +88,34 @@ def test_a_build_is_kept_and_serves_without_a_compiler(monkeypatch: pytest.Monke
 def test_the_backend_asked_for_is_the_one_served(gqa_model: Path) -> None:
     cfg = ModelConfig.from_dir(gqa_model)
     cpu = torch.device("cpu")
-    assert cpu_kernels("torch", cfg, torch.float32, cpu) is None
-    assert isinstance(cpu_kernels("native", cfg, torch.float32, cpu), native.Kernels)
-    assert cpu_kernels("auto", cfg, torch.bfloat16, cpu) is None  # torch serves the rest
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert cpu_kernels("torch", cfg, f32, f32, cpu) is None
+    assert isinstance(cpu_kernels("native", cfg, f32, f32, cpu), native.Kernels)
+    assert isinstance(cpu_kernels("native", cfg, f32, bf16, cpu), native.Kernels)
+    assert cpu_kernels("auto", cfg, bf16, bf16, cpu) is None  # torch serves the rest
+    assert cpu_kernels("auto", cfg, f32, f16, cpu) is None
     with pytest.raises(ValueError, match="native kernels serve float32"):
-        cpu_kernels("native", cfg, torch.bfloat16, cpu)
+        cpu_kernels("native", cfg, bf16, bf16, cpu)
+    with pytest.raises(ValueError, match="not .* a torch.float16 KV cache"):
+        cpu_kernels("native", cfg, f32, f16, cpu)
     with pytest.raises(ValueError, match="expected one of auto, native, torch"):
-        cpu_kernels("flash", cfg, torch.float32, cpu)
+        cpu_kernels("flash", cfg, f32, f32, cpu)
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
 @torch.inference_mode()
-def test_native_and_torch_engines_draw_the_same_tokens(gqa_model: Path) -> None:
-    """Greedy decoding of a batch of different lengths, step by step, the same either way."""
+def test_native_and_torch_engines_draw_the_same_tokens(gqa_model: Path, kv_dtype: str) -> None:
+    """Greedy decoding of a batch of different lengths, step by step, the same either way,
+    over a float32 KV cache and over a bfloat16 one."""
     from meshlm.scheduler.engine.engine import SamplingParams
 
     outputs = {}
     for backend in ("native", "torch"):
         engine = Engine(EngineConfig(model_path=str(gqa_model), block_size=4, max_running=4,
-                                     attention_backend=backend))
+                                     attention_backend=backend, kv_cache_dtype=kv_dtype))
         assert engine.attention_backend == backend
+        assert engine.runner.kv.k.dtype == (torch.float32 if kv_dtype == "auto"
+                                            else getattr(torch, kv_dtype))
         assert (engine.runner.fused is not None) == (backend == "native")  # all in C
         params = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
         for i, n in enumerate((3, 17, 40)):
@@ -151,20 +164,23 @@ def test_rope_in_place_matches_apply_rotary_on_the_leading_heads_only() -> None:
     assert torch.equal(heads[6:], values)
 
 
-def test_store_kv_writes_each_token_to_its_slot_and_nothing_else() -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_each_token_to_its_slot_and_nothing_else(kv_dtype: torch.dtype) -> None:
     """Keys and values in the layouts the forwards leave them (keys contiguous after RoPE,
-    values a strided view of the packed projection) into scattered slots."""
+    values a strided view of the packed projection) into scattered slots; into a bfloat16
+    cache rounded as torch rounds."""
     torch.manual_seed(3)
     heads, d, bs, blocks = 2, 16, 4, 6
-    k_cache, v_cache = torch.zeros(heads, blocks, bs, d), torch.zeros(heads, blocks, bs, d)
-    k = torch.randn(heads, 5, d)
+    k_cache = torch.zeros(heads, blocks, bs, d, dtype=kv_dtype)
+    v_cache = torch.zeros(heads, blocks, bs, d, dtype=kv_dtype)
+    k = torch.randn(heads, 5, d) * 100
     v = torch.randn(5, 3 * heads * d)[:, heads * d : 2 * heads * d].view(5, heads, d)
     v = v.transpose(0, 1)  # [heads, T, D], rows 3 * heads * d apart
     slots = torch.tensor([13, 2, 22, 7, 0])
     _kernels().store_kv(k, v, slots, k_cache, v_cache)
     flat_k, flat_v = k_cache.view(heads, -1, d), v_cache.view(heads, -1, d)
-    torch.testing.assert_close(flat_k[:, slots], k, atol=0, rtol=0)
-    torch.testing.assert_close(flat_v[:, slots], v, atol=0, rtol=0)
+    assert torch.equal(flat_k[:, slots], k.to(kv_dtype))
+    assert torch.equal(flat_v[:, slots], v.to(kv_dtype))
     others = [s for s in range(blocks * bs) if s not in slots.tolist()]
     assert torch.count_nonzero(flat_k[:, others]) == 0 == torch.count_nonzero(flat_v[:, others])
 
@@ -177,3 +193,25 @@ def test_silu_mul_matches_the_mlp(rows: int) -> None:
     _kernels().silu_mul(gate_up, out)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
+
+
+def test_an_unknown_kv_cache_dtype_is_refused(gqa_model: Path) -> None:
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        Engine(EngineConfig(model_path=str(gqa_model), kv_cache_dtype="int3"))
+
+
+@torch.inference_mode()
+def test_a_float16_kv_cache_is_served_by_torch_ops(gqa_model: Path) -> None:
+    """The native kernels read float32 and bfloat16 caches; auto leaves float16 to torch."""
+    from meshlm.scheduler.engine.engine import SamplingParams
+
+    engine = Engine(EngineConfig(model_path=str(gqa_model), block_size=4, max_running=2,
+                                 kv_cache_dtype="fp16"))
+    assert engine.attention_backend == "torch" and engine.runner.kv.k.dtype == torch.float16
+    engine.add_request("r", list(range(3, 30)), SamplingParams(temperature=0.0,
+                                                               max_new_tokens=8,
+                                                               ignore_eos=True))
+    tokens = []
+    while engine.has_work():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    assert len(tokens) == 8

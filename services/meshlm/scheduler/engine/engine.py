@@ -66,6 +66,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     packed_cpu_linears: bool = True  # CPU: decoder projections prepacked for oneDNN
     attention_backend: str = "auto"  # native (meshlm's C kernels), torch, auto
+    kv_cache_dtype: str = "auto"  # auto = the model's dtype; or a `resolve_dtype` name
 
 
 # CPU, auto budget: room for max_running full-length sequences, but at most this much.
@@ -75,20 +76,20 @@ CPU_KV_BYTES_CAP = 2 * 2**30
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 
 
-def cpu_kernels(backend: str, mc: ModelConfig, dtype: torch.dtype,
+def cpu_kernels(backend: str, mc: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
                 device: torch.device) -> native.Kernels | None:
     """The kernels `backend` asks for: native (meshlm's C kernels, built on first use: CPU,
-    float32), torch (torch ops, any device), or auto (native where they serve the model and
-    build, else torch; the reason is logged)."""
+    float32, a float32 or bfloat16 KV cache), torch (torch ops, any device), or auto (native
+    where they serve the model and build, else torch; the reason is logged)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if backend == "torch":
         return None
-    if not native.supports(mc.num_heads, mc.num_kv_heads, dtype, device):
-        why = (f"the native kernels serve float32 on the CPU with at most "
-               f"{native.MAX_GROUP} query heads per KV head, not {dtype} on {device} with "
-               f"{mc.num_heads}/{mc.num_kv_heads}")
+    if not native.supports(mc.num_heads, mc.num_kv_heads, dtype, kv_dtype, device):
+        why = (f"the native kernels serve float32 on the CPU, a float32 or bfloat16 KV cache "
+               f"and at most {native.MAX_GROUP} query heads per KV head, not {dtype} on "
+               f"{device}, a {kv_dtype} KV cache and {mc.num_heads}/{mc.num_kv_heads}")
         if backend == "native":
             raise ValueError(f"attention backend native: {why}")
         log.info("attention_backend_torch", reason=why)
@@ -138,8 +139,11 @@ class Engine:
             )
         self.vocab_size = mc.vocab_size
         self.eos_token_ids: set[int] = set(mc.eos_token_ids)
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
+            config.kv_cache_dtype, mc)
+        self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
         block_bytes = KVCache.block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
-                                          mc.head_dim, dtype)
+                                          mc.head_dim, kv_dtype)
         num_blocks = self._num_blocks(block_bytes, dev)
         self.planner = BatchPlanner(
             max_running=config.max_running,
@@ -152,17 +156,18 @@ class Engine:
             prefix_cache=config.enable_prefix_cache,
             can_generate=mc.has_lm_head,
         )
-        kernels = cpu_kernels(config.attention_backend, mc, dtype, dev)
+        kernels = cpu_kernels(config.attention_backend, mc, dtype, kv_dtype, dev)
         self.attention_backend = "torch" if kernels is None else "native"
         self.runner = ModelRunner(
             self.model, config.max_running, num_blocks, config.block_size,
-            tuple(sorted(self.eos_token_ids)), dev, kernels,
+            tuple(sorted(self.eos_token_ids)), dev, kernels, kv_dtype,
         )
         log.info(
             "engine_ready", model_path=config.model_path, device=self.device, dtype=self.dtype,
             max_running=config.max_running, max_model_len=self.max_model_len,
             max_batched_tokens=config.max_batched_tokens, block_size=config.block_size,
             kv_blocks=num_blocks, kv_cache_gib=round(self.runner.kv.nbytes / 2**30, 3),
+            kv_cache_dtype=self.kv_cache_dtype,
             threads=torch.get_num_threads(), packed_linears=packed,
             attention_backend=self.attention_backend, fused_layers=self.runner.fused is not None,
             retained_memory=self.retained_memory,

@@ -197,8 +197,8 @@ class PagedAttention:
         if self.kernels is not None:
             self.kernels.store_kv(k[0], v[0], slots, kc, vc)
         else:
-            kc.view(hkv, -1, d).index_copy_(1, slots, k[0])
-            vc.view(hkv, -1, d).index_copy_(1, slots, v[0])
+            kc.view(hkv, -1, d).index_copy_(1, slots, k[0].to(kc.dtype))
+            vc.view(hkv, -1, d).index_copy_(1, slots, v[0].to(vc.dtype))
         window = self.windows[layer]
         if out is None:
             b, hq, t, _ = q.shape
@@ -207,7 +207,7 @@ class PagedAttention:
             self._decode_in_place(q[0], out[0], kc, vc, window)
         for i, group in enumerate(self.meta.decodes if self.kernels is None else ()):
             rows, shape = self._group_rows[i], group.tables.shape
-            keys, values = _gather(kc, rows, shape), _gather(vc, rows, shape)
+            keys, values = _gather(kc, rows, shape, q.dtype), _gather(vc, rows, shape, q.dtype)
             qd = q[0].index_select(1, group.rows)  # [Hq, B, D]
             bias = self._bias(i, window, keys.shape[2])
             out[0].index_copy_(1, group.rows, _decode_attention(qd, keys, values, bias))
@@ -221,8 +221,8 @@ class PagedAttention:
                 )
             else:
                 span_shape = (1, span.table.shape[0])
-                keys = _gather(kc, rows, span_shape).transpose(0, 1)[:, :, :end]
-                values = _gather(vc, rows, span_shape).transpose(0, 1)[:, :, :end]
+                keys = _gather(kc, rows, span_shape, q.dtype).transpose(0, 1)[:, :, :end]
+                values = _gather(vc, rows, span_shape, q.dtype).transpose(0, 1)[:, :, :end]
                 pos = torch.arange(span.start, end, device=q.device)
                 mask = _visible(pos, end, window)
                 o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask,
@@ -268,9 +268,11 @@ def _cache_rows(cache: Tensor, tables: Tensor) -> Tensor:
     return (tables.reshape(1, -1) + heads).reshape(-1)
 
 
-def _gather(cache: Tensor, rows: Tensor, table_shape: tuple[int, ...]) -> Tensor:
+def _gather(cache: Tensor, rows: Tensor, table_shape: tuple[int, ...],
+            dtype: torch.dtype) -> Tensor:
     """Blocks [Hkv, NB, bs, D] read through tables of `table_shape` [B, nb] (their
-    `_cache_rows`) -> [Hkv, B, nb * bs, D].
+    `_cache_rows`) -> [Hkv, B, nb * bs, D] in `dtype` (the queries': a cache may hold a
+    narrower type, `--kv-cache-dtype`).
 
     One row lookup in a 2-D view. `F.embedding` is the lookup: on CPU it copies whole rows
     several times faster than `index_select`.
@@ -278,7 +280,7 @@ def _gather(cache: Tensor, rows: Tensor, table_shape: tuple[int, ...]) -> Tensor
     hkv, nb_total, bs, d = cache.shape
     b, nb = table_shape
     blocks = F.embedding(rows, cache.view(hkv * nb_total, bs * d))
-    return blocks.view(hkv, b, nb * bs, d)
+    return blocks.view(hkv, b, nb * bs, d).to(dtype)
 
 
 def _visible(positions: Tensor, length: int, window: int | None) -> Tensor:

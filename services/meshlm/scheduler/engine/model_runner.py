@@ -41,6 +41,7 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         device: torch.device,
         kernels: Kernels | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -51,7 +52,7 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
-        dtype = model.model.embed_tokens.weight.dtype
+        dtype = kv_dtype or model.model.embed_tokens.weight.dtype  # None: the model's
         self.kv = KVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads,
                           cfg.head_dim, dtype, device)
         self.windows = [cfg.window_of(layer) for layer in range(cfg.num_layers)]

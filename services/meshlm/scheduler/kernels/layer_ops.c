@@ -2,7 +2,8 @@
  * instead of a handful of torch ops: the residual add fused with RMSNorm, RoPE in place, the
  * KV cache write and SiLU(gate) * up. At decode sizes every torch op costs several
  * microseconds of dispatch against well under one of arithmetic; these run in one pass over
- * the rows, on torch's OpenMP threads where a call has enough elements to share.
+ * the rows, on torch's OpenMP threads where a call has enough elements to share. Activations
+ * are float32; the KV cache may hold bfloat16.
  *
  * Rows are tokens; every row-major array here has its rows `stride` floats apart (the
  * contiguous ones: their width). Built with decode_attention.c by kernels/native.py. */
@@ -12,7 +13,7 @@
 #include <string.h>
 
 #if defined(__x86_64__)
-#define CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES
 #endif
@@ -73,21 +74,41 @@ void meshlm_rope_f32(float *x, int64_t rows, int64_t stride, int64_t heads, int6
     }
 }
 
-/* Row r's keys and values into cache slot slots[r] of each head: caches [heads, head_slots,
- * head_dim]; key head h of row r at k + r * k_stride + h * k_head_stride (head_dim floats),
- * values alike with their own strides. */
-CLONES
-void meshlm_store_kv_f32(const float *k, int64_t k_stride, int64_t k_head_stride,
-                         const float *v, int64_t v_stride, int64_t v_head_stride,
-                         int64_t rows, int64_t heads, int64_t head_dim, const int64_t *slots,
-                         float *k_cache, float *v_cache, int64_t head_slots)
+/* KV cache element types (`--kv-cache-dtype`); decode_attention.c reads each. */
+enum { KV_F32 = 0, KV_BF16 = 1 };
+
+/* x rounded to the nearest bfloat16, ties to even (as torch converts). */
+static inline uint16_t narrow_bf16(float x)
 {
-    const size_t bytes = (size_t)head_dim * sizeof(float);
+    union { float f; uint32_t u; } bits = { .f = x };
+    return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
+}
+
+static inline void store_head(void *cache, int64_t at, const float *src, int64_t head_dim,
+                              int kind)
+{
+    if (kind == KV_F32) {
+        memcpy((float *)cache + at, src, (size_t)head_dim * sizeof(float));
+    } else {
+        uint16_t *dst = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < head_dim; i++) dst[i] = narrow_bf16(src[i]);
+    }
+}
+
+/* Row r's keys and values (float32) into cache slot slots[r] of each head: caches [heads,
+ * head_slots, head_dim] of element `kind`; key head h of row r at k + r * k_stride +
+ * h * k_head_stride (head_dim floats), values alike with their own strides. */
+CLONES
+void meshlm_store_kv(const float *k, int64_t k_stride, int64_t k_head_stride,
+                     const float *v, int64_t v_stride, int64_t v_head_stride,
+                     int64_t rows, int64_t heads, int64_t head_dim, const int64_t *slots,
+                     void *k_cache, void *v_cache, int64_t head_slots, int kind)
+{
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t h = 0; h < heads; h++) {
             const int64_t at = (h * head_slots + slots[r]) * head_dim;
-            memcpy(k_cache + at, k + r * k_stride + h * k_head_stride, bytes);
-            memcpy(v_cache + at, v + r * v_stride + h * v_head_stride, bytes);
+            store_head(k_cache, at, k + r * k_stride + h * k_head_stride, head_dim, kind);
+            store_head(v_cache, at, v + r * v_stride + h * v_head_stride, head_dim, kind);
         }
     }
 }

@@ -34,17 +34,22 @@ from meshlm.common.default_model import default_cache_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c",
                                                              "layer_ops.c"))
+# Read by decode_attention.c, once per KV cache element type.
+INCLUDES = (Path(__file__).with_name("decode_attention.inc"),)
+# KV cache element types the kernels read and write: (function suffix, store_kv's kind).
+KV_DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1)}
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT = 120.0
 MAX_GROUP = 64  # query heads per KV head the kernel holds (decode_attention.c MAX_GROUP)
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
-    "meshlm_decode_attention_f32": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _P, _P, _P]
-                                   + [_I] * 6 + [_F, _P, _I, _INT],
+    **{f"meshlm_decode_attention_{suffix}": [_P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _P, _P,
+                                             _P] + [_I] * 6 + [_F, _P, _I, _INT]
+       for suffix, _ in KV_DTYPES.values()},
     "meshlm_add_rmsnorm_f32": [_P, _P, _P, _P, _I, _I, _F, _INT],
     "meshlm_rope_f32": [_P, _I, _I, _I, _I, _P, _P, _INT],
-    "meshlm_store_kv_f32": [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I],
+    "meshlm_store_kv": [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _INT],
     "meshlm_silu_mul_f32": [_P, _P, _I, _I, _INT],
 }
 
@@ -67,11 +72,13 @@ class Kernels:
                          scratch: Tensor) -> None:
         """q and out [Hq, T, D] (any head and row strides; D contiguous) at packed rows
         `rows` [B]; tables [B, W], first and last [B] (int64, contiguous); caches
-        [Hkv, NB, bs, D] contiguous; scratch of `scratch_size` elements."""
+        [Hkv, NB, bs, D] contiguous, of a `KV_DTYPES` type; scratch of `scratch_size`
+        elements."""
         hq, _, d = q.shape
         hkv, nb, bs, _ = k_cache.shape
         threads = torch.get_num_threads()
-        self.fns["meshlm_decode_attention_f32"](
+        suffix, _ = KV_DTYPES[k_cache.dtype]
+        self.fns[f"meshlm_decode_attention_{suffix}"](
             q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
             out.stride(1), rows.data_ptr(), tables.data_ptr(), tables.shape[1],
             first.data_ptr(), last.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -104,12 +111,14 @@ class Kernels:
     def store_kv(self, k: Tensor, v: Tensor, slots: Tensor, k_cache: Tensor,
                  v_cache: Tensor) -> None:
         """Keys and values [Hkv, T, D] (any head and token strides; D contiguous) into cache
-        slots `slots` [T] (int64) of a layer's caches [Hkv, NB, bs, D] contiguous."""
+        slots `slots` [T] (int64) of a layer's caches [Hkv, NB, bs, D] contiguous, of a
+        `KV_DTYPES` type (rounded to nearest, ties to even)."""
         heads, tokens, d = k.shape
-        self.fns["meshlm_store_kv_f32"](
+        _, kind = KV_DTYPES[k_cache.dtype]
+        self.fns["meshlm_store_kv"](
             k.data_ptr(), k.stride(1), k.stride(0), v.data_ptr(), v.stride(1), v.stride(0),
             tokens, heads, d, slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            k_cache.shape[1] * k_cache.shape[2])
+            k_cache.shape[1] * k_cache.shape[2], kind)
 
     def silu_mul(self, gate_up: Tensor, out: Tensor) -> None:
         """out [N, I] = silu(gate) * up, gate_up [N, 2I] holding gate then up; contiguous."""
@@ -118,10 +127,10 @@ class Kernels:
                                         torch.get_num_threads())
 
 
-def supports(num_heads: int, num_kv_heads: int, dtype: torch.dtype,
+def supports(num_heads: int, num_kv_heads: int, dtype: torch.dtype, kv_dtype: torch.dtype,
              device: torch.device) -> bool:
-    """Whether the kernels serve a model of these heads, dtype and device."""
-    return (device.type == "cpu" and dtype == torch.float32
+    """Whether the kernels serve a model of these heads, dtype, KV cache dtype and device."""
+    return (device.type == "cpu" and dtype == torch.float32 and kv_dtype in KV_DTYPES
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP)
 
 
@@ -144,7 +153,7 @@ def load() -> Kernels | BuildError:
 def built_path() -> Path:
     """Where these sources' library is (or will be) built: one file per sources and flags."""
     digest = hashlib.sha256(" ".join(FLAGS).encode())
-    for source in SOURCES:
+    for source in SOURCES + INCLUDES:
         digest.update(source.read_bytes())
     return default_cache_dir() / "kernels" / f"meshlm-kernels-{digest.hexdigest()[:16]}.so"
 

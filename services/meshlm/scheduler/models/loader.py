@@ -17,9 +17,12 @@ from meshlm.scheduler.models.llama import LlamaForCausalLM
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
+    "fp32": torch.float32,
     "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
     "float16": torch.float16,
     "half": torch.float16,
+    "fp16": torch.float16,
 }
 
 # Checkpoint tensors that are recomputed, never loaded.

@@ -206,14 +206,17 @@ def run_mesh(model_path: str, requests: Sequence[BenchRequest], warmup: BenchReq
 
 
 def engine_choices_said(scheduler_log: Path) -> list[str]:
-    """What the scheduler's start-up lines say it chose: its decode attention backend
+    """What the scheduler's start-up lines say it chose: its kernels and KV cache type
     (`engine_ready`) and its engine's threads (`engine_threads`)."""
     import json
 
     said = []
     for line in scheduler_log.read_text(errors="replace").splitlines():
         if '"engine_ready"' in line:
-            said.append(f"decode attention: {json.loads(line)['attention_backend']}")
+            e = json.loads(line)
+            fused = ", the layers fused" if e.get("fused_layers") else ""
+            said.append(f"kernels: {e['attention_backend']}{fused}; KV cache "
+                        f"{e.get('kv_cache_dtype', 'of the model dtype')}")
         elif '"engine_threads"' in line:
             e = json.loads(line)
             said.append(f"the engine chose {e['threads']} threads on {e['cores']:g} cores: "

@@ -75,6 +75,7 @@ def run_llama_cpp(model_path: Path, requests: Sequence[BenchRequest], warmup: Be
             keepalive=False))
     result.notes.append(f"token ids equal to the tokenizer's for {len(texts) - len(mismatches)}"
                         f" of {len(texts)} texts" + "".join(f"; {m}" for m in mismatches[:3]))
+    result.notes.append("KV cache float16 (llama-server's default: no --cache-type-k/v given)")
     return result
 
 

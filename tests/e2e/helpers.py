@@ -15,6 +15,7 @@ import grpc
 import httpx
 import openai
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshlm.common.default_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
 from meshlm.launch.mesh import Mesh, MeshOptions
@@ -74,6 +75,18 @@ def scheduler_busy(mesh: Mesh, address: str) -> int:
 
 def gateway_load(stub) -> dict:
     return json.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)[0]
+
+
+def wait_idle(mesh, timeout: float = 60.0) -> None:
+    """Wait until the mesh's scheduler has nothing running or waiting (an earlier test's
+    requests have ended)."""
+    creds = mesh_credentials(mesh)
+
+    def idle() -> bool:
+        load = scheduler_load(mesh, creds)
+        return load.running == 0 and load.waiting == 0
+
+    wait_until(idle, timeout=timeout, what="an idle scheduler")
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
@@ -255,3 +268,21 @@ def chatml(messages: list[dict[str, str]]) -> str:
     turns = "".join(f"{IM_START_TOKEN}{m['role']}\n{m['content']}{IM_END_TOKEN}\n"
                     for m in messages)
     return f"{BOS_TOKEN}{turns}{IM_START_TOKEN}assistant\n"
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(url: str) -> Samples:
+    """A Prometheus /metrics page, as (name, labels) -> value."""
+    r = httpx.get(url, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/plain")
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """The sum of `name` over the series whose labels include `labels`."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)

@@ -10,7 +10,12 @@ import uuid
 import grpc
 import httpx
 import pytest
-from helpers import mesh_credentials, mesh_redis, scheduler_load, text_request, wait_until
+from helpers import (
+    mesh_redis,
+    text_request,
+    wait_idle,
+    wait_until,
+)
 
 from meshlm.gateway.mesh.registry import key
 
@@ -30,12 +35,6 @@ def _closed(registry, rid: str) -> dict[str, str]:
     return registry.hgetall(key(rid))
 
 
-def _idle(mesh) -> None:
-    creds = mesh_credentials(mesh)
-    wait_until(lambda: scheduler_load(mesh, creds).running == 0, timeout=5,
-               what="the scheduler's running batch to empty")
-
-
 def test_grpc_deadline_ends_a_long_stream(mesh, stub, registry):
     rid = f"dl-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
@@ -48,7 +47,7 @@ def test_grpc_deadline_ends_a_long_stream(mesh, stub, registry):
     assert got > 0  # it streamed until the deadline, then ended
     assert elapsed < 1.5 + 2.0, elapsed
     assert _closed(registry, rid)["state"] in ("aborted", "error")
-    _idle(mesh)
+    wait_idle(mesh)
 
 
 @pytest.mark.parametrize("path,body", [
@@ -69,7 +68,7 @@ def test_http_grpc_timeout_header_ends_a_request_with_504(mesh, registry, path, 
     assert elapsed < 1.5 + 2.0, elapsed
     if path == "/generate":
         assert _closed(registry, rid)["finish_reason"] == "deadline_exceeded"
-    _idle(mesh)
+    wait_idle(mesh)
 
 
 def test_a_deadline_long_enough_changes_nothing(mesh, stub):

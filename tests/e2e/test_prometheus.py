@@ -10,28 +10,17 @@ import uuid
 from collections import Counter
 
 import grpc
-import httpx
 import pytest
-from helpers import mesh_credentials, scheduler_load, text_request, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from helpers import (
+    Samples,
+    scrape,
+    text_request,
+    total,
+    wait_idle,
+    wait_until,
+)
 
 from sglang.runtime.v1 import sglang_pb2 as pb
-
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def scrape(url: str) -> Samples:
-    r = httpx.get(url, timeout=30)
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith("text/plain")
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
-
-
-def total(samples: Samples, name: str, **labels: str) -> float:
-    """The sum of `name` over the series whose labels include `labels`."""
-    want = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
 
 
 def model_name(samples: Samples) -> str:
@@ -47,19 +36,9 @@ def urls(mesh) -> tuple[str, str]:
             f"http://{mesh.service('scheduler').metrics_address}/metrics")
 
 
-def _idle(mesh) -> None:
-    creds = mesh_credentials(mesh)
-
-    def idle() -> bool:
-        load = scheduler_load(mesh, creds)
-        return load.running == 0 and load.waiting == 0
-
-    wait_until(idle, timeout=60, what="an idle scheduler")
-
-
 def test_counters_move_by_what_the_requests_returned(mesh, stub, urls):
     gateway_url, scheduler_url = urls
-    _idle(mesh)
+    wait_idle(mesh)
     before, engine_before = scrape(gateway_url), scrape(scheduler_url)
     finals: list[pb.TextGenerateResponse] = []
     returned = itl = 0
@@ -120,7 +99,7 @@ def test_counters_move_by_what_the_requests_returned(mesh, stub, urls):
 
 def test_load_gauges_show_a_running_request_and_a_dropped_one_is_an_abort(mesh, stub, urls):
     gateway_url, scheduler_url = urls
-    _idle(mesh)
+    wait_idle(mesh)
     before = scrape(gateway_url)
     call = stub.TextGenerate(text_request("Keep going", rid=f"metrics-{uuid.uuid4().hex[:8]}",
                                           max_new_tokens=1500, ignore_eos=True), timeout=120)
@@ -153,7 +132,7 @@ def test_load_gauges_show_a_running_request_and_a_dropped_one_is_an_abort(mesh, 
                 - total(before, "vllm:request_success_total", finished_reason="abort"))
 
     wait_until(lambda: aborted() == 1, timeout=30, what="the dropped request counted as abort")
-    _idle(mesh)
+    wait_idle(mesh)
     assert total(scrape(gateway_url), "vllm:num_requests_running") == 0
 
 

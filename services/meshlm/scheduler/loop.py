@@ -5,9 +5,10 @@ the request's meta, with its route and deadline, sent on whole in its first outp
 aborts that came before their request) and runs the engine's step,
 schedule -> execute -> postprocess, with the forward pass on the engine thread (the executor's
 one worker) and all scheduling state on the event loop. Each step's outputs leave as one batch
-per detokenizer, put on a sink (the stream pool to the detokenizers). Control calls (flush,
-pause, weights) queued with `at_step_boundary` run between two steps, before the next is
-planned.
+per detokenizer, put on a sink (the stream pool to the detokenizers); a request's tokens may
+leave in pieces (pacing.py: 50 for one that does not stream, --stream-interval for one that
+does). Control calls (flush, pause, weights) queued with `at_step_boundary` run between two
+steps, before the next is planned.
 
 No grpc here: error outputs carry `Code` values, and the gRPC servicer (server.py) only calls in.
 """
@@ -26,7 +27,7 @@ from meshlm.common import deadline
 from meshlm.common.logs import get_logger
 from meshlm.common.profiling import RequestEvents
 from meshlm.common.tracing import context_of, tracer
-from meshlm.scheduler import wire
+from meshlm.scheduler import pacing, wire
 from meshlm.scheduler.engine.sequence import StepOutput
 from meshlm.scheduler.tracked import Code, Tracked
 from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT, EngineWatchdog
@@ -66,13 +67,16 @@ class EngineLoop:
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor, sink: OutputSink,
                  events: RequestEvents | None = None, address: str = "",
                  max_queued: int = 1024,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT) -> None:
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.engine = engine
         self.executor = executor  # the engine thread: every torch call runs on it
         self.sink = sink
         self.events = events or RequestEvents("scheduler")
         self.address = address
         self.max_queued = max_queued
+        self.stream_interval = stream_interval  # tokens per streamed output (pacing.py)
         self.tracked: dict[str, Tracked] = {}  # live requests, by rid
         self.pre_aborted: dict[str, float] = {}  # rid -> time.monotonic() it is forgotten at
         self.wake = asyncio.Event()
@@ -104,6 +108,7 @@ class EngineLoop:
             attributes={"meshlm.rid": rid, "meshlm.prompt_tokens": prompt_tokens},
         )
         tracked = wire.tracked_of(req, span)
+        tracked.hold = pacing.hold_tokens(meta, self.stream_interval)
         if not meta.embed and not self.engine.model_config.has_lm_head:
             tracked.error_code = Code.FAILED_PRECONDITION
         if rid in self.tracked:
@@ -322,6 +327,11 @@ class EngineLoop:
                 # streams to end CANCELLED (HTTP keeps the finish_reason).
                 tracked.error_code = Code.CANCELLED
                 out = dataclasses.replace(out, error=ABORTED_ALL)
+            if tracked.hold > 1:
+                due = pacing.release(tracked, out)
+                if due is None:
+                    continue  # held back, to leave with the next tokens
+                out = due
             if out.finished:
                 self.events.record("finish", out.rid)
                 del self.tracked[out.rid]

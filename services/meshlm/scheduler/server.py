@@ -88,6 +88,10 @@ class SchedulerConfig(ServiceConfig):
                                                     "the engine has the cores to itself")
     max_queued: int = cfg.field(1024, "requests waiting for a running slot; beyond it a new "
                                       "request ends at once with RESOURCE_EXHAUSTED")
+    stream_interval: int = cfg.field(1, "a streaming request's tokens per output after its "
+                                        "first (SGLang's --stream-interval): larger sends "
+                                        "fewer, larger messages through the mesh to the "
+                                        "client, for less CPU per token")
     stall_timeout: float = cfg.field(DEFAULT_STALL_TIMEOUT,
                                      "seconds one engine step may run before the scheduler "
                                      "counts as stalled (NOT_SERVING, its requests end "
@@ -190,7 +194,7 @@ async def serve(config: SchedulerConfig) -> None:
     )
     profiling = Profiling("scheduler", EngineTorchTrace(executor))
     loop = EngineLoop(engine, executor, outputs, profiling.events, max_queued=config.max_queued,
-                      stall_timeout=config.stall_timeout)
+                      stall_timeout=config.stall_timeout, stream_interval=config.stream_interval)
     servicer = SchedulerServicer(loop, EngineControl(engine, loop, info))
     server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
                                  "meshlm.v1.Scheduler"), profiler_binding(profiling)])

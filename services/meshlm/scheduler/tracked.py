@@ -8,6 +8,7 @@ from enum import IntEnum
 
 from opentelemetry import trace
 
+from meshlm.scheduler.engine.sequence import StepOutput
 from meshlm.v1 import common_pb2
 
 
@@ -44,3 +45,6 @@ class Tracked:
     forfeit: str = ""  # given up by the watchdog (why): ends UNAVAILABLE
     # Aborted with every other request (abort_all): its abort output says so, CANCELLED.
     cancelled: bool = False
+    # Tokens per piece of its outputs (1: each leaves at once; pacing.py), and what is held.
+    hold: int = 1
+    held: StepOutput | None = None

@@ -174,13 +174,14 @@ def sample_prompt(n: int) -> list[int]:
 
 
 def tokenized(rid: str, prompt: list[int], **kw: Any) -> scheduler_pb2.TokenizedRequest:
-    """A greedy request for 4 tokens (EOS ignored), routed to detokenizer "d"; `kw` are more
-    RequestMeta fields."""
+    """A greedy streaming request for 4 tokens (EOS ignored; each output sent at once),
+    routed to detokenizer "d"; `kw` are more RequestMeta fields."""
     sampling = common_pb2.SamplingParams(temperature=0.0, top_p=1.0, top_k=-1,
                                          repetition_penalty=1.0, max_new_tokens=4,
                                          ignore_eos=True, logprob_start_len=-1)
     meta = common_pb2.RequestMeta(rid=rid, sampling=sampling,
-                                  route=common_pb2.Route(detokenizer="d"), **kw)
+                                  route=common_pb2.Route(detokenizer="d"),
+                                  **{"stream": True, **kw})
     return scheduler_pb2.TokenizedRequest(meta=meta, input_ids=prompt)
 
 

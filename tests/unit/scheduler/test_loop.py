@@ -1,5 +1,6 @@
 """The engine loop over a real tiny engine, without gRPC: what the wire fields embed and after
-do, deadlines enforced (also while paused), bounded admission, aborts before arrival."""
+do, deadlines enforced (also while paused), bounded admission, aborts before arrival, and the
+outputs of a request that does not stream sent in pieces."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from typing import Any
 import pytest
 from scheduler_helpers import Outputs, sample_prompt, tokenized, write_checkpoint
 
-from meshlm.scheduler.engine.sequence import SamplingParams
+from meshlm.scheduler.engine.sequence import SamplingParams, StepOutput
 from meshlm.scheduler.loop import EngineLoop
+from meshlm.scheduler.pacing import HOLD_TOKENS, hold_tokens, merge
 from meshlm.scheduler.tracked import Code
 from meshlm.v1 import common_pb2, scheduler_pb2
 
@@ -193,3 +195,97 @@ def test_admission_passes_the_gateways_priority_to_the_engine() -> None:
             sampling=common_pb2.SamplingParams(top_p=1.0, max_new_tokens=1))))
     assert [(rid, priority) for rid, _, _, priority in engine.added] == [
         ("low", -3), ("none", 0), ("high", 7)]
+
+
+def _long(rid: str, n: int, **kw: Any) -> scheduler_pb2.TokenizedRequest:
+    req = tokenized(rid, sample_prompt(12), **kw)
+    req.meta.sampling.max_new_tokens = n
+    return req
+
+
+async def test_a_request_that_does_not_stream_gets_its_tokens_in_pieces(
+        running: tuple[EngineLoop, Outputs]):
+    """Its first output at once (with the header), then pieces of at least HOLD_TOKENS tokens,
+    then its end: the same tokens and logprobs as a streaming twin's one output per token."""
+    loop, outputs = running
+    whole, streamed = _long("whole", 120, stream=False), _long("streamed", 120)
+    for req in (whole, streamed):
+        req.meta.sampling.return_logprob = True
+    _submit(loop, whole, streamed)
+    outs = await outputs.finished({"whole", "streamed"})
+    pieces = [len(o.token_ids) for o in outs["whole"]]
+    assert pieces[0] == 1 and outs["whole"][0].HasField("header"), pieces
+    assert all(n >= HOLD_TOKENS for n in pieces[1:-1]) and len(pieces) <= 4, pieces
+    assert [len(o.token_ids) for o in outs["streamed"]] == [1] * 120
+    tokens = {k: [t for o in v for t in o.token_ids] for k, v in outs.items()}
+    assert len(tokens["whole"]) == 120 and tokens["whole"] == tokens["streamed"]
+    logprobs = {k: [x for o in v for x in o.logprobs.output_logprobs] for k, v in outs.items()}
+    assert logprobs["whole"] == pytest.approx(logprobs["streamed"], abs=1e-5)
+    assert [o.completion_tokens for o in outs["whole"]][-1] == 120
+
+
+async def test_stop_strings_keep_a_request_that_does_not_stream_token_by_token(
+        running: tuple[EngineLoop, Outputs]):
+    """The detokenizer matches stop strings: it sees each token as soon as it is made."""
+    loop, outputs = running
+    req = _long("stops", 60, stream=False)
+    req.meta.sampling.stop.append("never appears")
+    _submit(loop, req)
+    outs = (await outputs.finished({"stops"}))["stops"]
+    assert [len(o.token_ids) for o in outs] == [1] * 60
+
+
+async def test_an_abort_sends_what_was_held(running: tuple[EngineLoop, Outputs]):
+    """Aborted mid-piece, a request that does not stream still gets every token it made; its
+    streaming twin, stepped in the same batches, says when some are held."""
+    loop, outputs = running
+    _submit(loop, _long("held", 200, stream=False), _long("twin", 200))
+    await outputs.until(lambda: len(outputs.of("twin")) >= 8)
+    assert len(outputs.of("held")) == 1  # the first token; the next ones are held
+    loop.abort(["held"])
+    outs = (await outputs.finished({"held"}))["held"]
+    assert outs[-1].finish_reason == "abort" and len(outs) == 2
+    assert sum(len(o.token_ids) for o in outs) == outs[-1].completion_tokens >= 8
+
+
+def test_merged_outputs_keep_the_prompts_logprobs_and_the_later_counts() -> None:
+    def output(ids: list[int], done: bool, prompt: list[float | None]) -> StepOutput:
+        return StepOutput(rid="r", new_token_ids=ids, finished=done,
+                          finish_reason="length" if done else None, matched_token=None,
+                          prompt_tokens=3, completion_tokens=len(ids), cached_tokens=0,
+                          output_logprobs=[-0.5] * len(ids), input_logprob_start=1,
+                          input_logprobs=prompt)
+    merged = merge(output([1, 2], False, [None, -1.0]), output([3], True, []))
+    assert merged.new_token_ids == [1, 2, 3] and merged.output_logprobs == [-0.5] * 3
+    assert merged.input_logprobs == [None, -1.0] and merged.input_logprob_start == 1
+    assert merged.finished and merged.finish_reason == "length"
+    assert merged.completion_tokens == 1  # the later output's count
+
+
+async def test_stream_interval_sends_the_first_token_then_every_nth(make_engine: Any):
+    """--stream-interval 4: a streaming request's first token at once, then pieces of 4; its
+    last piece whatever is left."""
+    outputs = Outputs()
+    loop = EngineLoop(make_engine(None, max_running=8, block_size=16), ThreadPoolExecutor(1),
+                      outputs, address="s", stream_interval=4)
+    task = asyncio.create_task(loop.run())
+    try:
+        _submit(loop, _long("paced", 11))
+        outs = (await outputs.finished({"paced"}))["paced"]
+        assert [len(o.token_ids) for o in outs] == [1, 4, 4, 2]
+    finally:
+        task.cancel()
+        loop.close()
+
+
+def test_what_is_held_back_and_what_is_not() -> None:
+    def meta(**kw: Any) -> common_pb2.RequestMeta:
+        return tokenized("r", [1], **kw).meta
+    with_stop = meta(stream=False)
+    with_stop.sampling.stop.append("\n")
+    assert hold_tokens(meta(), 1) == 1 and hold_tokens(meta(), 8) == 8
+    assert hold_tokens(meta(stream=False), 1) == HOLD_TOKENS
+    assert hold_tokens(with_stop, 8) == 1 and hold_tokens(meta(embed=True, stream=False), 8) == 1
+    with pytest.raises(ValueError, match="stream_interval must be at least 1, got 0"):
+        EngineLoop(SimpleNamespace(), ThreadPoolExecutor(1), Outputs(),  # type: ignore[arg-type]
+                   stream_interval=0)

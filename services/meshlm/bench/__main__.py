@@ -38,6 +38,7 @@ from tqdm import tqdm
 from meshlm.bench.mesh_report import (
     ENGINE_THREAD_PART,
     SERVICES,
+    SPACED_GAP_S,
     Result,
     cpu_line,
     pinned_line,
@@ -120,14 +121,21 @@ def bench_engine(model_path: str, n_warm: int, n_ttft: int, sat: Saturation,
             temperature=0.0, max_new_tokens=2, ignore_eos=True))
         while engine.has_work():
             engine.step()
-    ttft = []
-    for i in tqdm(range(n_ttft), desc="engine ttft", leave=False):
+    def first_token(rid: str, i: int) -> float:
         start = time.perf_counter()
-        engine.add_request(f"t{i}", tok.encode(prompt(i, 16)), SamplingParams(
+        engine.add_request(rid, tok.encode(prompt(i, 16)), SamplingParams(
             temperature=0.0, max_new_tokens=1, ignore_eos=True))
+        seconds = 0.0
         while engine.has_work():
             if any(o.new_token_ids for o in engine.step()):
-                ttft.append(time.perf_counter() - start)
+                seconds = time.perf_counter() - start
+        return seconds
+
+    ttft = [first_token(f"t{i}", i) for i in tqdm(range(n_ttft), desc="engine ttft", leave=False)]
+    spaced = []
+    for i in range(n_ttft):
+        time.sleep(SPACED_GAP_S)  # the workload: the engine idle before the request comes
+        spaced.append(first_token(f"g{i}", i))
     ids = [tok.encode(text) for text, _ in sat.requests]
     start, cpu_start = time.perf_counter(), time.process_time()
     for i, (p, (_, new_tokens)) in enumerate(zip(ids, sat.requests, strict=True)):
@@ -137,7 +145,7 @@ def bench_engine(model_path: str, n_warm: int, n_ttft: int, sat: Saturation,
     while engine.has_work():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     return Result("in-process", ttft, tokens, time.perf_counter() - start,
-                  cpu={"engine": time.process_time() - cpu_start})
+                  cpu={"engine": time.process_time() - cpu_start}, spaced_ttft=spaced)
 
 
 # -- mesh over gRPC ---------------------------------------------------------------------------

@@ -67,3 +67,14 @@ def test_report_keeps_the_table_and_ratios() -> None:
     assert text.splitlines()[0].split() == ["path", "TTFT", "p50", "ms", "TTFT", "p99", "ms",
                                             "out", "tok/s"]
     assert "mesh gRPC vs in-process: TTFT p50 +1.75 ms, throughput 80.0%" in text
+
+
+def test_the_spaced_in_process_run_is_reported_beside_the_goal() -> None:
+    spaced = Result("in-process", ENGINE.ttft, tokens=1000, seconds=2.0, cpu=ENGINE.cpu,
+                    spaced_ttft=[0.0115, 0.0125])
+    assert pinned_line(spaced, GRPC, "gRPC", PLAN).endswith(
+        "TTFT p50 at concurrency 1 +1.75 ms (goal <= +2 ms; +0.75 ms over the engine with "
+        "requests 5 ms apart)")
+    assert ("in-process with requests 5 ms apart (the engine idle before each, as the mesh's "
+            "is while a request crosses the other services): TTFT p50 12.00 ms; mesh gRPC "
+            "+0.75 ms, mesh HTTP +2.00 ms over it") in report([spaced, GRPC, HTTP])

@@ -27,6 +27,7 @@ def _kernels() -> native.Kernels:
     (8, 4, 5, 128, torch.float32), (6, 1, 40, 16, torch.float32),
     (4, 2, 7, 64, torch.float32), (8, 2, None, 64, torch.bfloat16),
     (8, 4, 5, 128, torch.bfloat16), (6, 1, 40, 16, torch.bfloat16),
+    (8, 2, None, 64, torch.float16), (8, 4, 5, 128, torch.float16), (6, 1, 40, 20, torch.float16),
 ])
 def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
                                                      window: int | None, d: int,
@@ -34,7 +35,8 @@ def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
     """Rows of different lengths, scattered and shared blocks, queries taken out of order
     from a packed step whose head and row strides are not contiguous ones, and a sliding
     window: the same output as the gather and two matmuls; head sizes the kernel unrolls
-    (64, 128) and one it does not; caches of float32 and bfloat16."""
+    (64, 128) and others (20: a float16 row widened 8 at a time, then 4 more); caches of
+    float32, bfloat16 and float16."""
     torch.manual_seed(0)
     bs, blocks, rows = 4, 32, 5
     k_cache = torch.randn(kv_heads, blocks, bs, d).to(kv_dtype)
@@ -92,21 +94,21 @@ def test_the_backend_asked_for_is_the_one_served(gqa_model: Path) -> None:
     assert cpu_kernels("torch", cfg, f32, f32, cpu) is None
     assert isinstance(cpu_kernels("native", cfg, f32, f32, cpu), native.Kernels)
     assert isinstance(cpu_kernels("native", cfg, f32, bf16, cpu), native.Kernels)
+    assert isinstance(cpu_kernels("auto", cfg, f32, f16, cpu), native.Kernels)
     assert cpu_kernels("auto", cfg, bf16, bf16, cpu) is None  # torch serves the rest
-    assert cpu_kernels("auto", cfg, f32, f16, cpu) is None
     with pytest.raises(ValueError, match="native kernels serve float32"):
         cpu_kernels("native", cfg, bf16, bf16, cpu)
-    with pytest.raises(ValueError, match="not .* a torch.float16 KV cache"):
-        cpu_kernels("native", cfg, f32, f16, cpu)
+    with pytest.raises(ValueError, match="not .* a torch.float64 KV cache"):
+        cpu_kernels("native", cfg, f32, torch.float64, cpu)
     with pytest.raises(ValueError, match="expected one of auto, native, torch"):
         cpu_kernels("flash", cfg, f32, f32, cpu)
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16", "float16"])
 @torch.inference_mode()
 def test_native_and_torch_engines_draw_the_same_tokens(gqa_model: Path, kv_dtype: str) -> None:
     """Greedy decoding of a batch of different lengths, step by step, the same either way,
-    over a float32 KV cache and over a bfloat16 one."""
+    over a float32 KV cache, a bfloat16 one and a float16 one."""
     from meshlm.scheduler.engine.engine import SamplingParams
 
     outputs = {}
@@ -164,16 +166,17 @@ def test_rope_in_place_matches_apply_rotary_on_the_leading_heads_only() -> None:
     assert torch.equal(heads[6:], values)
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_store_kv_writes_each_token_to_its_slot_and_nothing_else(kv_dtype: torch.dtype) -> None:
     """Keys and values in the layouts the forwards leave them (keys contiguous after RoPE,
-    values a strided view of the packed projection) into scattered slots; into a bfloat16
-    cache rounded as torch rounds."""
+    values a strided view of the packed projection) into scattered slots; into a bfloat16 or
+    float16 cache rounded as torch rounds (float16's overflow to infinity too)."""
     torch.manual_seed(3)
     heads, d, bs, blocks = 2, 16, 4, 6
     k_cache = torch.zeros(heads, blocks, bs, d, dtype=kv_dtype)
     v_cache = torch.zeros(heads, blocks, bs, d, dtype=kv_dtype)
     k = torch.randn(heads, 5, d) * 100
+    k[0, 0, :3] = torch.tensor([70000.0, -1e-6, 65519.0])  # past float16, subnormal, rounds up
     v = torch.randn(5, 3 * heads * d)[:, heads * d : 2 * heads * d].view(5, heads, d)
     v = v.transpose(0, 1)  # [heads, T, D], rows 3 * heads * d apart
     slots = torch.tensor([13, 2, 22, 7, 0])
@@ -200,18 +203,23 @@ def test_an_unknown_kv_cache_dtype_is_refused(gqa_model: Path) -> None:
         Engine(EngineConfig(model_path=str(gqa_model), kv_cache_dtype="int3"))
 
 
-@torch.inference_mode()
-def test_a_float16_kv_cache_is_served_by_torch_ops(gqa_model: Path) -> None:
-    """The native kernels read float32 and bfloat16 caches; auto leaves float16 to torch."""
-    from meshlm.scheduler.engine.engine import SamplingParams
-
-    engine = Engine(EngineConfig(model_path=str(gqa_model), block_size=4, max_running=2,
-                                 kv_cache_dtype="fp16"))
-    assert engine.attention_backend == "torch" and engine.runner.kv.k.dtype == torch.float16
-    engine.add_request("r", list(range(3, 30)), SamplingParams(temperature=0.0,
-                                                               max_new_tokens=8,
-                                                               ignore_eos=True))
-    tokens = []
-    while engine.has_work():
-        tokens += [t for out in engine.step() for t in out.new_token_ids]
-    assert len(tokens) == 8
+def test_float16_rounding_matches_torch_bit_for_bit() -> None:
+    """store_kv narrows float32 to float16 in integer operations (no _Float16 needed): every
+    float16 value, the ties halfway between neighbours (to even), a float32 step either side
+    of them, past the largest finite value (infinity) and below the smallest subnormal (zero),
+    all as torch rounds them."""
+    halves = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = halves[torch.isfinite(halves)].float().unique()
+    ties = (finite[:-1] + finite[1:]) / 2  # exact in float32
+    step = torch.finfo(torch.float32).eps * ties.abs()
+    extremes = torch.tensor([65504.0, 65519.99, 65520.0, 1e6, float("inf"), 2.0 ** -25,
+                             2.0 ** -26, 3 * 2.0 ** -25, 1e-45, 0.0, -0.0, float("nan")])
+    values = torch.cat([finite, ties, ties - step, ties + step, extremes, -extremes])
+    d = 16
+    values = torch.cat([values, torch.zeros(-len(values) % d)]).view(1, -1, d)
+    cache = torch.zeros(1, values.shape[1], 1, d, dtype=torch.float16)
+    _kernels().store_kv(values, values, torch.arange(values.shape[1]), cache, cache.clone())
+    got, want = cache.view(-1), values.reshape(-1).to(torch.float16)
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    same = got.view(torch.int16) == want.view(torch.int16)
+    assert bool(same[~torch.isnan(want)].all()), values.reshape(-1)[~same][:8]

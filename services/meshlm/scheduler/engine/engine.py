@@ -79,16 +79,16 @@ ATTENTION_BACKENDS = ("auto", "native", "torch")
 def cpu_kernels(backend: str, mc: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype,
                 device: torch.device) -> native.Kernels | None:
     """The kernels `backend` asks for: native (meshlm's C kernels, built on first use: CPU,
-    float32, a float32 or bfloat16 KV cache), torch (torch ops, any device), or auto (native
-    where they serve the model and build, else torch; the reason is logged)."""
+    float32, a float32, bfloat16 or float16 KV cache), torch (torch ops, any device), or auto
+    (native where they serve the model and build, else torch; the reason is logged)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of "
                          f"{', '.join(ATTENTION_BACKENDS)}")
     if backend == "torch":
         return None
     if not native.supports(mc.num_heads, mc.num_kv_heads, dtype, kv_dtype, device):
-        why = (f"the native kernels serve float32 on the CPU, a float32 or bfloat16 KV cache "
-               f"and at most {native.MAX_GROUP} query heads per KV head, not {dtype} on "
+        why = (f"the native kernels serve float32 on the CPU, a float32, bfloat16 or float16 "
+               f"KV cache and at most {native.MAX_GROUP} query heads per KV head, not {dtype} on "
                f"{device}, a {kv_dtype} KV cache and {mc.num_heads}/{mc.num_kv_heads}")
         if backend == "native":
             raise ValueError(f"attention backend native: {why}")

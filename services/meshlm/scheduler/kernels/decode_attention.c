@@ -1,9 +1,12 @@
 /* Paged decode attention on the CPU: each row's one new query token (float32) attends over
  * its keys and values where they lie in the paged KV cache, read through its block table in
  * place (no gather into a contiguous copy first), with a two-pass softmax in float32. The
- * cache holds float32 or bfloat16 (`--kv-cache-dtype`): one kernel per type,
- * meshlm_decode_attention_{f32,bf16}, from decode_attention.inc. (Not float16: GCC 12
- * vectorizes no _Float16 load without AVX512-FP16, and the scalar kernel was 3.5x slower.)
+ * cache holds float32, bfloat16 or float16 (`--kv-cache-dtype`): one kernel per type,
+ * meshlm_decode_attention_{f32,bf16,f16}, from decode_attention.inc. GCC 12 vectorizes no
+ * _Float16 arithmetic or conversion without AVX512-FP16 (a scalar float16 kernel was 3.5x
+ * slower than float32), so float16 is read as bit patterns: on CPUs with F16C (x86-64-v3)
+ * each key and value row is widened eight at a time into a float32 buffer and computed on
+ * as float32; elsewhere each element is widened by integer operations as it is read.
  *
  * Layouts (strides in elements):
  *   q, out     query head h of packed row rows[r] at h * head_stride + rows[r] * row_stride,
@@ -52,3 +55,70 @@ static inline float widen_bf16(uint16_t x)
 #undef KV
 #undef WIDEN
 #undef NAME
+
+/* A float16 bit pattern as float32, in integer operations any x86-64 vectorizes (converting a
+ * _Float16 needs F16C, which the portable build may not assume): a normal number's exponent
+ * is rebiased, a subnormal's mantissa scaled, an infinity's or NaN's exponent kept all ones. */
+static inline float widen_f16(uint16_t h)
+{
+    const uint32_t magnitude = h & 0x7fffu;
+    uint32_t bits = (magnitude << 13) + ((uint32_t)(127 - 15) << 23);
+    if (magnitude >= 0x7c00u) bits |= 0x7f800000u;
+    union { uint32_t u; float f; } normal = { .u = bits }, value;
+    value.f = magnitude < 0x400u ? (float)magnitude * 0x1p-24f : normal.f;
+    value.u |= (uint32_t)(h & 0x8000u) << 16;
+    return value.f;
+}
+
+/* The float16 kernel where F16C may not be assumed: each element widened as it is read. */
+#define KV uint16_t
+#define WIDEN(x) widen_f16(x)
+#define NAME(f) f##_f16_portable
+#include "decode_attention.inc"
+#undef KV
+#undef WIDEN
+#undef NAME
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* n float16 values (bit patterns) at src as float32 at dst, eight at a time by F16C. */
+__attribute__((target("avx2,f16c,fma"))) static inline void widen_f16_row(
+    float *restrict dst, const uint16_t *restrict src, int64_t n)
+{
+    const int64_t whole = n - n % 8;
+    for (int64_t i = 0; i < whole; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+    for (int64_t i = whole; i < n; i++) dst[i] = widen_f16(src[i]);
+}
+
+/* The float16 kernel on x86-64-v3 and later: each key and value row widened by F16C into a
+ * float32 buffer (GCC 12 vectorizes no _Float16 conversion by itself), then read as float32. */
+#undef CLONES
+#define CLONES __attribute__((target("arch=x86-64-v3")))
+#define KV uint16_t
+#define WIDEN_ROW(dst, src, n) widen_f16_row(dst, src, n)
+#define NAME(f) f##_f16_f16c
+#include "decode_attention.inc"
+#undef KV
+#undef WIDEN_ROW
+#undef NAME
+
+/* meshlm_decode_attention_f16 is the F16C kernel where the CPU has it, the portable one
+ * elsewhere, chosen once when the library loads. */
+typedef __typeof__(meshlm_decode_attention_f16_portable) decode_attention_f16;
+
+static decode_attention_f16 *pick_decode_attention_f16(void)
+{
+    __builtin_cpu_init();
+    const int f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                     __builtin_cpu_supports("f16c");
+    return f16c ? meshlm_decode_attention_f16_f16c : meshlm_decode_attention_f16_portable;
+}
+
+decode_attention_f16 meshlm_decode_attention_f16
+    __attribute__((ifunc("pick_decode_attention_f16")));
+#else
+__typeof__(meshlm_decode_attention_f16_portable) meshlm_decode_attention_f16
+    __attribute__((alias("meshlm_decode_attention_f16_portable")));
+#endif

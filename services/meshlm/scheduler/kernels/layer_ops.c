@@ -75,7 +75,7 @@ void meshlm_rope_f32(float *x, int64_t rows, int64_t stride, int64_t heads, int6
 }
 
 /* KV cache element types (`--kv-cache-dtype`); decode_attention.c reads each. */
-enum { KV_F32 = 0, KV_BF16 = 1 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
 
 /* x rounded to the nearest bfloat16, ties to even (as torch converts). */
 static inline uint16_t narrow_bf16(float x)
@@ -84,11 +84,39 @@ static inline uint16_t narrow_bf16(float x)
     return (uint16_t)((bits.u + 0x7FFFu + ((bits.u >> 16) & 1u)) >> 16);
 }
 
+/* x rounded to the nearest float16, ties to even (as torch converts), in integer operations:
+ * past 65504 an infinity, below 2^-14 a subnormal (or zero), a NaN stays one. */
+static inline uint16_t narrow_f16(float x)
+{
+    union { float f; uint32_t u; } bits = { .f = x };
+    const uint16_t sign = (uint16_t)((bits.u >> 16) & 0x8000u);
+    const uint32_t magnitude = bits.u & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return sign | 0x7e00u;                  /* NaN */
+    if (magnitude >= 0x38800000u) {                                      /* >= 2^-14 */
+        /* rebias the exponent, round the 13 dropped mantissa bits to even; a carry past
+         * 65504 lands on the infinity's pattern */
+        const uint32_t rounded = magnitude + 0xfffu + ((magnitude >> 13) & 1u);
+        const uint32_t half = (rounded >> 13) - ((uint32_t)(127 - 15) << 10);
+        return sign | (uint16_t)(half >= 0x7c00u ? 0x7c00u : half);
+    }
+    /* a subnormal float16 counts units of 2^-24: the float's mantissa (implicit bit set)
+     * shifted right by 126 - its exponent, rounded to even */
+    const int shift = 126 - (int)(magnitude >> 23);
+    if (shift > 24) return sign;
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const uint32_t kept = mantissa >> shift, dropped = mantissa & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1);
+    return sign | (uint16_t)(kept + (dropped > halfway || (dropped == halfway && (kept & 1u))));
+}
+
 static inline void store_head(void *cache, int64_t at, const float *src, int64_t head_dim,
                               int kind)
 {
     if (kind == KV_F32) {
         memcpy((float *)cache + at, src, (size_t)head_dim * sizeof(float));
+    } else if (kind == KV_F16) {
+        uint16_t *dst = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < head_dim; i++) dst[i] = narrow_f16(src[i]);
     } else {
         uint16_t *dst = (uint16_t *)cache + at;
         for (int64_t i = 0; i < head_dim; i++) dst[i] = narrow_bf16(src[i]);

@@ -37,7 +37,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c"
 # Read by decode_attention.c, once per KV cache element type.
 INCLUDES = (Path(__file__).with_name("decode_attention.inc"),)
 # KV cache element types the kernels read and write: (function suffix, store_kv's kind).
-KV_DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1)}
+KV_DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1), torch.float16: ("f16", 2)}
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT = 120.0
 MAX_GROUP = 64  # query heads per KV head the kernel holds (decode_attention.c MAX_GROUP)

@@ -119,8 +119,8 @@ def run_engine(model_path: str, requests: Sequence[BenchRequest], warmup: BenchR
     bar.close()
     result = Result(name, sum(counts.values()), seconds)
     result.notes.append(f"{steps} steps, {seconds / steps * 1000:.0f} ms each; "
-                        f"{engine.packed_linears} decoder projections prepacked for oneDNN "
-                        "(HF runs plain torch linears)")
+                        f"{engine.packed_linears} linears packed for {engine.linear_kernel}'s "
+                        "kernel (HF runs plain torch linears)")
     _expect(result, requests, [counts[r.rid] for r in requests])
     return result
 
@@ -215,7 +215,8 @@ def engine_choices_said(scheduler_log: Path) -> list[str]:
         if '"engine_ready"' in line:
             e = json.loads(line)
             fused = ", the layers fused" if e.get("fused_layers") else ""
-            said.append(f"kernels: {e['attention_backend']}{fused}; KV cache "
+            said.append(f"kernels: {e['attention_backend']}{fused}; matmuls: "
+                        f"{e['linear_kernel']}; KV cache "
                         f"{e.get('kv_cache_dtype', 'of the model dtype')}")
         elif '"engine_threads"' in line:
             e = json.loads(line)

@@ -65,8 +65,9 @@ class SchedulerConfig(ServiceConfig):
     num_kv_blocks: int = cfg.field(0, "KV cache blocks; overrides kv-cache-bytes when set")
     mem_fraction: float = cfg.field(0.85, "CUDA: share of device memory for weights + KV")
     prefix_cache: bool = cfg.field(True, "reuse the KV of shared prompt prefixes")
-    packed_linears: bool = cfg.field(True, "CPU: pack the decoder's weights once for oneDNN "
-                                           "(faster small batches)")
+    packed_linears: bool = cfg.field(True, "CPU: pack the decoder's weights once, for "
+                                           "meshlm's matmul kernel (AVX-512, native "
+                                           "backend) or oneDNN's (faster small batches)")
     attention_backend: str = cfg.field("auto", "native (meshlm's C kernels for attention and "
                                                "the layers' work between matmuls, built at "
                                                "start-up with the machine's C compiler: CPU, "

@@ -1,6 +1,6 @@
-"""meshlm's C kernels (kernels/decode_attention.c, kernels/layer_ops.c) against the torch ops
-they replace, the fused forward against the model's own, and how the engine picks a
-backend."""
+"""meshlm's C kernels (kernels/decode_attention.c, kernels/layer_ops.c, kernels/linear.c)
+against the torch ops they replace, the fused forward against the model's own, and how the
+engine picks a backend."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from meshlm.scheduler.engine.engine import Engine, EngineConfig, cpu_kernels
 from meshlm.scheduler.engine.kv_cache import _cache_rows, _decode_attention, _gather, _visible
 from meshlm.scheduler.kernels import native
 from meshlm.scheduler.models.config import ModelConfig
+from meshlm.scheduler.models.cpu_linear import NativePacking, PackedLinear, native_packing
 from meshlm.scheduler.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
 
 
@@ -116,6 +117,8 @@ def test_native_and_torch_engines_draw_the_same_tokens(gqa_model: Path, kv_dtype
         engine = Engine(EngineConfig(model_path=str(gqa_model), block_size=4, max_running=4,
                                      attention_backend=backend, kv_cache_dtype=kv_dtype))
         assert engine.attention_backend == backend
+        wide = _kernels().linear_wide  # meshlm's linears where AVX-512 makes them the faster
+        assert engine.linear_kernel == ("native" if backend == "native" and wide else "onednn")
         assert engine.runner.kv.k.dtype == (torch.float32 if kv_dtype == "auto"
                                             else getattr(torch, kv_dtype))
         assert (engine.runner.fused is not None) == (backend == "native")  # all in C
@@ -223,3 +226,41 @@ def test_float16_rounding_matches_torch_bit_for_bit() -> None:
     assert torch.equal(torch.isnan(got), torch.isnan(want))
     same = got.view(torch.int16) == want.view(torch.int16)
     assert bool(same[~torch.isnan(want)].all()), values.reshape(-1)[~same][:8]
+
+
+LINEAR_KERNELS = ["meshlm_linear_f32", "meshlm_linear_f32_portable"]  # chosen, and portable
+
+
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+@pytest.mark.parametrize(("inputs", "outputs"), [(512, 1024), (1100, 37), (3, 5), (64, 96)])
+def test_linear_matches_torch_linear(kernel: str, inputs: int, outputs: int) -> None:
+    """Every row count up to two tiles and beyond, inputs over several of the kernel's chunks
+    (1100 > 2 x 512), outputs not a whole block, with and without a bias, rows strided."""
+    torch.manual_seed(5)
+    weight, bias = torch.randn(outputs, inputs), torch.randn(outputs)
+    packed = NativePacking(_kernels()).pack(weight)
+    assert packed.shape == (-(-outputs // 32) * 2, inputs, 16)
+    for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64):
+        x = torch.randn(rows, inputs + 7)[:, 3:3 + inputs]  # rows inputs + 7 floats apart
+        for b in (None, bias):
+            out = torch.full((rows, outputs), float("nan"))
+            _kernels().linear(x, packed, b, out, kernel)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b),
+                                       atol=1e-4 * inputs**0.5, rtol=1e-4)
+
+
+def test_a_natively_packed_linear_serves_and_repacks_like_nn_linear() -> None:
+    torch.manual_seed(6)
+    plain = torch.nn.Linear(96, 50)
+    packing = NativePacking(_kernels())
+    packed = PackedLinear(plain, packing)
+    x = torch.randn(2, 3, 96)  # any leading shape, as nn.Linear takes
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+        plain.weight.mul_(-2)
+        packed.repack(plain.weight)  # a weight reload
+        torch.testing.assert_close(packed(x), plain(x), atol=1e-5, rtol=1e-5)
+    cpu = torch.device("cpu")
+    assert native_packing(None, cpu, torch.float32) is None
+    assert native_packing(_kernels(), cpu, torch.bfloat16) is None
+    assert (native_packing(_kernels(), cpu, torch.float32) is None) != _kernels().linear_wide

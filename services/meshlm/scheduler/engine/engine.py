@@ -38,7 +38,7 @@ from meshlm.scheduler.engine.sequence import ExecResult, Plan, SamplingParams, S
 from meshlm.scheduler.engine.weights import ServedWeights, WeightsLoadError, WeightsUpdate
 from meshlm.scheduler.kernels import native
 from meshlm.scheduler.models.config import ModelConfig
-from meshlm.scheduler.models.cpu_linear import pack_linears
+from meshlm.scheduler.models.cpu_linear import native_packing, pack_linears
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
 from meshlm.scheduler.models.reload import Checkpoint
 
@@ -125,12 +125,18 @@ class Engine:
         dtype = resolve_dtype(config.dtype, self.model_config)
         self.dtype = str(dtype).removeprefix("torch.")
         self.model, _ = load_model(config.model_path, dev, dtype, config.load_format)
-        packed = (pack_linears(self.model, warm_rows=config.max_batched_tokens)
+        mc = self.model_config
+        kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
+            config.kv_cache_dtype, mc)
+        kernels = cpu_kernels(config.attention_backend, mc, dtype, kv_dtype, dev)
+        packing = native_packing(kernels, dev, dtype)
+        packed = (pack_linears(self.model, packing, warm_rows=config.max_batched_tokens)
                   if config.packed_cpu_linears else 0)
-        self.packed_linears = packed  # decoder projections served by oneDNN packed weights
+        self.packed_linears = packed  # decoder projections served by packed weights
+        # whose kernel: meshlm's, oneDNN's, or none (torch's linear)
+        self.linear_kernel = "torch" if not packed else packing.name if packing else "onednn"
         self.weights = ServedWeights(self.model, config.model_path, config.load_format,
                                      self.model_config)
-        mc = self.model_config
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ValueError(
@@ -139,8 +145,6 @@ class Engine:
             )
         self.vocab_size = mc.vocab_size
         self.eos_token_ids: set[int] = set(mc.eos_token_ids)
-        kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
-            config.kv_cache_dtype, mc)
         self.kv_cache_dtype = str(kv_dtype).removeprefix("torch.")
         block_bytes = KVCache.block_bytes(mc.num_layers, config.block_size, mc.num_kv_heads,
                                           mc.head_dim, kv_dtype)
@@ -156,7 +160,6 @@ class Engine:
             prefix_cache=config.enable_prefix_cache,
             can_generate=mc.has_lm_head,
         )
-        kernels = cpu_kernels(config.attention_backend, mc, dtype, kv_dtype, dev)
         self.attention_backend = "torch" if kernels is None else "native"
         self.runner = ModelRunner(
             self.model, config.max_running, num_blocks, config.block_size,
@@ -169,6 +172,7 @@ class Engine:
             kv_blocks=num_blocks, kv_cache_gib=round(self.runner.kv.nbytes / 2**30, 3),
             kv_cache_dtype=self.kv_cache_dtype,
             threads=torch.get_num_threads(), packed_linears=packed,
+            linear_kernel=self.linear_kernel,
             attention_backend=self.attention_backend, fused_layers=self.runner.fused is not None,
             retained_memory=self.retained_memory,
         )

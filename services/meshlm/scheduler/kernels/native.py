@@ -1,8 +1,9 @@
-"""meshlm's own CPU kernels, in C (`decode_attention.c`, `layer_ops.c`): compiled into one
-library with the machine's C compiler the first time a scheduler needs them, kept under the
-cache directory (`$MESHLM_CACHE_DIR/kernels/`, one file per sources and flags), loaded with
-ctypes. The library carries a clone of each function per instruction set (AVX-512, AVX2,
-baseline), chosen when it loads, so one built elsewhere (an image's build stage) runs on any
+"""meshlm's own CPU kernels, in C (`decode_attention.c`, `layer_ops.c`, `linear.c`):
+compiled into one library with the machine's C compiler the first time a scheduler needs
+them, kept under the cache directory (`$MESHLM_CACHE_DIR/kernels/`, one file per sources and
+flags), loaded with ctypes. The library carries a version of each function per instruction
+set (AVX-512, AVX2, baseline: clones, or an ifunc where the versions differ in more than
+flags), chosen when it loads, so one built elsewhere (an image's build stage) runs on any
 x86-64 CPU.
 
 The library links OpenMP by its usual name (libgomp.so.1), which resolves to the runtime
@@ -33,7 +34,7 @@ from torch import Tensor
 from meshlm.common.default_model import default_cache_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c",
-                                                             "layer_ops.c"))
+                                                             "layer_ops.c", "linear.c"))
 # Read by decode_attention.c, once per KV cache element type.
 INCLUDES = (Path(__file__).with_name("decode_attention.inc"),)
 # KV cache element types the kernels read and write: (function suffix, store_kv's kind).
@@ -41,6 +42,7 @@ KV_DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1), torch.float
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT = 120.0
 MAX_GROUP = 64  # query heads per KV head the kernel holds (decode_attention.c MAX_GROUP)
+LINEAR_COLUMNS = 32  # a packed linear weight's rows run to a multiple of this (linear.c)
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
@@ -51,7 +53,11 @@ _SIGNATURES: dict[str, list[Any]] = {
     "meshlm_rope_f32": [_P, _I, _I, _I, _I, _P, _P, _INT],
     "meshlm_store_kv": [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _INT],
     "meshlm_silu_mul_f32": [_P, _P, _I, _I, _INT],
+    **{name: [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
+       for name in ("meshlm_linear_f32", "meshlm_linear_f32_portable")},
+    "meshlm_linear_wide": [],
 }
+_RESULTS: dict[str, Any] = {"meshlm_linear_wide": _INT}
 
 
 class BuildError(RuntimeError):
@@ -64,7 +70,7 @@ class Kernels:
     are float32 on the CPU unless said otherwise; a method checks nothing, its caller
     passes what it documents."""
 
-    fns: dict[str, Callable[..., None]]
+    fns: dict[str, Callable[..., Any]]
     path: Path
 
     def decode_attention(self, q: Tensor, out: Tensor, rows: Tensor, tables: Tensor,
@@ -120,6 +126,22 @@ class Kernels:
             tokens, heads, d, slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             k_cache.shape[1] * k_cache.shape[2], kind)
 
+    @property
+    def linear_wide(self) -> bool:
+        """Whether `linear` runs the AVX-512 kernel here (else the portable one)."""
+        return bool(self.fns["meshlm_linear_wide"]())
+
+    def linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, out: Tensor,
+               kernel: str = "meshlm_linear_f32") -> None:
+        """out [N, O] (contiguous) = x W^T + bias: x [N, I] (rows may be strided, each row
+        contiguous), W packed in 16-column blocks [ceil(O / 32) * 2, I, 16] (contiguous,
+        `cpu_linear.NativePacking`), bias [O] or None. `kernel` names the portable one to
+        test it where the AVX-512 one is chosen."""
+        rows, inputs = x.shape
+        self.fns[kernel](x.data_ptr(), x.stride(0), rows, inputs, packed.data_ptr(),
+                         None if bias is None else bias.data_ptr(), out.data_ptr(),
+                         out.shape[1], torch.get_num_threads())
+
     def silu_mul(self, gate_up: Tensor, out: Tensor) -> None:
         """out [N, I] = silu(gate) * up, gate_up [N, 2I] holding gate then up; contiguous."""
         rows, inter = out.shape
@@ -146,7 +168,7 @@ def load() -> Kernels | BuildError:
         return e if isinstance(e, BuildError) else BuildError(str(e))
     for name, argtypes in _SIGNATURES.items():
         fns[name].argtypes = argtypes
-        fns[name].restype = None
+        fns[name].restype = _RESULTS.get(name)
     return Kernels(fns, path)
 
 

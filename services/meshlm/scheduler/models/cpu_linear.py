@@ -1,30 +1,39 @@
-"""Linear layers with weights prepacked for oneDNN, for models served on the CPU.
+"""Linear layers with weights packed once, for models served on the CPU.
 
 `torch.nn.functional.linear` on the CPU repacks its weight for the BLAS kernel on every call;
-with the few rows of a decode step that packing costs as much as the multiply. oneDNN can
-pack a weight once into its blocked layout (the op PyTorch's own compiler, inductor, emits
-for CPU linears). Measured here on one core, the decoder projections of a hidden-512 model
-take ~40% less time at 16 rows and ~12% less at 2048 (`make bench-engine` shows the effect
-on the whole engine).
+with the few rows of a decode step that packing costs as much as the multiply. A `Packing`
+lays a weight out once for its kernel and multiplies by it:
 
-`pack_linears(model)` swaps the decoder projections for packed ones holding only the packed
-weight, so memory does not grow: q/k/v and gate/up each become one `FusedPackedLinear` (one
-wider matmul per input), o and down a `PackedLinear`. So does an LM head of its own (the
+- `NativePacking`: meshlm's own kernel (`kernels/linear.c`), 16-column blocks read once per
+  step while every row of the step is multiplied against them. Chosen where the kernels are
+  loaded, the model is float32 and the CPU has AVX-512: on this project's 2-core machine it
+  reads the bench model's weights at 1.4-1.8x oneDNN's speed up to 8 rows, 1.2x at 16, and
+  keeps level from 64 rows to 2048-token prompt chunks.
+- `OneDNNPacking`: oneDNN's blocked layout (the op PyTorch's own compiler, inductor, emits for
+  CPU linears); measured here on one core, the decoder projections of a hidden-512 model take
+  ~40% less time at 16 rows than torch's linear and ~12% less at 2048.
+
+`pack_linears(model, packing)` swaps the decoder projections for packed ones holding only the
+packed weight, so memory does not grow: q/k/v and gate/up each become one `FusedPackedLinear`
+(one wider matmul per input), o and down a `PackedLinear`. So does an LM head of its own (the
 plain head's matmul took 0.3 ms of a 15 ms decode step of the bench model at 11 rows against
 0.14 packed, and 19 ms against 2.5 with a 32k vocabulary); one tied to the embedding stays a
-plain Linear, since packing it would hold the matrix twice. It does nothing where the op is
-missing (a torch without oneDNN) or the dtype is not one oneDNN packs on this CPU (bfloat16
-needs AVX-512).
+plain Linear, since packing it would hold the matrix twice. oneDNN packing does nothing where
+the op is missing (a torch without oneDNN) or the dtype is not one oneDNN packs on this CPU
+(bfloat16 needs AVX-512).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache, partial
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from meshlm.scheduler.kernels.native import LINEAR_COLUMNS, Kernels
 
 # A row count oneDNN picks its packed layout for; measured the same from 16 to 2048 rows.
 BATCH_HINT = 64
@@ -59,14 +68,94 @@ def _packs(dtype: torch.dtype) -> bool:
     return True
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T + b with W packed once for oneDNN (the same result as nn.Linear's)."""
+class Packing(Protocol):
+    """A weight layout and the kernel that multiplies by it."""
 
-    def __init__(self, linear: nn.Linear, batch_hint: int = BATCH_HINT) -> None:
+    name: str
+    # Whether the kernel is built per row count (and so worth building before serving).
+    kernels_per_rows: bool
+
+    def pack(self, weight: Tensor) -> Tensor:
+        """weight [out_features, in_features], contiguous -> its packed layout."""
+        ...
+
+    def multiply(self, x: Tensor, packed: Tensor, bias: Tensor | None,
+                 out_features: int) -> Tensor:
+        """x [N, in_features] (N a `bucket`) -> x W^T + bias [N, out_features]."""
+        ...
+
+    def bucket(self, rows: int) -> int:
+        """The row count a step of `rows` rows is padded to."""
+        ...
+
+
+class OneDNNPacking:
+    """oneDNN's blocked layout, its kernels cached per row count (so rows go in buckets)."""
+
+    name = "onednn"
+    kernels_per_rows = True
+
+    def __init__(self, batch_hint: int = BATCH_HINT) -> None:
+        self.batch_hint = batch_hint
+
+    def pack(self, weight: Tensor) -> Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, self.batch_hint)
+
+    def multiply(self, x: Tensor, packed: Tensor, bias: Tensor | None,
+                 out_features: int) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def bucket(self, rows: int) -> int:
+        return row_bucket(rows)
+
+
+class NativePacking:
+    """meshlm's 16-column blocks (`kernels/linear.c`): W's rows 16j..16j+15 transposed, [in,
+    16], block after block, zero rows up to a multiple of `LINEAR_COLUMNS`. Any row count
+    runs as it is."""
+
+    name = "native"
+    kernels_per_rows = False
+
+    def __init__(self, kernels: Kernels) -> None:
+        self.kernels = kernels
+
+    def pack(self, weight: Tensor) -> Tensor:
+        out, inputs = weight.shape
+        padded = -(-out // LINEAR_COLUMNS) * LINEAR_COLUMNS
+        if padded != out:
+            weight = torch.cat([weight, weight.new_zeros(padded - out, inputs)])
+        return weight.view(padded // 16, 16, inputs).transpose(1, 2).contiguous()
+
+    def multiply(self, x: Tensor, packed: Tensor, bias: Tensor | None,
+                 out_features: int) -> Tensor:
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+        self.kernels.linear(x, packed, bias, y)
+        return y
+
+    def bucket(self, rows: int) -> int:
+        return rows
+
+
+def native_packing(kernels: Kernels | None, device: torch.device,
+                   dtype: torch.dtype) -> NativePacking | None:
+    """meshlm's own packing where it is the faster one here: kernels loaded, a float32 model
+    on the CPU, a CPU with AVX-512 (oneDNN stays faster than the portable kernel)."""
+    if kernels is None or device.type != "cpu" or dtype != torch.float32:
+        return None
+    return NativePacking(kernels) if kernels.linear_wide else None
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W packed once by `packing` (the same result as nn.Linear's)."""
+
+    def __init__(self, linear: nn.Linear, packing: Packing) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.batch_hint = batch_hint
+        self.packing = packing
         self.packed = torch.empty(0, dtype=linear.weight.dtype)
         self.repack(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
@@ -75,8 +164,8 @@ class PackedLinear(nn.Module):
         """Serve `weight` ([out_features, in_features], any float dtype: converted to the
         packed one) from now on: packed anew, the old packing dropped."""
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(
-                weight.detach().to(self.packed.dtype).contiguous(), self.batch_hint)
+            self.packed = self.packing.pack(
+                weight.detach().to(self.packed.dtype).contiguous())
 
     def forward(self, x: Tensor) -> Tensor:
         # Rows padded up to a bucket: oneDNN caches one kernel per row count, and every count
@@ -84,24 +173,28 @@ class PackedLinear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         n = rows.shape[0]
-        padded = row_bucket(n)
+        padded = self.packing.bucket(n)
         if padded != n:
             rows = F.pad(rows, (0, 0, 0, padded - n))
         return self.rows(rows)[:n].reshape(*shape[:-1], self.out_features)
 
     def rows(self, x: Tensor) -> Tensor:
-        """x [N, in_features] with N a `row_bucket` -> [N, out_features]: no padding, no
+        """x [N, in_features] with N a `packing.bucket` -> [N, out_features]: no padding, no
         reshape (the fused CPU forward keeps its rows bucketed from the start)."""
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.packing.multiply(x, self.packed, self.bias, self.out_features)
 
     def warm_up(self, max_rows: int) -> None:
-        """Build the kernel of every row bucket up to `max_rows` now, not on a request's path."""
+        """Build the kernel of every row bucket up to `max_rows` now, not on a request's path
+        (nothing to build where the packing's kernel serves every row count)."""
+        if not self.packing.kernels_per_rows:
+            return
         x = torch.zeros(1, self.in_features, dtype=self.packed.dtype)
-        for rows in sorted({row_bucket(n) for n in range(1, max_rows + 1)}):
+        for rows in sorted({self.packing.bucket(n) for n in range(1, max_rows + 1)}):
             self(x.expand(rows, -1))
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"packed={self.packing.name}")
 
 
 class FusedPackedLinear(PackedLinear):
@@ -113,7 +206,7 @@ class FusedPackedLinear(PackedLinear):
     reload (`models/reload.py`); the weight is repacked once every part has arrived."""
 
     def __init__(self, names: tuple[str, ...], parts: list[nn.Linear],
-                 batch_hint: int = BATCH_HINT) -> None:
+                 packing: Packing) -> None:
         with torch.no_grad():
             fused = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts),
                               bias=parts[0].bias is not None, device=parts[0].weight.device,
@@ -121,7 +214,7 @@ class FusedPackedLinear(PackedLinear):
             fused.weight.copy_(torch.cat([p.weight for p in parts]))
             if fused.bias is not None:
                 fused.bias.copy_(torch.cat([p.bias for p in parts if p.bias is not None]))
-        super().__init__(fused, batch_hint)
+        super().__init__(fused, packing)
         self.names = names
         self.sizes = [p.out_features for p in parts]
         self._staged: dict[int, Tensor] = {}
@@ -177,29 +270,31 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def pack_linears(model: nn.Module, batch_hint: int = BATCH_HINT, warm_rows: int = 0) -> int:
+def pack_linears(model: nn.Module, packing: Packing | None = None, warm_rows: int = 0) -> int:
     """Replace the decoder projections of `model` (on the CPU), and its LM head unless tied, by
-    PackedLinear, and build the kernels of steps of up to `warm_rows` tokens; returns how many
-    were replaced (0 where packing is unavailable)."""
-    param = next(model.parameters())
-    if not available(param.device, param.dtype):
-        return 0
+    PackedLinear packed by `packing` (None: oneDNN's), and build the kernels of steps of up to
+    `warm_rows` tokens; returns how many were replaced (0 where packing is unavailable)."""
+    if packing is None:
+        param = next(model.parameters())
+        if not available(param.device, param.dtype):
+            return 0
+        packing = OneDNNPacking()
     replaced = 0
     for module in list(model.modules()):
         for fused_name, names in _FUSED:
             parts = [getattr(module, n, None) for n in names]
             if hasattr(module, fused_name) and all(isinstance(p, nn.Linear) for p in parts):
                 _fuse(module, fused_name, names,
-                      FusedPackedLinear(names, parts, batch_hint))  # type: ignore[arg-type]
+                      FusedPackedLinear(names, parts, packing))  # type: ignore[arg-type]
                 replaced += len(names)
         for name in _PROJECTIONS:
             child = getattr(module, name, None)
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child, batch_hint))
+                setattr(module, name, PackedLinear(child, packing))
                 replaced += 1
     head = getattr(model, HEAD, None)
     if isinstance(head, nn.Linear) and not _shares_weight(model, head):
-        setattr(model, HEAD, PackedLinear(head, batch_hint))
+        setattr(model, HEAD, PackedLinear(head, packing))
         replaced += 1
     if warm_rows:
         shapes: dict[tuple[int, int, bool], PackedLinear] = {}

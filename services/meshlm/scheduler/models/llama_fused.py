@@ -9,9 +9,10 @@ dispatch and together they took a fifth of the bench model's 16-row step. Here e
     SDPA for prompt chunks) -> o matmul -> add + RMSNorm -> gate_up matmul -> SiLU * up
     -> down matmul (its residual add joins the next layer's norm)
 
-The step's rows are padded once, up front, to the packed linears' row bucket
-(`cpu_linear.row_bucket`), so no matmul pads or slices its input; the padding rows are never
-written to the KV cache nor attended to, and are dropped at the end.
+The step's rows are padded once, up front, to the packed linears' row bucket (oneDNN's kernels
+are built per row count, `cpu_linear.row_bucket`; meshlm's own take any count), so no matmul
+pads or slices its input; the padding rows are never written to the KV cache nor attended
+to, and are dropped at the end.
 
 Serves a model whose projections `pack_linears` fused (q/k/v and gate/up) and packed, in
 float32 (`fuse`).
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshlm.scheduler.kernels.native import Kernels
-from meshlm.scheduler.models.cpu_linear import PackedLinear, row_bucket
+from meshlm.scheduler.models.cpu_linear import PackedLinear
 from meshlm.scheduler.models.llama import (
     AttentionBackend,
     LlamaDecoderLayer,
@@ -79,14 +80,14 @@ def fuse(model: LlamaForCausalLM) -> FusedModel | None:
         layers.append(FusedLayer(i, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                  layer.input_layernorm, qkv, o, layer.post_attention_layernorm,
                                  gate_up, down))
-    return FusedModel(inner.embed_tokens, inner.rotary_emb, layers, inner.norm)
+    return FusedModel(inner.embed_tokens, inner.rotary_emb, layers, inner.norm) if layers else None
 
 
 def fused_forward(model: FusedModel, kernels: Kernels, input_ids: Tensor, positions: Tensor,
                   attention: AttentionBackend) -> Tensor:
     """input_ids and positions [T] (one packed step) -> final hidden states [T, H]."""
     t = input_ids.shape[0]
-    n = row_bucket(t)
+    n = model.layers[0].qkv.packing.bucket(t)
     if n != t:
         input_ids = F.pad(input_ids, (0, n - t))
         positions = F.pad(positions, (0, n - t))

@@ -68,6 +68,10 @@ class SchedulerConfig(ServiceConfig):
     packed_linears: bool = cfg.field(True, "CPU: pack the decoder's weights once, for "
                                            "meshlm's matmul kernel (AVX-512, native "
                                            "backend) or oneDNN's (faster small batches)")
+    packed_weight_dtype: str = cfg.field("auto", "CPU: the packed linears' weights: auto (the "
+                                                 "model's) | bfloat16 (half the memory and "
+                                                 "what a decode step reads; meshlm's matmul "
+                                                 "kernel, native backend, float32 model)")
     attention_backend: str = cfg.field("auto", "native (meshlm's C kernels for attention and "
                                                "the layers' work between matmuls, built at "
                                                "start-up with the machine's C compiler: CPU, "
@@ -177,6 +181,7 @@ async def serve(config: SchedulerConfig) -> None:
         kv_cache_bytes=config.kv_cache_bytes, mem_fraction=config.mem_fraction,
         enable_prefix_cache=config.prefix_cache, packed_cpu_linears=config.packed_linears,
         attention_backend=config.attention_backend, kv_cache_dtype=config.kv_cache_dtype,
+        packed_weight_dtype=config.packed_weight_dtype,
     ))
     await asyncio.get_running_loop().run_in_executor(executor, _warm_up, engine)
     if not cpu_plan.threads and engine.device == "cpu":

@@ -228,25 +228,58 @@ def test_float16_rounding_matches_torch_bit_for_bit() -> None:
     assert bool(same[~torch.isnan(want)].all()), values.reshape(-1)[~same][:8]
 
 
-LINEAR_KERNELS = ["meshlm_linear_f32", "meshlm_linear_f32_portable"]  # chosen, and portable
-
-
-@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+@pytest.mark.parametrize("path", ["", "_portable"])  # the one chosen here, and the portable
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("inputs", "outputs"), [(512, 1024), (1100, 37), (3, 5), (64, 96)])
-def test_linear_matches_torch_linear(kernel: str, inputs: int, outputs: int) -> None:
+def test_linear_matches_torch_linear(path: str, weight_dtype: torch.dtype, inputs: int,
+                                     outputs: int) -> None:
     """Every row count up to two tiles and beyond, inputs over several of the kernel's chunks
-    (1100 > 2 x 512), outputs not a whole block, with and without a bias, rows strided."""
+    (1100 > 2 x 512), outputs not a whole block, with and without a bias, rows strided;
+    bfloat16 weights against torch's float32 linear over the same weights rounded."""
     torch.manual_seed(5)
     weight, bias = torch.randn(outputs, inputs), torch.randn(outputs)
-    packed = NativePacking(_kernels()).pack(weight)
+    packed = NativePacking(_kernels(), weight_dtype).pack(weight)
     assert packed.shape == (-(-outputs // 32) * 2, inputs, 16)
+    assert packed.dtype == weight_dtype
+    served = weight.to(weight_dtype).float()
     for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64):
         x = torch.randn(rows, inputs + 7)[:, 3:3 + inputs]  # rows inputs + 7 floats apart
         for b in (None, bias):
             out = torch.full((rows, outputs), float("nan"))
-            _kernels().linear(x, packed, b, out, kernel)
-            torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, b),
+            _kernels().linear(x, packed, b, out, path)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, served, b),
                                        atol=1e-4 * inputs**0.5, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_bfloat16_packed_weights_halve_the_memory_and_serve(gqa_model: Path) -> None:
+    from meshlm.scheduler.engine.engine import SamplingParams
+
+    def engine(**kw: str) -> Engine:
+        return Engine(EngineConfig(model_path=str(gqa_model), block_size=4, max_running=4,
+                                   **kw))  # type: ignore[arg-type]
+
+    full, half = engine(), engine(packed_weight_dtype="bfloat16")
+    assert half.linear_kernel == "native"
+    sizes = {}
+    for name, e in (("full", full), ("half", half)):
+        packed = [m.packed for m in e.model.modules() if isinstance(m, PackedLinear)]
+        assert packed and all(p.dtype == (torch.bfloat16 if name == "half" else torch.float32)
+                              for p in packed)
+        sizes[name] = sum(p.numel() * p.element_size() for p in packed)
+    assert sizes["half"] * 2 == sizes["full"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    half.add_request("r", [(j * 7) % 200 + 3 for j in range(20)], params)
+    tokens = []
+    while half.has_work():
+        tokens += [t for out in half.step() for t in out.new_token_ids]
+    assert len(tokens) == 16
+    with pytest.raises(ValueError, match="bfloat16: meshlm's matmul kernel serves it"):
+        engine(packed_weight_dtype="bfloat16", attention_backend="torch")
+    with pytest.raises(ValueError, match="expected one of auto, bfloat16"):
+        engine(packed_weight_dtype="float16")
+    with pytest.raises(ValueError, match="not packed"):
+        engine(packed_weight_dtype="bfloat16", packed_cpu_linears=False)  # type: ignore[arg-type]
 
 
 def test_a_natively_packed_linear_serves_and_repacks_like_nn_linear() -> None:
@@ -263,4 +296,5 @@ def test_a_natively_packed_linear_serves_and_repacks_like_nn_linear() -> None:
     cpu = torch.device("cpu")
     assert native_packing(None, cpu, torch.float32) is None
     assert native_packing(_kernels(), cpu, torch.bfloat16) is None
+    assert native_packing(_kernels(), cpu, torch.float32, "bfloat16").dtype == torch.bfloat16  # type: ignore[union-attr]
     assert (native_packing(_kernels(), cpu, torch.float32) is None) != _kernels().linear_wide

@@ -347,3 +347,16 @@ async def test_service_refusals_have_their_status_codes(
     assert (await servicer.GetInfo(common_pb2.GetInfoRequest(), None)).model_path == str(ckpt_a)
     await submit(servicer, tokenized("after", sample_prompt(9)))
     assert (await outputs.finished({"after"}))["after"][-1].finish_reason == "length"
+
+
+def test_an_update_repacks_bfloat16_weights_as_a_fresh_engine_packs_them(
+        ckpt_a: Path, ckpt_b: Path) -> None:
+    engine = engine_on(ckpt_a, packed_weight_dtype="bfloat16")
+    requests = {rid: (ids, greedy(10)) for rid, ids in PROMPTS.items()}
+    on_a = run(engine, requests)
+    engine.update_weights(str(ckpt_b))
+    packed = [m.packed for m in engine.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(p.dtype == torch.bfloat16 for p in packed)
+    on_b = run(engine, requests)
+    assert on_b == run(engine_on(ckpt_b, packed_weight_dtype="bfloat16"), requests)
+    assert on_b != on_a

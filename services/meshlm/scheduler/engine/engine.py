@@ -67,6 +67,7 @@ class EngineConfig:
     packed_cpu_linears: bool = True  # CPU: decoder projections prepacked for oneDNN
     attention_backend: str = "auto"  # native (meshlm's C kernels), torch, auto
     kv_cache_dtype: str = "auto"  # auto = the model's dtype; or a `resolve_dtype` name
+    packed_weight_dtype: str = "auto"  # CPU packed linears: auto (the model's) | bfloat16
 
 
 # CPU, auto budget: room for max_running full-length sequences, but at most this much.
@@ -129,9 +130,12 @@ class Engine:
         kv_dtype = dtype if config.kv_cache_dtype == "auto" else resolve_dtype(
             config.kv_cache_dtype, mc)
         kernels = cpu_kernels(config.attention_backend, mc, dtype, kv_dtype, dev)
-        packing = native_packing(kernels, dev, dtype)
+        packing = native_packing(kernels, dev, dtype, config.packed_weight_dtype)
         packed = (pack_linears(self.model, packing, warm_rows=config.max_batched_tokens)
                   if config.packed_cpu_linears else 0)
+        if config.packed_weight_dtype != "auto" and not packed:
+            raise ValueError(f"packed weight dtype {config.packed_weight_dtype}: the linears "
+                             "are not packed (--no-packed-linears)")
         self.packed_linears = packed  # decoder projections served by packed weights
         # whose kernel: meshlm's, oneDNN's, or none (torch's linear)
         self.linear_kernel = "torch" if not packed else packing.name if packing else "onednn"
@@ -173,6 +177,8 @@ class Engine:
             kv_cache_dtype=self.kv_cache_dtype,
             threads=torch.get_num_threads(), packed_linears=packed,
             linear_kernel=self.linear_kernel,
+            linear_weight_dtype=str(packing.dtype).removeprefix("torch.") if packing and packed
+            else self.dtype,
             attention_backend=self.attention_backend, fused_layers=self.runner.fused is not None,
             retained_memory=self.retained_memory,
         )

@@ -43,6 +43,7 @@ FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 BUILD_TIMEOUT = 120.0
 MAX_GROUP = 64  # query heads per KV head the kernel holds (decode_attention.c MAX_GROUP)
 LINEAR_COLUMNS = 32  # a packed linear weight's rows run to a multiple of this (linear.c)
+LINEAR_DTYPES = (torch.float32, torch.bfloat16)  # weight element types linear.c reads
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 _SIGNATURES: dict[str, list[Any]] = {
@@ -53,8 +54,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "meshlm_rope_f32": [_P, _I, _I, _I, _I, _P, _P, _INT],
     "meshlm_store_kv": [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _INT],
     "meshlm_silu_mul_f32": [_P, _P, _I, _I, _INT],
-    **{name: [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
-       for name in ("meshlm_linear_f32", "meshlm_linear_f32_portable")},
+    **{f"meshlm_linear_{suffix}{path}": [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
+       for suffix in ("f32", "bf16") for path in ("", "_portable")},
     "meshlm_linear_wide": [],
 }
 _RESULTS: dict[str, Any] = {"meshlm_linear_wide": _INT}
@@ -132,15 +133,17 @@ class Kernels:
         return bool(self.fns["meshlm_linear_wide"]())
 
     def linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, out: Tensor,
-               kernel: str = "meshlm_linear_f32") -> None:
+               path: str = "") -> None:
         """out [N, O] (contiguous) = x W^T + bias: x [N, I] (rows may be strided, each row
-        contiguous), W packed in 16-column blocks [ceil(O / 32) * 2, I, 16] (contiguous,
-        `cpu_linear.NativePacking`), bias [O] or None. `kernel` names the portable one to
-        test it where the AVX-512 one is chosen."""
+        contiguous), W packed in 16-column blocks [ceil(O / 32) * 2, I, 16] of float32 or
+        bfloat16 (contiguous, `cpu_linear.NativePacking`), bias [O] or None. `path`
+        "_portable" runs the portable kernel, to test it where the AVX-512 one is chosen."""
         rows, inputs = x.shape
-        self.fns[kernel](x.data_ptr(), x.stride(0), rows, inputs, packed.data_ptr(),
-                         None if bias is None else bias.data_ptr(), out.data_ptr(),
-                         out.shape[1], torch.get_num_threads())
+        suffix = "bf16" if packed.dtype == torch.bfloat16 else "f32"
+        self.fns[f"meshlm_linear_{suffix}{path}"](
+            x.data_ptr(), x.stride(0), rows, inputs, packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out.shape[1],
+            torch.get_num_threads())
 
     def silu_mul(self, gate_up: Tensor, out: Tensor) -> None:
         """out [N, I] = silu(gate) * up, gate_up [N, 2I] holding gate then up; contiguous."""

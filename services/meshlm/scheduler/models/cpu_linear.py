@@ -8,7 +8,10 @@ lays a weight out once for its kernel and multiplies by it:
   step while every row of the step is multiplied against them. Chosen where the kernels are
   loaded, the model is float32 and the CPU has AVX-512: on this project's 2-core machine it
   reads the bench model's weights at 1.4-1.8x oneDNN's speed up to 8 rows, 1.2x at 16, and
-  keeps level from 64 rows to 2048-token prompt chunks.
+  keeps level from 64 rows to 2048-token prompt chunks. `--packed-weight-dtype bfloat16`
+  keeps its weights in bfloat16: half the memory, and 1.3-1.7x faster again up to 4 rows
+  (bound by reading them), 0.8-0.9x from 16 rows (the widening then costs more than the
+  bytes saved).
 - `OneDNNPacking`: oneDNN's blocked layout (the op PyTorch's own compiler, inductor, emits for
   CPU linears); measured here on one core, the decoder projections of a hidden-512 model take
   ~40% less time at 16 rows than torch's linear and ~12% less at 2048.
@@ -33,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshlm.scheduler.kernels.native import LINEAR_COLUMNS, Kernels
+from meshlm.scheduler.kernels.native import LINEAR_COLUMNS, LINEAR_DTYPES, Kernels
 
 # A row count oneDNN picks its packed layout for; measured the same from 16 to 2048 rows.
 BATCH_HINT = 64
@@ -111,18 +114,22 @@ class OneDNNPacking:
 
 class NativePacking:
     """meshlm's 16-column blocks (`kernels/linear.c`): W's rows 16j..16j+15 transposed, [in,
-    16], block after block, zero rows up to a multiple of `LINEAR_COLUMNS`. Any row count
-    runs as it is."""
+    16], block after block, zero rows up to a multiple of `LINEAR_COLUMNS`, in `dtype`
+    (float32, or bfloat16: half the memory and the bytes a step reads, rounded to nearest
+    even; the arithmetic stays float32). Any row count runs as it is."""
 
     name = "native"
     kernels_per_rows = False
 
-    def __init__(self, kernels: Kernels) -> None:
+    def __init__(self, kernels: Kernels, dtype: torch.dtype = torch.float32) -> None:
+        assert dtype in LINEAR_DTYPES, dtype
         self.kernels = kernels
+        self.dtype = dtype
 
     def pack(self, weight: Tensor) -> Tensor:
         out, inputs = weight.shape
         padded = -(-out // LINEAR_COLUMNS) * LINEAR_COLUMNS
+        weight = weight.to(self.dtype)
         if padded != out:
             weight = torch.cat([weight, weight.new_zeros(padded - out, inputs)])
         return weight.view(padded // 16, 16, inputs).transpose(1, 2).contiguous()
@@ -139,13 +146,28 @@ class NativePacking:
         return rows
 
 
-def native_packing(kernels: Kernels | None, device: torch.device,
-                   dtype: torch.dtype) -> NativePacking | None:
+WEIGHT_DTYPES = ("auto", "bfloat16")  # --packed-weight-dtype
+
+
+def native_packing(kernels: Kernels | None, device: torch.device, dtype: torch.dtype,
+                   weight_dtype: str = "auto") -> NativePacking | None:
     """meshlm's own packing where it is the faster one here: kernels loaded, a float32 model
-    on the CPU, a CPU with AVX-512 (oneDNN stays faster than the portable kernel)."""
-    if kernels is None or device.type != "cpu" or dtype != torch.float32:
-        return None
-    return NativePacking(kernels) if kernels.linear_wide else None
+    on the CPU, a CPU with AVX-512 (oneDNN stays faster than the portable kernel); or where
+    `weight_dtype` asks for bfloat16 weights, which only meshlm's kernel reads (a ValueError
+    where it cannot serve)."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"packed weight dtype {weight_dtype!r}: expected one of "
+                         f"{', '.join(WEIGHT_DTYPES)}")
+    usable = kernels is not None and device.type == "cpu" and dtype == torch.float32
+    if weight_dtype == "bfloat16":
+        if not usable:
+            raise ValueError("packed weight dtype bfloat16: meshlm's matmul kernel serves it, "
+                             "which needs the native attention backend and a float32 model "
+                             f"on the CPU, not {dtype} on {device}")
+        assert kernels is not None
+        return NativePacking(kernels, torch.bfloat16)
+    return NativePacking(kernels) if usable and kernels is not None and kernels.linear_wide \
+        else None
 
 
 class PackedLinear(nn.Module):

@@ -185,12 +185,13 @@ async def run_http(name: str, stream: StreamFn, requests: Sequence[BenchRequest]
 
 
 def run_mesh(model_path: str, requests: Sequence[BenchRequest], warmup: BenchRequest,
-             concurrency: int, threads: int) -> Result:
+             concurrency: int, threads: int, packed_weight_dtype: str = "auto") -> Result:
     """The whole mesh (Redis + four services) on loopback, driven over HTTP /generate;
     `threads` 0: the scheduler chooses its engine's threads (as `make run`)."""
     from meshlm.launch.mesh import Mesh, MeshOptions
 
-    env = {"MESHLM_MAX_RUNNING": str(concurrency), "MESHLM_LOG_LEVEL": "info"}
+    env = {"MESHLM_MAX_RUNNING": str(concurrency), "MESHLM_LOG_LEVEL": "info",
+           "MESHLM_PACKED_WEIGHT_DTYPE": packed_weight_dtype}
     if threads:
         env["MESHLM_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,7 +217,7 @@ def engine_choices_said(scheduler_log: Path) -> list[str]:
             e = json.loads(line)
             fused = ", the layers fused" if e.get("fused_layers") else ""
             said.append(f"kernels: {e['attention_backend']}{fused}; matmuls: "
-                        f"{e['linear_kernel']}; KV cache "
+                        f"{e['linear_kernel']}, {e['linear_weight_dtype']} weights; KV cache "
                         f"{e.get('kv_cache_dtype', 'of the model dtype')}")
         elif '"engine_threads"' in line:
             e = json.loads(line)
@@ -227,10 +228,11 @@ def engine_choices_said(scheduler_log: Path) -> list[str]:
 
 
 def run_transformers_serve(model_path: str, requests: Sequence[BenchRequest],
-                           warmup: BenchRequest, concurrency: int, threads: int) -> Result:
+                           warmup: BenchRequest, concurrency: int, threads: int,
+                           dtype: str = "float32") -> Result:
     """`transformers serve --continuous-batching` on loopback, driven over /v1/completions."""
     with tempfile.TemporaryDirectory() as tmp, TransformersServe(
-            model_path, Path(tmp) / "transformers-serve.log", threads) as server:
+            model_path, Path(tmp) / "transformers-serve.log", threads, dtype=dtype) as server:
         base = server.base_url
         return asyncio.run(run_http(
             "transformers serve --continuous-batching, HTTP /v1/completions",

@@ -6,7 +6,7 @@ with CMake: CPU only, Release, native CPU flags, static libraries (so the binary
 rename into place), no curl, tests or examples, so the build itself fetches nothing. The result
 is cached under `<cache>/llama.cpp-<version>/` and built once (`build_once`).
 
-`ensure_gguf()` converts a Hugging Face checkpoint to GGUF f32 with the vendored
+`ensure_gguf()` converts a Hugging Face checkpoint to GGUF f32 (or bf16) with the vendored
 `convert_hf_to_gguf.py` and its vendored `gguf-py`, cached inside the checkpoint directory.
 The converter names a BPE pre-tokenizer by a hash of the token ids it gives one fixed text,
 so it knows only the vocabularies of published models and refuses the bench checkpoint's own
@@ -106,16 +106,19 @@ def vendored_tree(llama_dir: Path) -> Path:
     return llama_dir / "src" / f"llama_cpp_python-{VERSION}" / "vendor" / "llama.cpp"
 
 
-def ensure_gguf(checkpoint_dir: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """`<checkpoint>/gguf/model-f32.gguf`, converted first if it is missing."""
+def ensure_gguf(checkpoint_dir: str | Path, cache_dir: str | Path | None = None,
+                outtype: str = "f32") -> Path:
+    """`<checkpoint>/gguf/model-f32.gguf` (`outtype` f32) or `<checkpoint>/gguf-bf16/
+    model-bf16.gguf`, converted first if it is missing."""
     checkpoint = Path(checkpoint_dir)
-    target = build_once(checkpoint / "gguf",
-                        lambda tmp: convert_to_gguf(checkpoint, tmp / GGUF_NAME, cache_dir),
-                        lambda path: (path / GGUF_NAME).is_file())
-    return target / GGUF_NAME
+    name = f"model-{outtype}.gguf"
+    target = build_once(checkpoint / ("gguf" if outtype == "f32" else f"gguf-{outtype}"),
+                        lambda tmp: convert_to_gguf(checkpoint, tmp / name, cache_dir, outtype),
+                        lambda path: (path / name).is_file())
+    return target / name
 
 
-GGUF_NAME = "model-f32.gguf"
+GGUF_TYPES = ("f32", "bf16")  # the weight types the benchmark converts to
 
 # Runs the vendored converter with the GPT-2 pre-tokenizer assumed where its hash is unknown.
 _CONVERT = """\
@@ -135,16 +138,16 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def convert_to_gguf(checkpoint: Path, out_file: Path, cache_dir: str | Path | None = None
-                    ) -> None:
-    """Write `checkpoint` as a GGUF f32 file with llama.cpp's converter."""
+def convert_to_gguf(checkpoint: Path, out_file: Path, cache_dir: str | Path | None = None,
+                    outtype: str = "f32") -> None:
+    """Write `checkpoint` as a GGUF file of `outtype` weights with llama.cpp's converter."""
     ensure_llama_server(cache_dir)
     tree = converter_dir(llama_cpp_dir(cache_dir))
     tokenizer = json.loads((checkpoint / "tokenizer.json").read_text())
     converter = ["-c", _CONVERT, str(tree)]
     if not is_gpt2_pretokenizer(tokenizer):  # the converter's own verdict, unpatched
         converter = [str(tree / "convert_hf_to_gguf.py")]
-    _run([sys.executable, *converter, "--outtype", "f32", "--outfile", str(out_file),
+    _run([sys.executable, *converter, "--outtype", outtype, "--outfile", str(out_file),
           str(checkpoint)])
 
 

@@ -60,9 +60,9 @@ TOKENIZER_PROBES = (
 
 
 def run_llama_cpp(model_path: Path, requests: Sequence[BenchRequest], warmup: BenchRequest,
-                  concurrency: int, threads: int) -> Result:
+                  concurrency: int, threads: int, weights: str = "f32") -> Result:
     """`llama-server` with `concurrency` slots on loopback, driven over /v1/completions."""
-    binary, gguf = ensure_llama_server(), ensure_gguf(model_path)
+    binary, gguf = ensure_llama_server(), ensure_gguf(model_path, outtype=weights)
     with tempfile.TemporaryDirectory() as tmp, LlamaCppServer(
             binary, gguf, Path(tmp) / "llama-server.log", threads, concurrency,
             MAX_POSITIONS) as server:
@@ -119,17 +119,26 @@ def requests_at(n_requests: int, concurrency: int) -> int:
     return max(n_requests, WAVES * concurrency)
 
 
+# --weights: each server's setting for the weights' type. bf16: llama.cpp a GGUF bf16,
+# transformers serve the whole model in bfloat16, meshlm its packed linears' weights (its
+# activations, as llama.cpp's, stay float32).
+WEIGHTS = {"f32": {"serve": "float32", "mesh": "auto"},
+           "bf16": {"serve": "bfloat16", "mesh": "bfloat16"}}
+
+
 def servers(model_path: Path, requests: Sequence[BenchRequest], warmup: BenchRequest,
-            concurrency: int, peer_threads: int, mesh_threads: int
+            concurrency: int, peer_threads: int, mesh_threads: int, weights: str = "f32"
             ) -> dict[str, Callable[[], Result]]:
     """Each server's run at one concurrency, in the order they are measured (`mesh_threads`
-    0: the mesh sizes its engine threads itself)."""
+    0: the mesh sizes its engine threads itself), with `weights` (a `WEIGHTS` key)."""
+    setting = WEIGHTS[weights]
     return {
         "llama.cpp": lambda: run_llama_cpp(model_path, requests, warmup, concurrency,
-                                           peer_threads),
+                                           peer_threads, weights),
         "serve": lambda: run_transformers_serve(str(model_path), requests, warmup, concurrency,
-                                                peer_threads),
-        "mesh": lambda: run_mesh(str(model_path), requests, warmup, concurrency, mesh_threads),
+                                                peer_threads, setting["serve"]),
+        "mesh": lambda: run_mesh(str(model_path), requests, warmup, concurrency, mesh_threads,
+                                 setting["mesh"]),
     }
 
 
@@ -186,12 +195,15 @@ def plot(results: dict[int, dict[str, Result | None]], plot_dir: Path, title: st
               help="compute threads for every server (0: llama.cpp and transformers serve "
                    "get every CPU, meshlm runs as shipped and sizes its engine itself)")
 @click.option("--skip", multiple=True, type=click.Choice(PEERS), help="leave a server out")
+@click.option("--weights", default="f32", show_default=True, type=click.Choice(list(WEIGHTS)),
+              help="the weights' type in every server: f32, or bf16 (llama.cpp a bf16 GGUF, "
+                   "transformers serve bfloat16, meshlm --packed-weight-dtype bfloat16)")
 @click.option("--plot-dir", default="bench-results", show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="where the PNG plots go (with two or more concurrencies)")
 def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_mean: float,
          output_max: int, concurrency_values: tuple[str, ...], sweep: bool, threads: int,
-         skip: tuple[str, ...], plot_dir: Path) -> None:
+         skip: tuple[str, ...], weights: str, plot_dir: Path) -> None:
     concurrencies = parse_concurrencies(concurrency_values, sweep)
     for key, value in OFFLINE_ENV.items():  # before transformers is imported: local files only
         os.environ.setdefault(key, value)
@@ -209,17 +221,19 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
     failures: list[str] = []
     for c in concurrencies:  # each concurrency: the three servers one after another
         failed: list[str] = []
-        runs = servers(model_path, workload[:counts[c]], warmup, c, threads or cpus, threads)
+        runs = servers(model_path, workload[:counts[c]], warmup, c, threads or cpus, threads,
+                       weights)
         results[c] = measure(runs, skip, failed)
         failures += [f"concurrency {c}: {f}" for f in failed]
 
     tokens = {c: sum(r.max_new_tokens for r in workload[:n]) for c, n in counts.items()}
     sizes = "; ".join(f"concurrency {c}: {n} requests, {tokens[c]} output tokens"
                       for c, n in counts.items())
-    print(f"\nmodel: {model_path} (Llama, float32, CPU; llama.cpp: the same weights as GGUF "
-          f"f32)\nworkload: seed {seed}, prompts {prompt_min}-{prompt_max} tokens, outputs "
-          f"exponential mean {output_mean:g} clipped to [1, {output_max}], EOS ignored; the "
-          f"first max({n_requests}, {WAVES} x concurrency) requests of one list\n{sizes}\n"
+    print(f"\nmodel: {model_path} (Llama, {weights} weights, CPU; llama.cpp: the same weights "
+          f"as GGUF {weights})\nworkload: seed {seed}, prompts {prompt_min}-{prompt_max} "
+          f"tokens, outputs exponential mean {output_mean:g} clipped to [1, {output_max}], EOS "
+          f"ignored; the first max({n_requests}, {WAVES} x concurrency) requests of one "
+          f"list\n{sizes}\n"
           f"{cpus} CPUs; {threads_said(threads, cpus)}; whole run "
           f"{time.perf_counter() - started:.0f} s\n")
     lines: list[str] = []
@@ -227,7 +241,8 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
         lines += report_peers(results[c], c) + [""]
     notes = [f"concurrency {c}, {r.name}: {n}" for c, by_peer in results.items()
              for r in by_peer.values() if r is not None for n in r.notes]
-    title = f"{model_path.name} (Llama f32, CPU), {cpus} CPUs, {threads_said(threads, cpus)}"
+    title = (f"{model_path.name} (Llama {weights}, CPU), {cpus} CPUs, "
+             f"{threads_said(threads, cpus)}")
     paths = plot(results, plot_dir, title, notes)
     lines += [f"plot written: {path}" for path in paths] + ([""] if paths else [])
     lines += ["notes:"] + [f"- {n}" for n in failures + notes]

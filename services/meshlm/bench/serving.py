@@ -228,20 +228,21 @@ class ServerProcess:
 
 class TransformersServe(ServerProcess):
     """`transformers serve --continuous-batching` on 127.0.0.1, one checkpoint, CPU, float32
-    (the model is loaded before the server listens)."""
+    unless `dtype` says otherwise (the model is loaded before the server listens)."""
 
     name = "transformers serve"
 
     def __init__(self, model_path: str, log_path: Path, threads: int = 0,
-                 startup_timeout: float = 300.0) -> None:
+                 startup_timeout: float = 300.0, dtype: str = "float32") -> None:
         super().__init__(log_path, startup_timeout)
         self.model_path = model_path
         self.threads = threads
+        self.dtype = dtype
 
     def args(self) -> list[str]:
         return [sys.executable, "-m", "transformers.cli.transformers", "serve",
                 self.model_path, "--continuous-batching", "--device", "cpu",
-                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", self.dtype, "--host", "127.0.0.1", "--port", str(self.port),
                 "--log-level", "warning"]
 
     def env(self) -> dict[str, str]:

@@ -44,8 +44,9 @@ CALIBRATION_ROWS = 16
 # How far a share of the cores may pass a whole number of threads before the engine takes one
 # more. Measured on 2 cores with the bench model (s = 1.49): 2 threads gave 1.38x the output
 # of 1 (561-576 against 407-418 tok/s at 16 streams), 93% of the bound the machine's two cores
-# set, so a second thread pays from s = 1 / 0.93 ~ 1.07. (Rounding to nearest had given it 1.)
-SHARE_SLACK = 0.1
+# set, so a second thread pays from s ~ 1.07; the margin above that is for the calibration,
+# which reads high on a busy machine. (Rounding to nearest had given the bench model 1.)
+SHARE_SLACK = 0.25
 CALIBRATION_STEPS = 4
 
 

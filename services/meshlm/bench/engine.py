@@ -185,13 +185,15 @@ async def run_http(name: str, stream: StreamFn, requests: Sequence[BenchRequest]
 
 
 def run_mesh(model_path: str, requests: Sequence[BenchRequest], warmup: BenchRequest,
-             concurrency: int, threads: int, packed_weight_dtype: str = "auto") -> Result:
+             concurrency: int, threads: int, packed_weight_dtype: str = "auto",
+             kv_cache_dtype: str = "auto") -> Result:
     """The whole mesh (Redis + four services) on loopback, driven over HTTP /generate;
     `threads` 0: the scheduler chooses its engine's threads (as `make run`)."""
     from meshlm.launch.mesh import Mesh, MeshOptions
 
     env = {"MESHLM_MAX_RUNNING": str(concurrency), "MESHLM_LOG_LEVEL": "info",
-           "MESHLM_PACKED_WEIGHT_DTYPE": packed_weight_dtype}
+           "MESHLM_PACKED_WEIGHT_DTYPE": packed_weight_dtype,
+           "MESHLM_KV_CACHE_DTYPE": kv_cache_dtype}
     if threads:
         env["MESHLM_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,8 +218,11 @@ def engine_choices_said(scheduler_log: Path) -> list[str]:
         if '"engine_ready"' in line:
             e = json.loads(line)
             fused = ", the layers fused" if e.get("fused_layers") else ""
+            weights, activations = e["linear_weight_dtype"], e.get("linear_activation_dtype")
+            rounded = (f" (activations rounded to {activations})"
+                       if activations and activations != e.get("dtype", activations) else "")
             said.append(f"kernels: {e['attention_backend']}{fused}; matmuls: "
-                        f"{e['linear_kernel']}, {e['linear_weight_dtype']} weights; KV cache "
+                        f"{e['linear_kernel']}, {weights} weights{rounded}; KV cache "
                         f"{e.get('kv_cache_dtype', 'of the model dtype')}")
         elif '"engine_threads"' in line:
             e = json.loads(line)

@@ -119,11 +119,13 @@ def requests_at(n_requests: int, concurrency: int) -> int:
     return max(n_requests, WAVES * concurrency)
 
 
-# --weights: each server's setting for the weights' type. bf16: llama.cpp a GGUF bf16,
-# transformers serve the whole model in bfloat16, meshlm its packed linears' weights (its
-# activations, as llama.cpp's, stay float32).
-WEIGHTS = {"f32": {"serve": "float32", "mesh": "auto"},
-           "bf16": {"serve": "bfloat16", "mesh": "bfloat16"}}
+# --weights: each server's setting for the weights' type. bf16: llama.cpp a GGUF bf16 (its KV
+# cache float16, its default either way), transformers serve the whole model in bfloat16,
+# meshlm its packed linears' weights and its KV cache in bfloat16 (the activations are
+# rounded to bfloat16 where they meet the weights on a CPU with AVX512_BF16, as llama.cpp's
+# are). f32 keeps meshlm all float32, its KV cache included.
+WEIGHTS = {"f32": {"serve": "float32", "mesh": "auto", "mesh_kv": "auto"},
+           "bf16": {"serve": "bfloat16", "mesh": "bfloat16", "mesh_kv": "bfloat16"}}
 
 
 def servers(model_path: Path, requests: Sequence[BenchRequest], warmup: BenchRequest,
@@ -138,7 +140,7 @@ def servers(model_path: Path, requests: Sequence[BenchRequest], warmup: BenchReq
         "serve": lambda: run_transformers_serve(str(model_path), requests, warmup, concurrency,
                                                 peer_threads, setting["serve"]),
         "mesh": lambda: run_mesh(str(model_path), requests, warmup, concurrency, mesh_threads,
-                                 setting["mesh"]),
+                                 setting["mesh"], setting["mesh_kv"]),
     }
 
 

@@ -147,6 +147,9 @@ def test_the_schedulers_start_up_choices_become_notes(tmp_path: Path) -> None:
         '{"event": "engine_ready", "attention_backend": "native", "fused_layers": true, '
         '"kv_cache_dtype": "float32", "linear_kernel": "native", '
         '"linear_weight_dtype": "bfloat16", "threads": 1}',
+        '{"event": "engine_ready", "attention_backend": "native", "dtype": "float32", '
+        '"kv_cache_dtype": "bfloat16", "linear_kernel": "native", '
+        '"linear_weight_dtype": "bfloat16", "linear_activation_dtype": "bfloat16"}',
         'not json: an interleaved line',
         '{"event": "engine_threads", "threads": 2, "cores": 2.0, '
         '"engine_us_per_token": 998, "mesh_us_per_token": 250}',
@@ -154,6 +157,8 @@ def test_the_schedulers_start_up_choices_become_notes(tmp_path: Path) -> None:
     assert engine_choices_said(log) == [
         "kernels: native, the layers fused; matmuls: native, bfloat16 weights; KV cache "
         "float32",
+        "kernels: native; matmuls: native, bfloat16 weights (activations rounded to bfloat16); "
+        "KV cache bfloat16",
         "the engine chose 2 threads on 2 cores: 998 us of engine CPU per output token "
         "against 250 for the rest of the mesh",
     ]

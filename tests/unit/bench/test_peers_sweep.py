@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from meshlm.bench import peers
 from meshlm.bench.engine import Result
+from meshlm.bench.workload import warmup_request
 
 
 def test_concurrency_default_is_a_single_16() -> None:
@@ -72,3 +73,20 @@ def test_plot_needs_two_concurrencies_and_leaves_out_missing_servers(tmp_path: P
     paths = peers.plot(two, tmp_path / "out", "t", notes)
     assert [p.name for p in paths] == ["peers-throughput.png", "peers-ttft.png"]
     assert all(p.is_file() for p in paths) and notes == []
+
+
+def test_bf16_runs_meshlm_on_bfloat16_weights_and_kv_cache(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """--weights bf16 is like for like: llama.cpp's KV cache is 16-bit, so meshlm's is too;
+    f32 leaves meshlm all float32."""
+    seen: dict[str, tuple[object, ...]] = {}
+    monkeypatch.setattr(peers, "run_mesh", lambda *a: seen.setdefault("mesh", a[5:]))
+    monkeypatch.setattr(peers, "run_transformers_serve",
+                        lambda *a: seen.setdefault("serve", a[5:]))
+    for weights, mesh, serve in (("bf16", ("bfloat16", "bfloat16"), ("bfloat16",)),
+                                 ("f32", ("auto", "auto"), ("float32",))):
+        seen.clear()
+        runs = peers.servers(Path("model"), [], warmup_request(lambda t: [1]), 16, 2, 0, weights)
+        runs["mesh"]()
+        runs["serve"]()
+        assert seen == {"mesh": mesh, "serve": serve}

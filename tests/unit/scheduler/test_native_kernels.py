@@ -228,26 +228,39 @@ def test_float16_rounding_matches_torch_bit_for_bit() -> None:
     assert bool(same[~torch.isnan(want)].all()), values.reshape(-1)[~same][:8]
 
 
-@pytest.mark.parametrize("path", ["", "_portable"])  # the one chosen here, and the portable
+@pytest.mark.parametrize("path", ["", "_portable", "_wide", "_dot"])  # chosen here, and each
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("inputs", "outputs"), [(512, 1024), (1100, 37), (3, 5), (64, 96)])
+@pytest.mark.parametrize(("inputs", "outputs"), [(512, 1024), (1100, 37), (3, 5), (64, 96),
+                                                 (1025, 40)])
 def test_linear_matches_torch_linear(path: str, weight_dtype: torch.dtype, inputs: int,
                                      outputs: int) -> None:
     """Every row count up to two tiles and beyond, inputs over several of the kernel's chunks
-    (1100 > 2 x 512), outputs not a whole block, with and without a bias, rows strided;
-    bfloat16 weights against torch's float32 linear over the same weights rounded."""
+    (1100 > 2 x 512) and odd ones (a zero input pads the bfloat16 pairs), outputs not a whole
+    block, with and without a bias, rows strided; bfloat16 weights against torch's float32
+    linear over the same weights rounded, and where the kernel rounds the activations too
+    (AVX512_BF16), over the activations rounded."""
+    kernels = _kernels()
+    if path and f"meshlm_linear_{'bf16' if path == '_dot' else 'f32'}{path}" not in kernels.fns:
+        pytest.skip(f"no {path} kernel on this architecture")
+    if path == "_dot" and (weight_dtype != torch.bfloat16 or not kernels.linear_bf16_rounds):
+        pytest.skip("the AVX512_BF16 kernel reads bfloat16 weights on CPUs that have it")
+    rounds = weight_dtype == torch.bfloat16 and (
+        path == "_dot" or (path == "" and kernels.linear_bf16_rounds))
     torch.manual_seed(5)
     weight, bias = torch.randn(outputs, inputs), torch.randn(outputs)
-    packed = NativePacking(_kernels(), weight_dtype).pack(weight)
-    assert packed.shape == (-(-outputs // 32) * 2, inputs, 16)
+    packed = NativePacking(kernels, weight_dtype).pack(weight)
+    blocks = -(-outputs // 32) * 2
+    assert packed.shape == ((blocks, inputs, 16) if weight_dtype == torch.float32
+                            else (blocks, -(-inputs // 2), 16, 2))
     assert packed.dtype == weight_dtype
     served = weight.to(weight_dtype).float()
     for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64):
         x = torch.randn(rows, inputs + 7)[:, 3:3 + inputs]  # rows inputs + 7 floats apart
+        seen = x.bfloat16().float() if rounds else x
         for b in (None, bias):
             out = torch.full((rows, outputs), float("nan"))
-            _kernels().linear(x, packed, b, out, path)
-            torch.testing.assert_close(out, torch.nn.functional.linear(x, served, b),
+            kernels.linear(x, packed, b, out, path)
+            torch.testing.assert_close(out, torch.nn.functional.linear(seen, served, b),
                                        atol=1e-4 * inputs**0.5, rtol=1e-4)
 
 
@@ -268,6 +281,9 @@ def test_bfloat16_packed_weights_halve_the_memory_and_serve(gqa_model: Path) -> 
                               for p in packed)
         sizes[name] = sum(p.numel() * p.element_size() for p in packed)
     assert sizes["half"] * 2 == sizes["full"]
+    packing = next(m.packing for m in half.model.modules() if isinstance(m, PackedLinear))
+    assert packing.activation_dtype == (  # type: ignore[attr-defined]
+        torch.bfloat16 if _kernels().linear_bf16_rounds else torch.float32)
     params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
     half.add_request("r", [(j * 7) % 200 + 3 for j in range(20)], params)
     tokens = []

@@ -179,6 +179,8 @@ class Engine:
             linear_kernel=self.linear_kernel,
             linear_weight_dtype=str(packing.dtype).removeprefix("torch.") if packing and packed
             else self.dtype,
+            linear_activation_dtype=str(packing.activation_dtype).removeprefix("torch.")
+            if packing and packed else self.dtype,
             attention_backend=self.attention_backend, fused_layers=self.runner.fused is not None,
             retained_memory=self.retained_memory,
         )

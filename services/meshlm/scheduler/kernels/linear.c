@@ -1,9 +1,10 @@
 /* y = x W^T + b on the CPU, x and y float32, over a weight packed once in 16-column blocks:
- * block j holds W's rows 16j..16j+15 transposed, [K][16], so one aligned run of 16 elements
- * is one input's weights into 16 outputs; the blocks run to a multiple of 32 columns, the
- * padding zero (`NativePacking` in models/cpu_linear.py packs them). The weights are float32
- * (meshlm_linear_f32) or bfloat16 (meshlm_linear_bf16: half the bytes to read, each weight
- * widened to float32 exactly as it is loaded, the arithmetic float32).
+ * block j holds W's rows 16j..16j+15 transposed, so one aligned run of 16 elements is one
+ * input's weights into 16 outputs; the blocks run to a multiple of 32 columns, the padding
+ * zero (`NativePacking` in models/cpu_linear.py packs them). The weights are float32
+ * (meshlm_linear_f32: a block is [K][16]) or bfloat16 (meshlm_linear_bf16: half the bytes to
+ * read; a block is [K/2][16][2], each column's weights for inputs 2p and 2p+1 side by side,
+ * K rounded up to even with a zero input).
  *
  * A decode step multiplies a few rows by every weight of the model, so it is bound by reading
  * the weights: each block is read once per step and every row of the step is multiplied
@@ -12,41 +13,70 @@
  * row, where oneDNN's packed kernels read them at 29 (2.1 ms a pass against 3.5), and keeps
  * level with them from 64 rows to prompt chunks of 2048 (both at 220 GFLOP/s).
  *
+ * bfloat16 weights: where the CPU has AVX512_BF16 (meshlm_linear_bf16_dot), the activations
+ * are rounded to bfloat16 too (to nearest even) and each pair of products is summed into
+ * float32 by one instruction (vdpbf16ps: twice the multiplies of a float32 FMA), as llama.cpp
+ * does with bfloat16 weights; elsewhere each weight is widened to float32 exactly as it is
+ * loaded, the activations and the arithmetic float32.
+ *
  * Work is shared among torch's OpenMP threads by column groups; K is taken in chunks of
  * KC so that a group's chunk of weights stays in cache while every tile of rows reads it.
  * Built with the other kernels by kernels/native.py. */
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #define BLOCK 16   /* columns per packed block */
-#define KC 512     /* inputs per pass over the rows */
-#define STAGE_TILES 3  /* row tiles up to which non-float32 weights are widened in each */
+#define KC 512     /* inputs per pass over the rows (even: a chunk starts on a pair) */
+#define STAGE_TILES 3  /* row tiles up to which bfloat16 weights are widened in each */
 
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
-typedef uint16_t h4 __attribute__((vector_size(8), aligned(2)));
-typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u4 __attribute__((vector_size(16)));
-typedef uint32_t u16 __attribute__((vector_size(64)));
+typedef uint32_t u4 __attribute__((vector_size(16), aligned(4)));
+typedef uint32_t u16 __attribute__((vector_size(64), aligned(4)));
+typedef float f32_t;
+typedef uint16_t bf16_t;
 
-/* One weight as float32 (a bfloat16 shifted into the high half), and LANES of them from p. */
+/* Inputs a block holds weights for: K, or K rounded up to even (bfloat16 pairs). */
+#define KPAD_f32(in) (in)
+#define KPAD_bf16(in) (((in) + 1) & ~(int64_t)1)
+
 static inline float widen_bf16(uint16_t w)
 {
     union { uint32_t u; float f; } bits = { .u = (uint32_t)w << 16 };
     return bits.f;
 }
-#define WIDEN_f32(w) (w)
-#define WIDEN_bf16(w) widen_bf16(w)
-#define LOAD_f32(V, LANES, p) (*(const V *)(p))
-#define LOAD_bf16(V, LANES, p) ((V)(__builtin_convertvector(*(const h##LANES *)(p), u##LANES) << 16))
 
-/* The tile of MT rows by NV vectors of LANES columns: weights w (of type W) at the tile's
- * first column and input k0 (blocks `stride` elements apart), inputs x (rows ldx apart), kc inputs; writes
- * (first chunk: bias + sum) or adds (later chunks) its `cols` valid columns at y. */
-#define TILE(NAME, W, V, LANES, NV, MT)                                                      \
+/* A tile's sums into y: written (first chunk: bias + sum) or added (later chunks), `cols`
+ * valid columns of NV vectors of LANES. */
+#define STORE(V, LANES, NV, MT)                                                               \
+    for (int m = 0; m < MT; m++) {                                                            \
+        float *row = y + m * ldy;                                                             \
+        if (cols == NV * LANES) {                                                             \
+            for (int j = 0; j < NV; j++) {                                                    \
+                V *out = (V *)(row + j * LANES);                                              \
+                if (!first) *out += acc[m][j];                                                \
+                else if (bias) *out = acc[m][j] + *(const V *)(bias + j * LANES);             \
+                else *out = acc[m][j];                                                        \
+            }                                                                                 \
+        } else {                                                                              \
+            float sums[NV * LANES];                                                           \
+            memcpy(sums, acc[m], sizeof sums);                                                \
+            for (int c = 0; c < cols; c++)                                                    \
+                row[c] = (first ? (bias ? bias[c] : 0.f) : row[c]) + sums[c];                 \
+        }                                                                                     \
+    }
+
+/* The tile of MT rows by NV vectors of LANES columns over float32 weights: w at the tile's
+ * first column and input k0 (blocks `stride` elements apart), inputs x (rows ldx apart), kc
+ * inputs. */
+#define TILE(NAME, V, LANES, NV, MT)                                                          \
     static inline __attribute__((always_inline)) void NAME##_##MT(                          \
-        const float *x, int64_t ldx, const W##_t *w, int64_t stride, int64_t kc, float *y,  \
+        const float *x, int64_t ldx, const float *w, int64_t stride, int64_t kc, float *y,   \
         int64_t ldy, int cols, const float *bias, int first)                                \
     {                                                                                         \
         V acc[MT][NV];                                                                        \
@@ -55,36 +85,60 @@ static inline float widen_bf16(uint16_t w)
         for (int64_t k = 0; k < kc; k++) {                                                    \
             V b[NV];                                                                          \
             for (int j = 0; j < NV; j++)                                                      \
-                b[j] = LOAD_##W(V, LANES, w + (j * LANES / BLOCK) * stride + k * BLOCK        \
-                                             + j * LANES % BLOCK);                            \
+                b[j] = *(const V *)(w + (j * LANES / BLOCK) * stride + k * BLOCK              \
+                                    + j * LANES % BLOCK);                                     \
             _Pragma("GCC unroll 16") for (int m = 0; m < MT; m++) {                          \
                 const float xv = x[m * ldx + k];                                              \
                 for (int j = 0; j < NV; j++) acc[m][j] += xv * b[j];                          \
             }                                                                                 \
         }                                                                                     \
-        for (int m = 0; m < MT; m++) {                                                        \
-            float *row = y + m * ldy;                                                         \
-            if (cols == NV * LANES) {                                                         \
-                for (int j = 0; j < NV; j++) {                                                \
-                    V *out = (V *)(row + j * LANES);                                          \
-                    if (!first) *out += acc[m][j];                                            \
-                    else if (bias) *out = acc[m][j] + *(const V *)(bias + j * LANES);         \
-                    else *out = acc[m][j];                                                    \
-                }                                                                             \
-            } else {                                                                          \
-                float sums[NV * LANES];                                                       \
-                memcpy(sums, acc[m], sizeof sums);                                            \
-                for (int c = 0; c < cols; c++)                                                \
-                    row[c] = (first ? (bias ? bias[c] : 0.f) : row[c]) + sums[c];             \
-            }                                                                                 \
-        }                                                                                     \
+        STORE(V, LANES, NV, MT)                                                               \
     }
 
+/* The same over bfloat16 pairs, widened as they load: one load of LANES pairs gives input
+ * 2p's weights (the low halves, shifted up) and 2p+1's (the high halves, masked). */
+#define PAIR_TILE(NAME, V, U, LANES, NV, MT)                                                  \
+    static inline __attribute__((always_inline)) void NAME##_##MT(                          \
+        const float *x, int64_t ldx, const bf16_t *w, int64_t stride, int64_t kc, float *y,  \
+        int64_t ldy, int cols, const float *bias, int first)                                \
+    {                                                                                         \
+        V acc[MT][NV];                                                                        \
+        for (int m = 0; m < MT; m++)                                                          \
+            for (int j = 0; j < NV; j++) acc[m][j] = (V){0};                                  \
+        for (int64_t k = 0; k < kc; k += 2) {                                                 \
+            V lo[NV], hi[NV];                                                                 \
+            for (int j = 0; j < NV; j++) {                                                    \
+                U u = *(const U *)(w + (j * LANES / BLOCK) * stride + k * BLOCK               \
+                                   + 2 * (j * LANES % BLOCK));                                \
+                lo[j] = (V)(u << 16);                                                         \
+                hi[j] = (V)(u & 0xffff0000u);                                                 \
+            }                                                                                 \
+            const int odd = k + 1 == kc; /* K odd: the last pair's second input is padding */ \
+            _Pragma("GCC unroll 16") for (int m = 0; m < MT; m++) {                          \
+                const float xe = x[m * ldx + k], xo = odd ? 0.f : x[m * ldx + k + 1];         \
+                for (int j = 0; j < NV; j++) acc[m][j] += xe * lo[j] + xo * hi[j];           \
+            }                                                                                 \
+        }                                                                                     \
+        STORE(V, LANES, NV, MT)                                                               \
+    }
+
+/* A group's chunk of bfloat16 pairs (GROUP / BLOCK blocks `stride` apart, kc inputs from an
+ * even k0) widened into float32 blocks [kc][16] laid end to end, for the float32 tiles. */
+static inline void widen_chunk(const bf16_t *w, int64_t stride, int64_t kc, int blocks,
+                               float *buffer)
+{
+    for (int b = 0; b < blocks; b++)
+        for (int64_t k = 0; k < kc; k++)
+            for (int c = 0; c < BLOCK; c++)
+                buffer[(b * kc + k) * BLOCK + c] =
+                    widen_bf16(w[b * stride + (k & ~(int64_t)1) * BLOCK + 2 * c + (k & 1)]);
+}
+
 /* The multiply over tiles of at most MAXROWS rows (split evenly) and GROUP columns per
- * thread's unit of work. Weights that are not float32 are widened as a tile loads them where
- * up to STAGE_TILES tiles cover the rows; where there are more, each chunk of them is widened
- * once into a float32 buffer that every tile then reads (FTILES: the float32 tiles). Measured
- * on the bench model's projections, bfloat16 against float32 on AVX-512: per tile 0.80x at 64
+ * thread's unit of work. bfloat16 weights are widened as a tile loads them where up to
+ * STAGE_TILES tiles cover the rows; where there are more, each chunk of them is widened once
+ * into a float32 buffer that every tile then reads (FTILES: the float32 tiles). Measured on
+ * the bench model's projections, bfloat16 against float32 on AVX-512: per tile 0.80x at 64
  * rows and 0.79x at 256, through the buffer 0.92x and 0.98x; the two level at 32 rows. */
 #define LINEAR(NAME, W, GROUP, MAXROWS, DISPATCH, TILES, FTILES)                             \
     void NAME(const float *x, int64_t ldx, int64_t rows, int64_t in, const W##_t *packed,    \
@@ -92,7 +146,7 @@ static inline float widen_bf16(uint16_t w)
     {                                                                                         \
         const int64_t groups = (out + GROUP - 1) / GROUP;                                     \
         const int64_t tiles = (rows + MAXROWS - 1) / MAXROWS;                                 \
-        const int64_t stride = in * BLOCK;                                                    \
+        const int64_t stride = KPAD_##W(in) * BLOCK;                                          \
         const int staged = sizeof(W##_t) != sizeof(float) && tiles > STAGE_TILES;             \
         _Pragma("omp parallel for num_threads(threads) schedule(static) if (groups > 1)")     \
         for (int64_t g = 0; g < groups; g++) {                                                \
@@ -105,9 +159,7 @@ static inline float widen_bf16(uint16_t w)
                 float *yg = y + col;                                                          \
                 const float *bg = bias ? bias + col : NULL;                                   \
                 if (staged) {                                                                 \
-                    for (int64_t b = 0; b < GROUP / BLOCK; b++)                               \
-                        for (int64_t i = 0; i < kc * BLOCK; i++)                              \
-                            buffer[b * kc * BLOCK + i] = WIDEN_##W(w[b * stride + i]);        \
+                    widen_chunk((const bf16_t *)w, stride, kc, GROUP / BLOCK, buffer);        \
                     for (int64_t t = 0; t < tiles; t++) {                                     \
                         const int64_t r0 = t * rows / tiles;                                  \
                         DISPATCH(FTILES, (t + 1) * rows / tiles - r0, x + r0 * ldx + k0, ldx, \
@@ -118,8 +170,9 @@ static inline float widen_bf16(uint16_t w)
                 }                                                                             \
                 for (int64_t t = 0; t < tiles; t++) {                                         \
                     const int64_t r0 = t * rows / tiles;                                      \
-                    DISPATCH(TILES, (t + 1) * rows / tiles - r0, x + r0 * ldx + k0, ldx, w,   \
-                             stride, kc, yg + r0 * out, out, cols, bg, k0 == 0);              \
+                    DISPATCH(TILES, (t + 1) * rows / tiles - r0, x + r0 * ldx + k0, ldx,      \
+                             (const void *)w, stride, kc, yg + r0 * out, out, cols, bg,       \
+                             k0 == 0);                                                        \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
@@ -132,12 +185,13 @@ static inline float widen_bf16(uint16_t w)
     case 2: TILES##_2(__VA_ARGS__); break;                                                    \
     default: TILES##_3(__VA_ARGS__); break;                                                   \
     }
-#define PORTABLE_LINEAR(W)                                                                    \
-    TILE(portable_##W, W, v4, 4, 4, 1)                                                        \
-    TILE(portable_##W, W, v4, 4, 4, 2)                                                        \
-    TILE(portable_##W, W, v4, 4, 4, 3)                                                        \
-    LINEAR(meshlm_linear_##W##_portable, W, BLOCK, 3, PORTABLE, portable_##W, portable_f32)
+#define TILES3(T, NAME, ...) T(NAME, __VA_ARGS__, 1) T(NAME, __VA_ARGS__, 2) T(NAME, __VA_ARGS__, 3)
+TILES3(TILE, portable_f32, v4, 4, 4)
+TILES3(PAIR_TILE, portable_bf16, v4, u4, 4, 4)
+LINEAR(meshlm_linear_f32_portable, f32, BLOCK, 3, PORTABLE, portable_f32, portable_f32)
+LINEAR(meshlm_linear_bf16_portable, bf16, BLOCK, 3, PORTABLE, portable_bf16, portable_f32)
 
+#if defined(__x86_64__)
 /* AVX-512: two blocks (two 16-wide vectors) by up to 8 rows, 16 accumulators of 32. */
 #define WIDE(TILES, mt, ...)                                                                  \
     switch (mt) {                                                                             \
@@ -150,23 +204,89 @@ static inline float widen_bf16(uint16_t w)
     case 7: TILES##_7(__VA_ARGS__); break;                                                    \
     default: TILES##_8(__VA_ARGS__); break;                                                   \
     }
-#define WIDE_LINEAR(W)                                                                        \
-    TILE(wide_##W, W, v16, 16, 2, 1) TILE(wide_##W, W, v16, 16, 2, 2)                         \
-    TILE(wide_##W, W, v16, 16, 2, 3) TILE(wide_##W, W, v16, 16, 2, 4)                         \
-    TILE(wide_##W, W, v16, 16, 2, 5) TILE(wide_##W, W, v16, 16, 2, 6)                         \
-    TILE(wide_##W, W, v16, 16, 2, 7) TILE(wide_##W, W, v16, 16, 2, 8)                         \
-    __attribute__((target("arch=x86-64-v4")))                                                 \
-    LINEAR(meshlm_linear_##W##_wide, W, (2 * BLOCK), 8, WIDE, wide_##W, wide_f32)
+#define TILES8(T, NAME, ...)                                                                  \
+    T(NAME, __VA_ARGS__, 1) T(NAME, __VA_ARGS__, 2) T(NAME, __VA_ARGS__, 3)                   \
+    T(NAME, __VA_ARGS__, 4) T(NAME, __VA_ARGS__, 5) T(NAME, __VA_ARGS__, 6)                   \
+    T(NAME, __VA_ARGS__, 7) T(NAME, __VA_ARGS__, 8)
+#define WIDE_TARGET __attribute__((target("arch=x86-64-v4")))
+TILES8(TILE, wide_f32, v16, 16, 2)
+TILES8(PAIR_TILE, wide_bf16, v16, u16, 16, 2)
+WIDE_TARGET LINEAR(meshlm_linear_f32_wide, f32, (2 * BLOCK), 8, WIDE, wide_f32, wide_f32)
+WIDE_TARGET LINEAR(meshlm_linear_bf16_wide, bf16, (2 * BLOCK), 8, WIDE, wide_bf16, wide_f32)
 
-typedef float f32_t;
-typedef uint16_t bf16_t;
+/* AVX512_BF16: the rows' activations rounded to bfloat16 pairs once per call (xb: each row's
+ * K/2 pairs, a pair one 32-bit word, as the weights' pairs), then tiles of up to 8 rows by two
+ * blocks, each pair of inputs one vdpbf16ps per block and row. */
+#define DOT_TARGET __attribute__((target("arch=x86-64-v4,avx512bf16")))
+#define DOT_TILE(NAME, MT)                                                                    \
+    static inline __attribute__((always_inline)) DOT_TARGET void NAME##_##MT(              \
+        const uint32_t *xb, int64_t ldx, const bf16_t *w, int64_t stride, int64_t kc,      \
+        float *y, int64_t ldy, int cols, const float *bias, int first)                      \
+    {                                                                                         \
+        __m512 acc[MT][2];                                                                    \
+        for (int m = 0; m < MT; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();           \
+        for (int64_t p = 0; p < (kc + 1) / 2; p++) {                                          \
+            const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w + p * 2 * BLOCK);              \
+            const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w + stride + p * 2 * BLOCK);     \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MT; m++) {                           \
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xb[m * ldx + p]);        \
+                acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);                              \
+                acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);                              \
+            }                                                                                 \
+        }                                                                                     \
+        STORE(v16, 16, 2, MT)                                                                 \
+    }
+DOT_TILE(dot, 1) DOT_TILE(dot, 2) DOT_TILE(dot, 3) DOT_TILE(dot, 4)
+DOT_TILE(dot, 5) DOT_TILE(dot, 6) DOT_TILE(dot, 7) DOT_TILE(dot, 8)
 
-PORTABLE_LINEAR(f32)
-PORTABLE_LINEAR(bf16)
+/* x's rows rounded to bfloat16, to nearest even, into pairs (a zero after an odd K). */
+DOT_TARGET static void round_rows(const float *x, int64_t ldx, int64_t rows, int64_t in,
+                                  uint32_t *xb, int64_t pairs, int threads)
+{
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * in > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *dst = (uint16_t *)(xb + r * pairs);
+        for (int64_t k = 0; k < 2 * pairs; k += 16) {
+            const int64_t left = in - k;
+            const __mmask16 mask = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            const __m512 v = _mm512_maskz_loadu_ps(mask, x + r * ldx + k);
+            const __m256bh h = _mm512_cvtneps_pbh(v);
+            const int64_t room = 2 * pairs - k;
+            _mm256_mask_storeu_epi16(dst + k, room >= 16 ? 0xffff : (__mmask16)((1u << room) - 1),
+                                     (__m256i)h);
+        }
+    }
+}
 
-#if defined(__x86_64__)
-WIDE_LINEAR(f32)
-WIDE_LINEAR(bf16)
+DOT_TARGET void meshlm_linear_bf16_dot(const float *x, int64_t ldx, int64_t rows, int64_t in,
+                                       const bf16_t *packed, const float *bias, float *y,
+                                       int64_t out, int threads)
+{
+    const int64_t pairs = KPAD_bf16(in) / 2, stride = 2 * pairs * BLOCK;
+    const int64_t groups = (out + 2 * BLOCK - 1) / (2 * BLOCK), tiles = (rows + 7) / 8;
+    uint32_t *xb = malloc((size_t)(rows * pairs) * sizeof *xb);
+    if (xb == NULL) { /* no memory for the rounded rows: the exact path */
+        meshlm_linear_bf16_wide(x, ldx, rows, in, packed, bias, y, out, threads);
+        return;
+    }
+    round_rows(x, ldx, rows, in, xb, pairs, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (groups > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t col = g * 2 * BLOCK;
+        const int cols = out - col < 2 * BLOCK ? (int)(out - col) : 2 * BLOCK;
+        for (int64_t k0 = 0; k0 < in; k0 += KC) {
+            const int64_t kc = in - k0 < KC ? in - k0 : KC;
+            const bf16_t *w = packed + (col / BLOCK) * stride + k0 * BLOCK;
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t r0 = t * rows / tiles;
+                WIDE(dot, (t + 1) * rows / tiles - r0, xb + r0 * pairs + k0 / 2, pairs, w,
+                     stride, kc, y + r0 * out + col, out, cols, bias ? bias + col : NULL,
+                     k0 == 0);
+            }
+        }
+    }
+    free(xb);
+}
 
 static int has_wide(void)
 {
@@ -175,8 +295,14 @@ static int has_wide(void)
            __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
 }
 
-/* meshlm_linear_{f32,bf16} are the AVX-512 kernels where the CPU has it, the portable ones
- * elsewhere, chosen once when the library loads. */
+static int has_dot(void)
+{
+    return has_wide() && __builtin_cpu_supports("avx512bf16");
+}
+
+/* meshlm_linear_{f32,bf16} are the AVX-512 kernels where the CPU has it (for bfloat16, the
+ * AVX512_BF16 one where it has that too), the portable ones elsewhere, chosen once when the
+ * library loads. */
 typedef __typeof__(meshlm_linear_f32_portable) linear_f32;
 typedef __typeof__(meshlm_linear_bf16_portable) linear_bf16;
 
@@ -187,13 +313,15 @@ static linear_f32 *pick_linear_f32(void)
 
 static linear_bf16 *pick_linear_bf16(void)
 {
-    return has_wide() ? meshlm_linear_bf16_wide : meshlm_linear_bf16_portable;
+    return has_dot() ? meshlm_linear_bf16_dot
+           : has_wide() ? meshlm_linear_bf16_wide : meshlm_linear_bf16_portable;
 }
 
 linear_f32 meshlm_linear_f32 __attribute__((ifunc("pick_linear_f32")));
 linear_bf16 meshlm_linear_bf16 __attribute__((ifunc("pick_linear_bf16")));
 
 int meshlm_linear_wide(void) { return has_wide(); }
+int meshlm_linear_bf16_rounds(void) { return has_dot(); }
 #else
 __typeof__(meshlm_linear_f32_portable) meshlm_linear_f32
     __attribute__((alias("meshlm_linear_f32_portable")));
@@ -201,4 +329,5 @@ __typeof__(meshlm_linear_bf16_portable) meshlm_linear_bf16
     __attribute__((alias("meshlm_linear_bf16_portable")));
 
 int meshlm_linear_wide(void) { return 0; }
+int meshlm_linear_bf16_rounds(void) { return 0; }
 #endif

@@ -57,8 +57,13 @@ _SIGNATURES: dict[str, list[Any]] = {
     **{f"meshlm_linear_{suffix}{path}": [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
        for suffix in ("f32", "bf16") for path in ("", "_portable")},
     "meshlm_linear_wide": [],
+    "meshlm_linear_bf16_rounds": [],
 }
-_RESULTS: dict[str, Any] = {"meshlm_linear_wide": _INT}
+# Kernels of one instruction set, called by name where the CPU has it (tests; x86-64 only).
+_OPTIONAL: dict[str, list[Any]] = {
+    f"meshlm_linear_{name}": _SIGNATURES["meshlm_linear_f32"]
+    for name in ("f32_wide", "bf16_wide", "bf16_dot")}
+_RESULTS: dict[str, Any] = {"meshlm_linear_wide": _INT, "meshlm_linear_bf16_rounds": _INT}
 
 
 class BuildError(RuntimeError):
@@ -132,12 +137,20 @@ class Kernels:
         """Whether `linear` runs the AVX-512 kernel here (else the portable one)."""
         return bool(self.fns["meshlm_linear_wide"]())
 
+    @property
+    def linear_bf16_rounds(self) -> bool:
+        """Whether `linear` over bfloat16 weights rounds the activations to bfloat16 here (the
+        AVX512_BF16 kernel: vdpbf16ps); elsewhere they stay float32."""
+        return bool(self.fns["meshlm_linear_bf16_rounds"]())
+
     def linear(self, x: Tensor, packed: Tensor, bias: Tensor | None, out: Tensor,
                path: str = "") -> None:
         """out [N, O] (contiguous) = x W^T + bias: x [N, I] (rows may be strided, each row
-        contiguous), W packed in 16-column blocks [ceil(O / 32) * 2, I, 16] of float32 or
-        bfloat16 (contiguous, `cpu_linear.NativePacking`), bias [O] or None. `path`
-        "_portable" runs the portable kernel, to test it where the AVX-512 one is chosen."""
+        contiguous), W packed in 16-column blocks, [ceil(O / 32) * 2, I, 16] float32 or
+        [ceil(O / 32) * 2, ceil(I / 2), 16, 2] bfloat16 (contiguous, `cpu_linear.NativePacking`),
+        bias [O] or None. `path` runs one kernel by name, to test it where another is chosen:
+        "_portable", or on x86-64 "_wide" (AVX-512) and, bfloat16 only, "_dot" (AVX512_BF16;
+        call it only where `linear_bf16_rounds`)."""
         rows, inputs = x.shape
         suffix = "bf16" if packed.dtype == torch.bfloat16 else "f32"
         self.fns[f"meshlm_linear_{suffix}{path}"](
@@ -169,9 +182,11 @@ def load() -> Kernels | BuildError:
         fns = {name: getattr(lib, name) for name in _SIGNATURES}
     except (BuildError, OSError, AttributeError) as e:
         return e if isinstance(e, BuildError) else BuildError(str(e))
-    for name, argtypes in _SIGNATURES.items():
-        fns[name].argtypes = argtypes
-        fns[name].restype = _RESULTS.get(name)
+    fns.update({name: getattr(lib, name) for name in _OPTIONAL if hasattr(lib, name)})
+    for name, argtypes in {**_SIGNATURES, **_OPTIONAL}.items():
+        if name in fns:
+            fns[name].argtypes = argtypes
+            fns[name].restype = _RESULTS.get(name)
     return Kernels(fns, path)
 
 

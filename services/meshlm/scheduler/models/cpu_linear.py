@@ -113,10 +113,11 @@ class OneDNNPacking:
 
 
 class NativePacking:
-    """meshlm's 16-column blocks (`kernels/linear.c`): W's rows 16j..16j+15 transposed, [in,
-    16], block after block, zero rows up to a multiple of `LINEAR_COLUMNS`, in `dtype`
-    (float32, or bfloat16: half the memory and the bytes a step reads, rounded to nearest
-    even; the arithmetic stays float32). Any row count runs as it is."""
+    """meshlm's 16-column blocks (`kernels/linear.c`): W's rows 16j..16j+15 transposed, block
+    after block, zero rows up to a multiple of `LINEAR_COLUMNS`, in `dtype`: float32, a block
+    [in, 16]; or bfloat16 (half the memory and the bytes a step reads, rounded to nearest
+    even), a block [ceil(in / 2), 16, 2], each column's weights for inputs 2p and 2p + 1 side
+    by side (a zero input after an odd `in`). Any row count runs as it is."""
 
     name = "native"
     kernels_per_rows = False
@@ -132,7 +133,17 @@ class NativePacking:
         weight = weight.to(self.dtype)
         if padded != out:
             weight = torch.cat([weight, weight.new_zeros(padded - out, inputs)])
-        return weight.view(padded // 16, 16, inputs).transpose(1, 2).contiguous()
+        if self.dtype == torch.float32:
+            return weight.view(padded // 16, 16, inputs).transpose(1, 2).contiguous()
+        weight = F.pad(weight, (0, inputs % 2))  # [padded, 2P]
+        return weight.view(padded // 16, 16, -1, 2).transpose(1, 2).contiguous()
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The type the activations meet the weights in: bfloat16 where the kernel rounds
+        them (bfloat16 weights on a CPU with AVX512_BF16), else float32."""
+        rounds = self.dtype == torch.bfloat16 and self.kernels.linear_bf16_rounds
+        return torch.bfloat16 if rounds else torch.float32
 
     def multiply(self, x: Tensor, packed: Tensor, bias: Tensor | None,
                  out_features: int) -> Tensor:

@@ -71,17 +71,19 @@ static inline float widen_bf16(uint16_t w)
         }                                                                                     \
     }
 
-/* The tile of MT rows by NV vectors of LANES columns over float32 weights: w at the tile's
- * first column and input k0 (blocks `stride` elements apart), inputs x (rows ldx apart), kc
- * inputs. */
-#define TILE(NAME, V, LANES, NV, MT)                                                          \
+/* The tile of MT rows by NV vectors of LANES columns (TILE over float32 weights): w at the
+ * tile's first column and input k0 (blocks `stride` elements apart), inputs x (rows ldx
+ * apart), kc inputs; its sums start at zero. */
+#define TILE_HEAD(NAME, W, V, NV, MT)                                                         \
     static inline __attribute__((always_inline)) void NAME##_##MT(                          \
-        const float *x, int64_t ldx, const float *w, int64_t stride, int64_t kc, float *y,   \
+        const float *x, int64_t ldx, const W *w, int64_t stride, int64_t kc, float *y,       \
         int64_t ldy, int cols, const float *bias, int first)                                \
     {                                                                                         \
         V acc[MT][NV];                                                                        \
         for (int m = 0; m < MT; m++)                                                          \
-            for (int j = 0; j < NV; j++) acc[m][j] = (V){0};                                  \
+            for (int j = 0; j < NV; j++) acc[m][j] = (V){0};
+#define TILE(NAME, V, LANES, NV, MT)                                                          \
+    TILE_HEAD(NAME, float, V, NV, MT)                                                         \
         for (int64_t k = 0; k < kc; k++) {                                                    \
             V b[NV];                                                                          \
             for (int j = 0; j < NV; j++)                                                      \
@@ -98,13 +100,7 @@ static inline float widen_bf16(uint16_t w)
 /* The same over bfloat16 pairs, widened as they load: one load of LANES pairs gives input
  * 2p's weights (the low halves, shifted up) and 2p+1's (the high halves, masked). */
 #define PAIR_TILE(NAME, V, U, LANES, NV, MT)                                                  \
-    static inline __attribute__((always_inline)) void NAME##_##MT(                          \
-        const float *x, int64_t ldx, const bf16_t *w, int64_t stride, int64_t kc, float *y,  \
-        int64_t ldy, int cols, const float *bias, int first)                                \
-    {                                                                                         \
-        V acc[MT][NV];                                                                        \
-        for (int m = 0; m < MT; m++)                                                          \
-            for (int j = 0; j < NV; j++) acc[m][j] = (V){0};                                  \
+    TILE_HEAD(NAME, bf16_t, V, NV, MT)                                                        \
         for (int64_t k = 0; k < kc; k += 2) {                                                 \
             V lo[NV], hi[NV];                                                                 \
             for (int j = 0; j < NV; j++) {                                                    \

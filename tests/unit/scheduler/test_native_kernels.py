@@ -29,6 +29,7 @@ def _kernels() -> native.Kernels:
     (4, 2, 7, 64, torch.float32), (8, 2, None, 64, torch.bfloat16),
     (8, 4, 5, 128, torch.bfloat16), (6, 1, 40, 16, torch.bfloat16),
     (8, 2, None, 64, torch.float16), (8, 4, 5, 128, torch.float16), (6, 1, 40, 20, torch.float16),
+    (8, 2, None, 32, torch.float32), (8, 2, 6, 32, torch.bfloat16),
 ])
 def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
                                                      window: int | None, d: int,
@@ -36,7 +37,7 @@ def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
     """Rows of different lengths, scattered and shared blocks, queries taken out of order
     from a packed step whose head and row strides are not contiguous ones, and a sliding
     window: the same output as the gather and two matmuls; head sizes the kernel unrolls
-    (64, 128) and others (20: a float16 row widened 8 at a time, then 4 more); caches of
+    (32, 64, 128) and others (20: a float16 row widened 8 at a time, then 4 more); caches of
     float32, bfloat16 and float16."""
     torch.manual_seed(0)
     bs, blocks, rows = 4, 32, 5
@@ -228,8 +229,10 @@ def test_float16_rounding_matches_torch_bit_for_bit() -> None:
     assert bool(same[~torch.isnan(want)].all()), values.reshape(-1)[~same][:8]
 
 
-@pytest.mark.parametrize("path", ["", "_portable", "_wide", "_dot"])  # chosen here, and each
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+# The kernel chosen here, and each by name (the AVX512_BF16 one reads bfloat16 weights only).
+@pytest.mark.parametrize(("path", "weight_dtype"), [
+    (path, dtype) for path in ("", "_portable", "_wide", "_dot")
+    for dtype in (torch.float32, torch.bfloat16) if path != "_dot" or dtype == torch.bfloat16])
 @pytest.mark.parametrize(("inputs", "outputs"), [(512, 1024), (1100, 37), (3, 5), (64, 96),
                                                  (1025, 40)])
 def test_linear_matches_torch_linear(path: str, weight_dtype: torch.dtype, inputs: int,
@@ -242,8 +245,8 @@ def test_linear_matches_torch_linear(path: str, weight_dtype: torch.dtype, input
     kernels = _kernels()
     if path and f"meshlm_linear_{'bf16' if path == '_dot' else 'f32'}{path}" not in kernels.fns:
         pytest.skip(f"no {path} kernel on this architecture")
-    if path == "_dot" and (weight_dtype != torch.bfloat16 or not kernels.linear_bf16_rounds):
-        pytest.skip("the AVX512_BF16 kernel reads bfloat16 weights on CPUs that have it")
+    if path == "_dot" and not kernels.linear_bf16_rounds:
+        pytest.skip("no AVX512_BF16 on this CPU")
     rounds = weight_dtype == torch.bfloat16 and (
         path == "_dot" or (path == "" and kernels.linear_bf16_rounds))
     torch.manual_seed(5)

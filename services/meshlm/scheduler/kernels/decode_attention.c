@@ -40,20 +40,48 @@ static inline float widen_bf16(uint16_t x)
     return bits.f;
 }
 
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t w16 __attribute__((vector_size(64)));
+typedef int32_t m16 __attribute__((vector_size(64)));
+
+/* The sums of four vectors at once, into `out`: its lanes 0, 4, 8 and 12 hold those of a, b,
+ * c and d. Halving twice across the pairs, then within each group of four lanes: 8 shuffles
+ * and 5 adds, where four separate reductions take four times as many. (A macro: a function
+ * taking 64-byte vectors by value trips GCC's ABI notes in the builds without AVX-512.) */
+#define SUM4(out, a, b, c, d)                                                                 \
+    do {                                                                                      \
+        const m16 low8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};            \
+        const m16 high8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};     \
+        const v16f ab = __builtin_shuffle(a, b, low8) + __builtin_shuffle(a, b, high8);       \
+        const v16f cd = __builtin_shuffle(c, d, low8) + __builtin_shuffle(c, d, high8);       \
+        const m16 low4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};          \
+        const m16 high4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};       \
+        v16f y = __builtin_shuffle(ab, cd, low4) + __builtin_shuffle(ab, cd, high4);          \
+        const m16 swap2 = {2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13};             \
+        y += __builtin_shuffle(y, swap2);                                                     \
+        const m16 swap1 = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};             \
+        (out) = y + __builtin_shuffle(y, swap1);                                              \
+    } while (0)
+
 #define KV float
 #define WIDEN(x) (x)
+#define KVEC(i) (*(const v16f *)(k + (i)))
 #define NAME(f) f##_f32
 #include "decode_attention.inc"
 #undef KV
 #undef WIDEN
+#undef KVEC
 #undef NAME
 
 #define KV uint16_t
 #define WIDEN(x) widen_bf16(x)
+#define KVEC(i) ((v16f)(__builtin_convertvector(*(const h16 *)(k + (i)), w16) << 16))
 #define NAME(f) f##_bf16
 #include "decode_attention.inc"
 #undef KV
 #undef WIDEN
+#undef KVEC
 #undef NAME
 
 /* A float16 bit pattern as float32, in integer operations any x86-64 vectorizes (converting a
@@ -98,10 +126,12 @@ __attribute__((target("avx2,f16c,fma"))) static inline void widen_f16_row(
 #define CLONES __attribute__((target("arch=x86-64-v3")))
 #define KV uint16_t
 #define WIDEN_ROW(dst, src, n) widen_f16_row(dst, src, n)
+#define KVEC(i) (*(const v16f *)(kw + (i)))
 #define NAME(f) f##_f16_f16c
 #include "decode_attention.inc"
 #undef KV
 #undef WIDEN_ROW
+#undef KVEC
 #undef NAME
 
 /* meshlm_decode_attention_f16 is the F16C kernel where the CPU has it, the portable one

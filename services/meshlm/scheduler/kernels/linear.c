@@ -181,7 +181,8 @@ static inline void widen_chunk(const bf16_t *w, int64_t stride, int64_t kc, int 
     case 2: TILES##_2(__VA_ARGS__); break;                                                    \
     default: TILES##_3(__VA_ARGS__); break;                                                   \
     }
-#define TILES3(T, NAME, ...) T(NAME, __VA_ARGS__, 1) T(NAME, __VA_ARGS__, 2) T(NAME, __VA_ARGS__, 3)
+#define TILES3(T, NAME, ...)                                                                  \
+    T(NAME, __VA_ARGS__, 1) T(NAME, __VA_ARGS__, 2) T(NAME, __VA_ARGS__, 3)
 TILES3(TILE, portable_f32, v4, 4, 4)
 TILES3(PAIR_TILE, portable_bf16, v4, u4, 4, 4)
 LINEAR(meshlm_linear_f32_portable, f32, BLOCK, 3, PORTABLE, portable_f32, portable_f32)
@@ -244,7 +245,8 @@ DOT_TARGET static void round_rows(const float *x, int64_t ldx, int64_t rows, int
         uint16_t *dst = (uint16_t *)(xb + r * pairs);
         for (int64_t k = 0; k < 2 * pairs; k += 16) {
             const int64_t left = in - k;
-            const __mmask16 mask = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            const __mmask16 mask =
+                left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
             const __m512 v = _mm512_maskz_loadu_ps(mask, x + r * ldx + k);
             const __m256bh h = _mm512_cvtneps_pbh(v);
             const int64_t room = 2 * pairs - k;

@@ -133,10 +133,11 @@ def test_redis_restarted_mid_load(mesh2, stub, registry):
     info = server_info(stub)
     assert info["registry_degraded"] is True
     assert "meshlm:registry_degraded 1.0" in metrics(mesh2)
-    # An abort on another gateway still reaches the request (sent to every scheduler).
-    victim = Stream(stub, "abort me without redis")
+    # An abort on another gateway still reaches the request (sent to every scheduler). That
+    # gateway starts first: the victim (1900 tokens) could finish while it starts.
     other = mesh2.start_gateway(f"gateway-{uuid.uuid4().hex[:6]}")
     try:
+        victim = Stream(stub, "abort me without redis")
         with grpc.insecure_channel(other.grpc_address) as ch:
             reply = sglang_pb2_grpc.SglangServiceStub(ch).Abort(pb.AbortRequest(rid=victim.rid),
                                                                timeout=10)

@@ -72,6 +72,11 @@ class BatchedStream(Generic[T]):
         self.connected = False
         self.messages_sent = 0
 
+    @property
+    def queued(self) -> int:
+        """Items waiting for the next batch (they pile up while the peer pushes back)."""
+        return len(self._queue)
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"stream:{self.name}:{self.address}")

@@ -126,4 +126,4 @@ def test_the_public_port_pings_its_clients_gently_and_keeps_its_own_message_limi
     assert mesh["grpc.max_receive_message_length"] == 64 << 20
     # what the clients may do is the same on both: the mesh's 1 s pings are allowed anywhere
     allowed = "grpc.http2.min_ping_interval_without_data_ms"
-    assert public[allowed] == mesh[allowed] and public.keys() == mesh.keys()
+    assert public[allowed] == mesh[allowed]

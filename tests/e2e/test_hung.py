@@ -7,6 +7,7 @@ none goes on generating for nobody."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 import uuid
@@ -28,6 +29,7 @@ from helpers import (
 from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 
 from meshlm.common.channels import DOWN_BOUND
+from meshlm.gateway.api.info import LOAD_TIMEOUT
 from meshlm.gateway.mesh.registry import key
 from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -66,6 +68,17 @@ def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
     spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300)
               for i in range(2)]
     with stopped(mesh2, victim.name) as stopped_at:
+        # The load and info calls answer within LOAD_TIMEOUT: the stopped one with its error.
+        asked = time.monotonic()
+        loads = json.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)
+        assert time.monotonic() - asked < LOAD_TIMEOUT + 1
+        asked = time.monotonic()
+        info = json.loads(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).json_info)
+        assert time.monotonic() - asked < LOAD_TIMEOUT + 1
+        assert [load["address"] for load in loads] == [victim.address, other.address]
+        assert "error" in loads[0] and "error" not in loads[1], loads
+        assert info["max_total_num_tokens"] == (loads[1]["kv_blocks_total"]
+                                                * loads[1]["kv_block_size"])
         assert_ended_unavailable_in_time(doomed, stopped_at, "scheduler")
         for s in spared:
             assert s.join().finished, (s.rid, s.error)

@@ -14,7 +14,10 @@ from meshlm.gateway.mesh.fanout import on_every
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
 
-LOAD_TIMEOUT = 10.0  # seconds
+# Seconds a scheduler has to answer GetLoad for GetLoad / GetServerInfo. One that cannot (hung,
+# or unreachable while its channel reconnects) is reported with its error, and the answer
+# comes in time for a client's own deadline (often 10 s), instead of holding it.
+LOAD_TIMEOUT = 3.0
 
 
 class InfoRPCs:

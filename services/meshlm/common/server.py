@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from meshlm.common.accept_ahead import AcceptAhead, RecordingServer
 from meshlm.common.channels import (
     MIN_PING_INTERVAL_MS,
     SERVER_KEEPALIVE_TIME_MS,
@@ -99,21 +100,23 @@ class GrpcServer:
     `interceptors` run before the tracing and error ones (the gateway's API-key check);
     `public` is the gateway's public port: `max_receive_bytes` instead of the mesh's 64 MiB
     message limit (RESOURCE_EXHAUSTED past it) and PUBLIC_KEEPALIVE; requests are parsed
-    innermost, so a malformed one is INVALID_ARGUMENT (common/parsing.py)."""
+    innermost, so a malformed one is INVALID_ARGUMENT (common/parsing.py). `accept_ahead`: more
+    call requests kept outstanding for each method of `bindings` (common/accept_ahead.py), for
+    a port where new calls come often to a busy event loop."""
 
     def __init__(self, bindings: Sequence[Binding],
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 public: bool = False, max_receive_bytes: int | None = None) -> None:
+                 public: bool = False, max_receive_bytes: int | None = None,
+                 accept_ahead: int = 0) -> None:
         options = server_options(public, max_receive_bytes)
-        self.server = grpc.aio.server(
-            interceptors=[*interceptors, TracingInterceptor(), ErrorInterceptor(),
-                          ParseInterceptor()],
-            options=options,
-        )
+        chain = (*interceptors, TracingInterceptor(), ErrorInterceptor(), ParseInterceptor())
+        self.server = grpc.aio.server(interceptors=chain, options=options)
         self.health = HealthServicer()
         self.names = [b.name for b in bindings]
+        recording = RecordingServer(self.server)
         for b in bindings:
-            b.add(b.servicer, self.server)
+            b.add(b.servicer, recording)
+        self.accept_ahead = AcceptAhead(self.server, recording.methods, chain, accept_ahead)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [*self.names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -133,6 +136,7 @@ class GrpcServer:
         if self.port == 0:
             raise RuntimeError(f"could not bind {address}")
         await self.server.start()
+        self.accept_ahead.start()
         await self.set_serving(False)
         return f"{_bracket(host)}:{self.port}"
 
@@ -160,6 +164,7 @@ class GrpcServer:
     async def stop(self, grace: float) -> None:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace)
+        self.accept_ahead.close()
         if self._health_only is not None:
             await self._health_only.stop(None)
 

@@ -92,6 +92,10 @@ class GatewayConfig(ServiceConfig):
                                             "request message; past it grpc answers "
                                             "RESOURCE_EXHAUSTED (0 = 64 MiB, what the "
                                             "internal ports take)")
+    grpc_accept_ahead: int = cfg.field(8, "public gRPC calls of each method the gateway asks "
+                                          "grpc for ahead of their arrival, so that a busy "
+                                          "gateway starts new calls without waiting on its "
+                                          "event loop one at a time; 0 = grpc's own (one)")
     max_prompt_chars: int = cfg.field(0, "characters of a text prompt (a chat: of its "
                                          "messages) checked before tokenization; past it "
                                          "INVALID_ARGUMENT / 400; 0 = the model's context "
@@ -192,7 +196,8 @@ async def serve(config: GatewayConfig) -> None:
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
                                  SglangServicer(api, reclaim), "sglang.runtime.v1.SglangService")],
                         interceptors=[ApiKeyInterceptor(keys)] if keys else [],
-                        public=True, max_receive_bytes=config.grpc_max_receive_bytes or None)
+                        public=True, max_receive_bytes=config.grpc_max_receive_bytes or None,
+                        accept_ahead=config.grpc_accept_ahead)
     public_creds = None
     if config.tls_cert:
         public_creds = server_credentials(config.tls_cert, config.tls_key,

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import functools
 import os
-import socket
 import tempfile
 import time
 from collections import Counter
@@ -37,6 +36,7 @@ from tqdm import tqdm
 
 from meshlm.bench.mesh_report import (
     ENGINE_THREAD_PART,
+    LOAD_GENERATOR_PART,
     SERVICES,
     SPACED_GAP_S,
     Result,
@@ -53,6 +53,7 @@ from meshlm.bench.pinning import (
     thread_cpus,
 )
 from meshlm.bench.proc_cpu import cpu_delta, snapshot
+from meshlm.bench.raw_http import SsePool
 from meshlm.bench.workload import output_lengths
 from meshlm.common.default_model import ensure_default_model
 from meshlm.launch.mesh import Mesh, MeshOptions
@@ -182,42 +183,38 @@ async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
 
 # -- mesh over HTTP ---------------------------------------------------------------------------
 
-async def _http_one(client: httpx.AsyncClient, url: str, text: str, new_tokens: int
-                    ) -> tuple[float, int]:
-    body = {"text": text, "stream": True, "sampling_params": {
-        "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+async def _http_one(pool: SsePool, text: str, new_tokens: int) -> tuple[float, int]:
+    body = orjson.dumps({"text": text, "stream": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
     start = time.perf_counter()
     first = None
-    tokens = 0
-    async with client.stream("POST", url, json=body) as resp:
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            if first is None:
-                first = time.perf_counter() - start
-            chunk = orjson.loads(line[6:])
-            tokens = chunk["meta_info"]["completion_tokens"]
+    last = b""
+    async for event in pool.events("/generate", body):
+        if not event.startswith(b"data: ") or event == b"data: [DONE]":
+            continue
+        if first is None:
+            first = time.perf_counter() - start
+        last = event
+    tokens = int(orjson.loads(last[6:])["meta_info"]["completion_tokens"]) if last else 0
     return first or 0.0, tokens
 
 
 async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
                      measure: Callable[[], dict[str, float]]) -> Result:
-    url = f"{base}/generate"
-    limits = httpx.Limits(max_connections=sat.concurrency + 4,
-                          max_keepalive_connections=sat.concurrency + 4)
-    # TCP_NODELAY as curl and browsers set it: otherwise Nagle + delayed ACK add ~40 ms.
-    transport = httpx.AsyncHTTPTransport(
-        limits=limits, socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)])
-    async with httpx.AsyncClient(timeout=600, transport=transport) as client:
+    url = httpx.URL(base)
+    pool = SsePool(url.host, url.port or 80)
+    try:
         for i in range(n_warm):
-            await _http_one(client, url, prompt(i, 16), 2)
-        ttft = [(await _http_one(client, url, prompt(i, 16), 1))[0]
+            await _http_one(pool, prompt(i, 16), 2)
+        ttft = [(await _http_one(pool, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
         cpu_before, start = measure(), time.perf_counter()
         results = await _limited(sat.concurrency, [
-            functools.partial(_http_one, client, url, text, k) for text, k in sat.requests])
+            functools.partial(_http_one, pool, text, k) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
         return Result("mesh HTTP", ttft, sum(t for _, t in results), seconds, cpu)
+    finally:
+        pool.close()
 
 
 def _env_overrides() -> dict[str, str]:
@@ -258,8 +255,11 @@ def run_mesh(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threads
             if plan:
                 _pin_all_but_schedulers(mesh, plan.rest)
             parts = {role: [p.pid for p in mesh.replicas(role) if p.pid] for role in SERVICES}
-            measure = functools.partial(snapshot, parts, {
-                ENGINE_THREAD_PART: (parts["scheduler"], ENGINE_THREAD)})
+            engine_thread = {ENGINE_THREAD_PART: (parts["scheduler"], ENGINE_THREAD)}
+
+            def measure() -> dict[str, float]:  # this process alone: the mesh is its children
+                return {**snapshot(parts, engine_thread), LOAD_GENERATOR_PART: time.process_time()}
+
             results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_warm, n_ttft, sat,
                                               measure))]
             cpus = {name: thread_cpus(p.pid) for name, p in mesh.services.items() if p.pid}

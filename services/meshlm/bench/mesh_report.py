@@ -25,6 +25,9 @@ SERVICES = ("scheduler", "gateway", "detokenizer", "tokenizer")  # the order the
 # The scheduler's engine thread (and its OpenMP workers) alone: the rest of the scheduler's CPU
 # is its event loop and gRPC's threads (planning each step, encoding and sending outputs).
 ENGINE_THREAD_PART = "scheduler engine thread"
+# This process while it drives the mesh: on the rest CPUs with the mesh's other services when
+# pinned, so its CPU is taken from theirs.
+LOAD_GENERATOR_PART = "load generator"
 
 
 @dataclass
@@ -107,6 +110,8 @@ def cpu_line(engine: Result, mesh: Result, transport: str) -> str:
             parts.append(f"detokenizer {us:.0f} (goal <= {DETOKENIZER_CPU_GOAL_US:.0f})")
         else:
             parts.append(f"{name} {us:.0f}")
+    if LOAD_GENERATOR_PART in mesh.cpu:
+        parts.append(f"load generator {mesh.cpu_us_per_token(LOAD_GENERATOR_PART):.0f}")
     return (f"CPU per output token (µs): engine in-process {bare:.0f}; "
             f"{transport}: {', '.join(parts)}")
 

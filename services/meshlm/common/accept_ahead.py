@@ -75,7 +75,10 @@ class RecordingServer:
 class AcceptAhead:
     """`depth` more outstanding call requests for each of `methods` (full name -> handler, as
     registered on `server`), run through `interceptors` (the server's, in its order). Start
-    after the server has started; stop by stopping the server (core then fails the requests)."""
+    after the server has started, and after gc.freeze where the process freezes its start-up
+    objects: a frozen call state is never collected, and the first call it gets, if it fails,
+    leaves its error there, whose traceback keeps the call's request. Stop by stopping the
+    server (core then fails the requests)."""
 
     def __init__(self, server: grpc.aio.Server, methods: Mapping[str, grpc.RpcMethodHandler],
                  interceptors: tuple[grpc.aio.ServerInterceptor, ...], depth: int) -> None:
@@ -111,11 +114,18 @@ class AcceptAhead:
             except Exception:  # noqa: BLE001 - core fails outstanding requests at shutdown
                 return
             self.accepted += 1
-            rpc = cygrpc._handle_rpc(method, resolver, self.interceptors, state, loop, False)
-            task = loop.create_task(cygrpc._schedule_rpc_coro(rpc, state, loop, method),
-                                    name="rpc_task")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._run(method, resolver, state, loop)
+            # Not kept while waiting for the next call, which may never come: a failed call's
+            # state holds its error, whose traceback holds the call's frames and request.
+            del state
+
+    def _run(self, method: str, resolver: Any, state: Any, loop: asyncio.AbstractEventLoop
+             ) -> None:
+        rpc = cygrpc._handle_rpc(method, resolver, self.interceptors, state, loop, False)
+        task = loop.create_task(cygrpc._schedule_rpc_coro(rpc, state, loop, method),
+                                name="rpc_task")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def close(self) -> None:
         """After the server has stopped: end any acceptor still waiting."""

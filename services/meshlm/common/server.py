@@ -102,7 +102,8 @@ class GrpcServer:
     message limit (RESOURCE_EXHAUSTED past it) and PUBLIC_KEEPALIVE; requests are parsed
     innermost, so a malformed one is INVALID_ARGUMENT (common/parsing.py). `accept_ahead`: more
     call requests kept outstanding for each method of `bindings` (common/accept_ahead.py), for
-    a port where new calls come often to a busy event loop."""
+    a port where new calls come often to a busy event loop; `accept_ahead.start()` them once
+    started (after gc.freeze, where the process freezes its start-up objects)."""
 
     def __init__(self, bindings: Sequence[Binding],
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
@@ -136,7 +137,6 @@ class GrpcServer:
         if self.port == 0:
             raise RuntimeError(f"could not bind {address}")
         await self.server.start()
-        self.accept_ahead.start()
         await self.set_serving(False)
         return f"{_bracket(host)}:{self.port}"
 

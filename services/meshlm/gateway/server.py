@@ -225,6 +225,9 @@ async def serve(config: GatewayConfig) -> None:
     if health is not None:
         extra["health_address"] = health
     freeze()  # start-up's objects live on: collections walk only what requests make
+    # After the freeze: the call requests it keeps outstanding are replaced as calls come, and
+    # a frozen one would keep a failed call's error, traceback and request, for good.
+    public.accept_ahead.start()
     log.info("listening", address=inbox_address, grpc_address=grpc_address,
              http_address=f"{scheme}://{host}:{http_port}", tls=bool(config.tls_cert),
              api_keys=bool(keys), **extra)

@@ -77,6 +77,7 @@ async def serving(depth: int, interceptors: tuple[grpc.aio.ServerInterceptor, ..
     server = GrpcServer([Binding(pb_grpc.add_SglangServiceServicer_to_server, servicer, NAME)],
                         interceptors=interceptors, accept_ahead=depth)
     address = await server.start("127.0.0.1", 0, None)
+    server.accept_ahead.start()
     await server.set_serving(True)
     try:
         yield server, servicer, turns, address

@@ -256,6 +256,17 @@ class Stream:
         return self.error.code() if self.error is not None else None
 
 
+def end_spared(stub, streams: list[Stream]) -> None:
+    """Streams a fault spared end cleanly: each still streaming is aborted and ends with
+    "abort"; one that ended meanwhile finished in full ("length": on a fast machine a long
+    stream can end before the fault is noticed)."""
+    for s in streams:
+        if s.thread.is_alive():
+            stub.Abort(pb.AbortRequest(rid=s.rid), timeout=10)
+        assert s.join().finished, (s.rid, s.error)
+        assert s.messages[-1].meta_info["finish_reason"] in ("abort", "length"), s.rid
+
+
 def openai_client(mesh: Mesh) -> openai.OpenAI:
     keys = mesh.options.api_keys  # the gateway needs one only when it has any
     return openai.OpenAI(base_url=f"{mesh.addresses.gateway_http}/v1",

@@ -17,6 +17,7 @@ from helpers import (
     Stream,
     collect_text,
     dependencies,
+    end_spared,
     scheduler_busy,
     server_info,
     serves,
@@ -93,10 +94,7 @@ def test_detokenizer_killed_mid_stream(mesh2, stub, registry):
     mesh2.kill(victim.name)
     assert_ended_unavailable(doomed, killed_at)
     # The others keep streaming: abort them to end the test quickly, they end cleanly.
-    for s in spared:
-        assert s.thread.is_alive(), (s.rid, s.error)
-        stub.Abort(pb.AbortRequest(rid=s.rid), timeout=10)
-        assert s.join().finished and s.messages[-1].meta_info["finish_reason"] == "abort"
+    end_spared(stub, spared)
     # The schedulers freed the doomed requests' slots (nobody is left to read them).
     for s in doomed:
         wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "error",

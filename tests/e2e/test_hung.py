@@ -21,6 +21,7 @@ from helpers import (
     Stream,
     collect_text,
     dependencies,
+    end_spared,
     scheduler_busy,
     serves,
     text_request,
@@ -115,10 +116,7 @@ def test_detokenizer_stopped_mid_stream(mesh2, stub, registry):
     assert doomed and spared, by_route
     with stopped(mesh2, victim.name) as stopped_at:
         assert_ended_unavailable_in_time(doomed, stopped_at, "detokenizer")
-        for s in spared:  # still streaming: end them by abort, they end cleanly
-            assert s.thread.is_alive(), (s.rid, s.error)
-            stub.Abort(pb.AbortRequest(rid=s.rid), timeout=10)
-            assert s.join().finished and s.messages[-1].meta_info["finish_reason"] == "abort"
+        end_spared(stub, spared)
         for i in range(4):
             _, msgs = collect_text(stub, text_request(f"after detok stop {i}", max_new_tokens=3))
             assert msgs[-1].finished

@@ -4,6 +4,8 @@ engine picks a backend."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,23 @@ def test_a_build_is_kept_and_serves_without_a_compiler(monkeypatch: pytest.Monke
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left
     monkeypatch.setenv("CC", "meshlm-no-such-compiler")  # an image without one
     assert native._build() == first
+
+
+def test_loading_the_kernels_leaves_the_processes_subnormals_alone() -> None:
+    """The library is built with -ffast-math but must not switch the loading process to
+    flush-to-zero (gcc 12 linked crtfastmath.o into it, and after the scheduler loaded it every
+    float op there read and wrote subnormals as 0). A fresh process: this one may have loaded
+    another build."""
+    script = ("import torch\n"
+              "from meshlm.scheduler.kernels import native\n"
+              "tiny = torch.tensor([1e-39], dtype=torch.float32)\n"
+              "assert float(tiny * 1.0) > 0, 'subnormals flushed before loading'\n"
+              "kernels = native.load()\n"
+              "assert not isinstance(kernels, native.BuildError), kernels\n"
+              "print(float(tiny * 1.0) > 0, float(torch.tensor([1e-39]) * 1.0) > 0)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=True)
+    assert done.stdout.split() == ["True", "True"]
 
 
 def test_the_backend_asked_for_is_the_one_served(gqa_model: Path) -> None:

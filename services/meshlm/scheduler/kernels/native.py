@@ -39,7 +39,12 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c"
 INCLUDES = (Path(__file__).with_name("decode_attention.inc"),)
 # KV cache element types the kernels read and write: (function suffix, store_kv's kind).
 KV_DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1), torch.float16: ("f16", 2)}
-FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
+# Linked apart from the compile, without -ffast-math: given it, gcc before 13 links
+# crtfastmath.o into a shared library too, whose constructor turns on flush-to-zero for the
+# whole process that loads it (every float op in the scheduler, torch's included, then reads
+# and writes subnormals as 0).
+LINK_FLAGS = ("-fopenmp", "-shared")
 BUILD_TIMEOUT = 120.0
 MAX_GROUP = 64  # query heads per KV head the kernel holds (decode_attention.c MAX_GROUP)
 LINEAR_COLUMNS = 32  # a packed linear weight's rows run to a multiple of this (linear.c)
@@ -192,7 +197,7 @@ def load() -> Kernels | BuildError:
 
 def built_path() -> Path:
     """Where these sources' library is (or will be) built: one file per sources and flags."""
-    digest = hashlib.sha256(" ".join(FLAGS).encode())
+    digest = hashlib.sha256(" ".join(FLAGS + LINK_FLAGS).encode())
     for source in SOURCES + INCLUDES:
         digest.update(source.read_bytes())
     return default_cache_dir() / "kernels" / f"meshlm-kernels-{digest.hexdigest()[:16]}.so"
@@ -215,10 +220,11 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
-                              capture_output=True, text=True, timeout=BUILD_TIMEOUT)
-        if done.returncode != 0:
-            raise BuildError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        with tempfile.TemporaryDirectory(dir=out_dir) as objects:
+            names = [str(Path(objects) / f"{source.stem}.o") for source in SOURCES]
+            for source, name in zip(SOURCES, names, strict=True):
+                _run(compiler, [*FLAGS, "-c", "-o", name, str(source)])
+            _run(compiler, [*LINK_FLAGS, "-o", tmp, *names, "-lm"])
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     except subprocess.TimeoutExpired:
@@ -227,3 +233,10 @@ def _build() -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _run(compiler: str, args: list[str]) -> None:
+    done = subprocess.run([compiler, *args], capture_output=True, text=True,
+                          timeout=BUILD_TIMEOUT)
+    if done.returncode != 0:
+        raise BuildError(f"{compiler} failed: {done.stderr.strip()[-500:]}")

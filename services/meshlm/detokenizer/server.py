@@ -14,6 +14,7 @@ from meshlm.common import config as cfg
 from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import DetokenizerMetrics
+from meshlm.common.packed import Plain, packer, unpack
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
 from meshlm.common.server import Binding, GrpcServer
@@ -28,6 +29,7 @@ from meshlm.common.tasks import BackgroundTasks
 from meshlm.common.tracing import context_of, tracer
 from meshlm.detokenizer import wire
 from meshlm.detokenizer.decode_state import DecodeState
+from meshlm.detokenizer.incremental import IncrementalDetokenizer
 from meshlm.detokenizer.token_texts import TokenTexts
 from meshlm.tokenizer.tokenization import TextTokenizer
 from meshlm.v1 import (
@@ -53,7 +55,7 @@ class DetokenizerConfig(ServiceConfig):
 
 
 class DetokenizerServicer(pb_grpc.DetokenizerServicer):
-    def __init__(self, tok: TextTokenizer, gateways: StreamPool[gateway_pb2.TextOutput],
+    def __init__(self, tok: TextTokenizer, gateways: StreamPool[gateway_pb2.TextOutput | Plain],
                  channels: ChannelPool, model_name: str = "") -> None:
         self._tok = tok
         self._token_texts = TokenTexts(tok.tokenizer)
@@ -72,54 +74,95 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
             new = [o.rid for o in batch.outputs if o.HasField("header")] if events.active else []
             events.record("recv", new)
             by_gateway, stops = self.decode_batch(batch)
-            self.metrics.decoded(len(batch.outputs), sum(len(rids) for rids in stops.values()))
+            self.metrics.decoded(len(batch.outputs) + len(batch.packed.rids),
+                                 sum(len(rids) for rids in stops.values()))
             for address, items in by_gateway.items():
                 await self._gateways.get(address).put(items)
             if events.active:
                 events.record("send", new)
                 events.record("finish", [o.rid for items in by_gateway.values() for o in items
-                                         if o.finished])
+                                         if not isinstance(o, tuple) and o.finished])
             for scheduler, rids in stops.items():
                 self._stop_in_scheduler(scheduler, rids)
         return common_pb2.Empty()
 
     def decode_batch(self, batch: detokenizer_pb2.TokenBatch
-                     ) -> tuple[dict[str, list[gateway_pb2.TextOutput]], dict[str, list[str]]]:
-        """Decode one step's outputs; returns text outputs per gateway and, per scheduler, the
+                     ) -> tuple[dict[str, list[gateway_pb2.TextOutput | Plain]],
+                                dict[str, list[str]]]:
+        """Decode one step's outputs, in order; returns the items for each gateway (a running
+        request's text packed, common/packed.py; anything more whole) and, per scheduler, the
         rids that matched a stop string (to be stopped there).
 
         Logprobs travel with the token ids they belong to (held-back text does not hold them
         back), with their tokens' texts added when the request asked for them."""
-        by_gateway: dict[str, list[gateway_pb2.TextOutput]] = {}
+        by_gateway: dict[str, list[gateway_pb2.TextOutput | Plain]] = {}
         stops: dict[str, list[str]] = {}
         needs_texts: list[tuple[Sequence[int], common_pb2.Logprobs]] = []
-        for out in batch.outputs:
-            state = self._states.get(out.rid)
-            if out.HasField("header"):
-                state = self._open(out)
-            if state is None:
-                continue  # already finished here (stop string) or unknown: nothing to deliver
-            text_out = wire.text_output(out)
-            if state.logprob_texts and out.HasField("logprobs"):
-                needs_texts.append((out.token_ids, text_out.logprobs))
-            decoder = state.decoder
-            if decoder is not None:
-                text_out.text = decoder.push(out.token_ids)
-                if decoder.stopped:
-                    text_out.finished = True
-                    text_out.finish_reason = "stop"
-                    text_out.matched_text = decoder.matched_stop or ""
-                    stops.setdefault(state.scheduler, []).append(out.rid)
-            if out.finished and not text_out.finished:
-                if decoder is not None:
-                    text_out.text += decoder.finish()
-                wire.end_as_scheduled(text_out, out)
-            if text_out.finished:
-                self._close(out.rid, state, text_out.finish_reason)
-            by_gateway.setdefault(state.gateway, []).append(text_out)
+        for item in unpack(batch.outputs, batch.packed):
+            if isinstance(item, tuple):
+                routed = self._decode_running(item, stops)
+            else:
+                routed = self._decode_whole(item, stops, needs_texts)
+            if routed is not None:
+                by_gateway.setdefault(routed[0], []).append(routed[1])
         if needs_texts:
             self._token_texts.fill(needs_texts)
         return by_gateway, stops
+
+    def _decode_running(self, item: Plain, stops: dict[str, list[str]]
+                        ) -> tuple[str, gateway_pb2.TextOutput | Plain] | None:
+        """The common case, a running request's new ids: its text packed for its gateway, or
+        whole when the text matched a stop string; None when the request is over here."""
+        rid, ids, prompt, completion, cached, _ = item
+        state = self._states.get(rid)
+        if state is None:
+            return None  # already finished here (stop string): nothing to deliver
+        decoder = state.decoder
+        if decoder is None:
+            return state.gateway, item
+        text = decoder.push(ids)
+        if not decoder.stopped:
+            return state.gateway, (rid, ids, prompt, completion, cached, text)
+        text_out = gateway_pb2.TextOutput(rid=rid, text=text, token_ids=ids,
+                                          prompt_tokens=prompt, completion_tokens=completion,
+                                          cached_tokens=cached)
+        self._stopped(text_out, decoder, state, stops)
+        return state.gateway, text_out
+
+    def _decode_whole(self, out: detokenizer_pb2.TokenOutput, stops: dict[str, list[str]],
+                      needs_texts: list[tuple[Sequence[int], common_pb2.Logprobs]]
+                      ) -> tuple[str, gateway_pb2.TextOutput] | None:
+        """A request's first output (its header opens its state), its last, or one with
+        logprobs: its text output; None when the request is unknown or over here."""
+        state = self._states.get(out.rid)
+        if out.HasField("header"):
+            state = self._open(out)
+        if state is None:
+            return None  # already finished here (stop string) or unknown: nothing to deliver
+        text_out = wire.text_output(out)
+        if state.logprob_texts and out.HasField("logprobs"):
+            needs_texts.append((out.token_ids, text_out.logprobs))
+        decoder = state.decoder
+        if decoder is not None:
+            text_out.text = decoder.push(out.token_ids)
+            if decoder.stopped:
+                self._stopped(text_out, decoder, state, stops)
+        if out.finished and not text_out.finished:
+            if decoder is not None:
+                text_out.text += decoder.finish()
+            wire.end_as_scheduled(text_out, out)
+            self._close(out.rid, state, text_out.finish_reason)
+        return state.gateway, text_out
+
+    def _stopped(self, text_out: gateway_pb2.TextOutput, decoder: IncrementalDetokenizer,
+                 state: DecodeState, stops: dict[str, list[str]]) -> None:
+        """`text_out`'s request matched a stop string in `decoder`: it finishes here, and its
+        scheduler is told to stop it."""
+        text_out.finished = True
+        text_out.finish_reason = "stop"
+        text_out.matched_text = decoder.matched_stop or ""
+        stops.setdefault(state.scheduler, []).append(text_out.rid)
+        self._close(text_out.rid, state, "stop")
 
     def _open(self, out: detokenizer_pb2.TokenOutput) -> DecodeState:
         span = self._tracer.start_span("detokenizer.request",
@@ -178,10 +221,10 @@ async def serve(config: DetokenizerConfig) -> None:
     def on_gateway_lost(address: str) -> None:  # streams start after the servicer exists
         servicer.gateway_lost(address)
 
-    gateways: StreamPool[gateway_pb2.TextOutput] = peers.stream_pool(
+    gateways: StreamPool[gateway_pb2.TextOutput | Plain] = peers.stream_pool(
         "detokenizer->gateway", "gateway",
         lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
-        lambda items: gateway_pb2.TextBatch(outputs=items), on_lost=on_gateway_lost)
+        packer(gateway_pb2.TextBatch, texts=True), on_lost=on_gateway_lost)
     servicer = DetokenizerServicer(tok, gateways, peers.channels, Path(model_path).name)
     server = GrpcServer([Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
                                  "meshlm.v1.Detokenizer"), profiler_binding(servicer.profiling)])

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from meshlm.common import deadline
 from meshlm.common.logs import get_logger
+from meshlm.common.packed import Plain
 from meshlm.common.profiling import RequestEvents
 from meshlm.common.tracing import context_of, tracer
 from meshlm.scheduler import pacing, wire
@@ -48,9 +49,9 @@ T = TypeVar("T")
 class OutputQueue(Protocol):
     """One detokenizer's queue of outputs (a `BatchedStream`)."""
 
-    async def put(self, items: Iterable[detokenizer_pb2.TokenOutput]) -> None: ...
+    async def put(self, items: Iterable[detokenizer_pb2.TokenOutput | Plain]) -> None: ...
 
-    def put_nowait(self, items: Iterable[detokenizer_pb2.TokenOutput]) -> None: ...
+    def put_nowait(self, items: Iterable[detokenizer_pb2.TokenOutput | Plain]) -> None: ...
 
 
 class OutputSink(Protocol):
@@ -303,7 +304,7 @@ class EngineLoop:
     async def _emit(self, outputs: list[StepOutput]) -> None:
         """Outputs -> one batch per detokenizer; a request's end also ends its tracking (and
         becomes the error its expiry or forfeit calls for)."""
-        by_detokenizer: dict[str, list[detokenizer_pb2.TokenOutput]] = {}
+        by_detokenizer: dict[str, list[detokenizer_pb2.TokenOutput | Plain]] = {}
         now = time.time()
         for out in outputs:
             tracked = self.tracked.get(out.rid)
@@ -341,7 +342,7 @@ class EngineLoop:
                 if tracked.silent:
                     continue
             by_detokenizer.setdefault(tracked.meta.route.detokenizer, []).append(
-                wire.token_output(out, tracked))
+                wire.token_item(out, tracked))
         for address, items in by_detokenizer.items():
             await self.sink.get(address).put(items)
 

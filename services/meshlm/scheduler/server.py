@@ -21,6 +21,7 @@ import grpc
 from meshlm.common import config as cfg
 from meshlm.common.affinity import name_thread, parse_cpu_list
 from meshlm.common.metrics import SchedulerMetrics
+from meshlm.common.packed import Plain, packer
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
 from meshlm.common.server import Binding, GrpcServer
@@ -188,10 +189,10 @@ async def serve(config: SchedulerConfig) -> None:
         await asyncio.get_running_loop().run_in_executor(
             executor, auto_threads, engine, config.mesh_cpu_us, config.cpus or None)
     peers = MeshPeers(config)
-    outputs: StreamPool[detokenizer_pb2.TokenOutput] = peers.stream_pool(
+    outputs: StreamPool[detokenizer_pb2.TokenOutput | Plain] = peers.stream_pool(
         "scheduler->detokenizer", "detokenizer",
         lambda ch: detokenizer_pb2_grpc.DetokenizerStub(ch).Push,
-        lambda items: detokenizer_pb2.TokenBatch(outputs=items))
+        packer(detokenizer_pb2.TokenBatch))
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         eos_token_ids=sorted(engine.eos_token_ids),

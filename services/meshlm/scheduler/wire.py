@@ -11,6 +11,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from meshlm.common.packed import Plain
 from meshlm.common.tracing import carrier_of
 from meshlm.scheduler.engine.sequence import SamplingParams, StepOutput
 from meshlm.scheduler.tracked import Tracked
@@ -41,6 +42,17 @@ def tracked_of(req: scheduler_pb2.TokenizedRequest, span: trace.Span) -> Tracked
     if meta.sampling.return_logprob and meta.sampling.logprob_start_len >= 0:
         tracked.prompt_ids = list(req.input_ids)
     return tracked
+
+
+def token_item(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput | Plain:
+    """StepOutput -> what the detokenizer stream queues: a running request's new ids and counts
+    packed (common/packed.py), anything more (its first output, its last, logprobs, an
+    embedding) as a whole TokenOutput."""
+    if (tracked.header_sent and not out.finished and out.embedding is None
+            and not tracked.meta.sampling.return_logprob):
+        return (out.rid, out.new_token_ids, out.prompt_tokens, out.completion_tokens,
+                out.cached_tokens, "")
+    return token_output(out, tracked)
 
 
 def token_output(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:

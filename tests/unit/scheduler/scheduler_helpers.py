@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from meshlm.common.packed import Plain, packer, unpack
 from meshlm.scheduler.control import EngineControl
 from meshlm.scheduler.engine.engine import Engine, SamplingParams, StepOutput
 from meshlm.scheduler.loop import EngineLoop
@@ -122,20 +123,31 @@ def reference_greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
 
 
 class Outputs:
-    """Stands in for the scheduler's stream pool to the detokenizers: collects every output."""
+    """Stands in for the scheduler's stream pool to the detokenizers: collects every output,
+    each put sent through the wire's batch (packed as the stream packs it, serialized, parsed)
+    and read back as whole TokenOutputs."""
 
     def __init__(self) -> None:
         self.items: list[detokenizer_pb2.TokenOutput] = []
         self.news = asyncio.Event()
+        self._make_batch = packer(detokenizer_pb2.TokenBatch)
 
     def get(self, address: str) -> Outputs:
         return self
 
-    async def put(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
+    async def put(self, items: list[detokenizer_pb2.TokenOutput | Plain]) -> None:
         self.put_nowait(items)
 
-    def put_nowait(self, items: list[detokenizer_pb2.TokenOutput]) -> None:
-        self.items.extend(items)
+    def put_nowait(self, items: list[detokenizer_pb2.TokenOutput | Plain]) -> None:
+        batch = detokenizer_pb2.TokenBatch.FromString(
+            self._make_batch(list(items)).SerializeToString())
+        for item in unpack(batch.outputs, batch.packed):
+            if isinstance(item, tuple):
+                rid, ids, prompt, completion, cached, _ = item
+                item = detokenizer_pb2.TokenOutput(
+                    rid=rid, token_ids=ids, prompt_tokens=prompt, completion_tokens=completion,
+                    cached_tokens=cached)
+            self.items.append(item)
         self.news.set()
 
     def of(self, rid: str) -> list[detokenizer_pb2.TokenOutput]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from meshlm.common.errors import MeshError
+from meshlm.common.packed import Plain, unpack
 from meshlm.v1 import common_pb2, gateway_pb2
 from meshlm.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -55,7 +56,20 @@ class PendingRequest:
     first_output: bool = False
     done: bool = False  # its final output or error was taken
 
+    def deliver_running(self, item: Plain) -> None:
+        """A running request's new text, ids and counts (the common output, packed)."""
+        if self._final is not None or self._error is not None:
+            return
+        _, ids, prompt, completion, cached, text = item
+        if text:
+            self._text.append(text)
+        self._ids.extend(ids)
+        self._counts = (prompt, completion, cached)
+        self._news = True
+        self.ready.set()
+
     def deliver(self, out: gateway_pb2.TextOutput) -> None:
+        """Any output, whole: its first, its last, with logprobs or an embedding."""
         if self._final is not None or self._error is not None:
             return
         if out.text:
@@ -174,8 +188,13 @@ class InboxServicer(pb_grpc.GatewayInboxServicer):
                       context: grpc.aio.ServicerContext) -> common_pb2.Empty:
         requests = self._table.requests
         async for batch in request_iterator:
-            for out in batch.outputs:
-                req = requests.get(out.rid)
-                if req is not None:
-                    req.deliver(out)
+            for item in unpack(batch.outputs, batch.packed):
+                if isinstance(item, tuple):
+                    req = requests.get(item[0])
+                    if req is not None:
+                        req.deliver_running(item)
+                else:
+                    req = requests.get(item.rid)
+                    if req is not None:
+                        req.deliver(item)
         return common_pb2.Empty()

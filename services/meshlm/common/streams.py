@@ -112,8 +112,11 @@ class BatchedStream(Generic[T]):
                 self._has_items.clear()
                 await self._has_items.wait()
                 continue
-            n = min(len(self._queue), self._max_batch)
-            items = [self._queue.popleft() for _ in range(n)]
+            if len(self._queue) <= self._max_batch:  # the common case: take all at once
+                items = list(self._queue)
+                self._queue.clear()
+            else:
+                items = [self._queue.popleft() for _ in range(self._max_batch)]
             if len(self._queue) < self._capacity:
                 self._has_room.set()
             await call.write(self._make_batch(items))

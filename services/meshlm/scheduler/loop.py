@@ -160,7 +160,7 @@ class EngineLoop:
         tracked.error_code = code
         out = wire.token_output(
             _final(tracked.meta.rid, tracked.prompt_tokens, "error", message), tracked)
-        self.sink.get(tracked.meta.route.detokenizer).put_nowait([out])
+        self.sink.get(tracked.detokenizer).put_nowait([out])
 
     # -- requests ended ----------------------------------------------------------------------
 
@@ -341,7 +341,7 @@ class EngineLoop:
                 tracked.span.end()
                 if tracked.silent:
                     continue
-            by_detokenizer.setdefault(tracked.meta.route.detokenizer, []).append(
+            by_detokenizer.setdefault(tracked.detokenizer, []).append(
                 wire.token_item(out, tracked))
         for address, items in by_detokenizer.items():
             await self.sink.get(address).put(items)

@@ -48,3 +48,10 @@ class Tracked:
     # Tokens per piece of its outputs (1: each leaves at once; pacing.py), and what is held.
     hold: int = 1
     held: StepOutput | None = None
+    # Read from `meta` once, for every output: where they go, and whether they carry logprobs.
+    detokenizer: str = field(init=False)
+    return_logprob: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.detokenizer = self.meta.route.detokenizer
+        self.return_logprob = self.meta.sampling.return_logprob

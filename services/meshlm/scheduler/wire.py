@@ -49,7 +49,7 @@ def token_item(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput
     packed (common/packed.py), anything more (its first output, its last, logprobs, an
     embedding) as a whole TokenOutput."""
     if (tracked.header_sent and not out.finished and out.embedding is None
-            and not tracked.meta.sampling.return_logprob):
+            and not tracked.return_logprob):
         return (out.rid, out.new_token_ids, out.prompt_tokens, out.completion_tokens,
                 out.cached_tokens, "")
     return token_output(out, tracked)

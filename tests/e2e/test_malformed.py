@@ -160,3 +160,35 @@ def test_a_malformed_message_is_invalid_argument_and_the_service_keeps_serving(
     assert [(e["method"], e["message"]) for e in events] == [(target.method, name)]
     assert MARKER[:3] not in orjson.dumps(events[0]).decode()
     assert b"DecodeError" not in mesh.log_path(target.service).read_bytes()  # no traceback
+
+
+PACKED_TARGETS = [
+    Target("detokenizer", "detokenizer", "/meshlm.v1.Detokenizer/Push", "stream_unary",
+           detokenizer_pb2.TokenBatch(packed=common_pb2.PackedOutputs(
+               rids=[MARKER], token_counts=[3], token_ids=[1], prompt_tokens=[1],
+               completion_tokens=[1], cached_tokens=[0])),
+           first=detokenizer_pb2.TokenBatch()),
+    Target("gateway_inbox", "gateway", "/meshlm.v1.GatewayInbox/Deliver", "stream_unary",
+           gateway_pb2.TextBatch(packed=common_pb2.PackedOutputs(
+               rids=[MARKER, "b"], token_counts=[1], token_ids=[1], prompt_tokens=[1],
+               completion_tokens=[1], cached_tokens=[0])),
+           first=gateway_pb2.TextBatch()),
+]
+
+
+@pytest.mark.parametrize("target", PACKED_TARGETS, ids=str)
+def test_packed_arrays_that_disagree_are_invalid_argument_and_the_service_keeps_serving(
+        mesh, stub, connect, target: Target):
+    """A well-formed batch whose packed arrays do not line up (common/packed.py) ends its
+    stream INVALID_ARGUMENT, saying what is wrong; the service and the mesh go on."""
+    channel = connect(target.port)
+    with pytest.raises(grpc.RpcError) as err:
+        call_raw(channel, target, target.message.SerializeToString())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert err.value.details().startswith("malformed packed outputs: "), err.value.details()
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=TIMEOUT)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    _, msgs = collect_text(stub, text_request("Hello", stream=False, max_new_tokens=2,
+                                              ignore_eos=True))
+    assert msgs[-1].finished and msgs[-1].meta_info["completion_tokens"] == "2", msgs[-1]

@@ -122,6 +122,16 @@ def call_raw(channel: grpc.Channel, target: Target, raw: bytes) -> None:
         list(channel.stream_stream(target.method)(iter(messages), timeout=TIMEOUT))
 
 
+def assert_still_serving(channel: grpc.Channel, stub) -> None:
+    """The port that refused still reports SERVING, and a request through the mesh works."""
+    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=TIMEOUT)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    _, msgs = collect_text(stub, text_request("Hello", stream=False, max_new_tokens=2,
+                                              ignore_eos=True))
+    assert msgs[-1].finished and msgs[-1].meta_info["completion_tokens"] == "2", msgs[-1]
+
+
 def refusals(mesh, service: str) -> list[dict]:
     """The service's malformed_message log events so far."""
     lines = mesh.log_path(service).read_bytes().splitlines()
@@ -147,12 +157,7 @@ def test_a_malformed_message_is_invalid_argument_and_the_service_keeps_serving(
     for python_word in ("Error", "Exception", "<class", "protobuf", "Traceback"):
         assert python_word not in details, details
     # The port still serves, and so does the mesh.
-    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                      timeout=TIMEOUT)
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    _, msgs = collect_text(stub, text_request("Hello", stream=False, max_new_tokens=2,
-                                              ignore_eos=True))
-    assert msgs[-1].finished and msgs[-1].meta_info["completion_tokens"] == "2", msgs[-1]
+    assert_still_serving(channel, stub)
     # One log line, naming the method and message, and no part of the payload. (The launcher
     # copies each service's output to its log file from a thread: wait for the line.)
     wait_until(lambda: len(refusals(mesh, target.service)) > before, what="the refusal's log")
@@ -186,9 +191,4 @@ def test_packed_arrays_that_disagree_are_invalid_argument_and_the_service_keeps_
         call_raw(channel, target, target.message.SerializeToString())
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
     assert err.value.details().startswith("malformed packed outputs: "), err.value.details()
-    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
-                                                      timeout=TIMEOUT)
-    assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    _, msgs = collect_text(stub, text_request("Hello", stream=False, max_new_tokens=2,
-                                              ignore_eos=True))
-    assert msgs[-1].finished and msgs[-1].meta_info["completion_tokens"] == "2", msgs[-1]
+    assert_still_serving(channel, stub)

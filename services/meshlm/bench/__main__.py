@@ -41,6 +41,7 @@ from meshlm.bench.mesh_report import (
     SPACED_GAP_S,
     Result,
     cpu_line,
+    floor_line,
     pinned_line,
     placement_lines,
     report,
@@ -54,6 +55,7 @@ from meshlm.bench.pinning import (
 )
 from meshlm.bench.proc_cpu import cpu_delta, snapshot
 from meshlm.bench.raw_http import SsePool
+from meshlm.bench.transport_floor import grpc_message_floor_us
 from meshlm.bench.workload import output_lengths
 from meshlm.common.default_model import ensure_default_model
 from meshlm.launch.mesh import Mesh, MeshOptions
@@ -316,6 +318,8 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     args = (model_path, warmup_requests, ttft_requests, sat, threads, plan)
     engine = run_in_process(*args)
     (grpc_r, http_r), cpus = run_mesh(*args)
+    with pin_process(plan.rest) if plan else contextlib.nullcontext():
+        floor = grpc_message_floor_us(sat.concurrency, cpus=plan.rest if plan else None)
 
     import torch
 
@@ -331,6 +335,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     print()
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
         print(cpu_line(engine, r, transport))
+    print(floor_line(floor, sat.concurrency, plan))
     if plan is not None:
         for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
             print(pinned_line(engine, r, transport, plan))

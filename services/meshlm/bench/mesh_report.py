@@ -116,6 +116,15 @@ def cpu_line(engine: Result, mesh: Result, transport: str) -> str:
             f"{transport}: {', '.join(parts)}")
 
 
+def floor_line(floor_us: float, streams: int, plan: CpuPlan | None) -> str:
+    """grpc.aio's own CPU per streamed message (`transport_floor.py`), under the gateway's."""
+    where = f", on {describe(plan.rest)} as the gateway" if plan else ""
+    return (f"grpc.aio's own cost of a streamed message (a bare server writing the gateway's "
+            f"per-token message to {streams} streams at once{where}): {floor_us:.0f} µs; over "
+            f"gRPC the gateway writes a message per token, so its CPU per token cannot go "
+            f"below this")
+
+
 def placement_lines(plan: CpuPlan, threads: Mapping[str, Counter[str]]) -> list[str]:
     """Which CPUs each part was given, and which CPUs each service's threads were seen on
     (`threads`: service -> {CPU list: how many of its threads may run there})."""

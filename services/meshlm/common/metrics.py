@@ -40,7 +40,9 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.registry import Collector
 
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics_buckets import (
@@ -85,6 +87,31 @@ class ServiceMetrics:
 
 
 OPENMETRICS = "application/openmetrics-text"
+
+
+class Alias(Collector):
+    """`source`'s series under a second name, read at scrape time: where two dashboards'
+    names mean the same figure (vLLM's deprecated time_per_output_token, SGLang's and vLLM's
+    token counters), it is counted once per token, not once per name."""
+
+    def __init__(self, source: Counter | Histogram, name: str, documentation: str,
+                 registry: CollectorRegistry) -> None:
+        self._source = source
+        self._name = name
+        self._documentation = documentation
+        registry.register(self)
+
+    def describe(self) -> list[Metric]:
+        return self.collect()
+
+    def collect(self) -> list[Metric]:
+        aliases = []
+        for metric in self._source.collect():
+            alias = Metric(self._name, self._documentation, metric.type, metric.unit)
+            alias.samples = [sample._replace(name=self._name + sample.name[len(metric.name):])
+                             for sample in metric.samples]
+            aliases.append(alias)
+        return aliases
 
 
 # ---- the gateway -----------------------------------------------------------------------------
@@ -200,10 +227,10 @@ class GatewayMetrics(ServiceMetrics):
         self._itl = (
             hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
                  "seconds.", VLLM_ITL_BUCKETS),
-            hist("vllm:time_per_output_token_seconds", "Histogram of time per output token in "
-                 "seconds. DEPRECATED: use vllm:inter_token_latency_seconds.", VLLM_ITL_BUCKETS),
             hist("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in "
                  "seconds.", SGLANG_ITL_BUCKETS))
+        Alias(self._itl[0], "vllm:time_per_output_token_seconds", "Histogram of time per "
+              "output token in seconds. DEPRECATED: use vllm:inter_token_latency_seconds.", r)
         self._e2e = (
             hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in "
                  "seconds.", VLLM_E2E_BUCKETS),
@@ -213,8 +240,9 @@ class GatewayMetrics(ServiceMetrics):
             counter("vllm:prompt_tokens", "Number of prefill tokens processed."),
             counter("sglang:prompt_tokens", "Number of prefill tokens processed."))
         self._generation_tokens = (
-            counter("vllm:generation_tokens", "Number of generation tokens processed."),
-            counter("sglang:generation_tokens", "Number of generation tokens processed."))
+            counter("vllm:generation_tokens", "Number of generation tokens processed."),)
+        Alias(self._generation_tokens[0], "sglang:generation_tokens",
+              "Number of generation tokens processed.", r)
         self._cached_tokens = counter("sglang:cached_tokens", "Number of cached prompt tokens.")
         self._prompt_lengths = hist("vllm:request_prompt_tokens", "Number of prefill tokens "
                                     "processed.", TOKEN_BUCKETS)

@@ -4,11 +4,15 @@ the metrics port."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshlm.common.metrics import (
@@ -55,6 +59,33 @@ def test_a_request_records_ttft_then_one_itl_per_later_token_then_its_end():
     ttft = value(r, "vllm:time_to_first_token_seconds_sum")
     e2e = value(r, "vllm:e2e_request_latency_seconds_sum")
     assert 0 <= value(r, "vllm:inter_token_latency_seconds_sum") <= e2e - ttft + 1e-6
+
+
+@pytest.mark.parametrize("accept", ["text/plain", "application/openmetrics-text"])
+def test_a_second_name_of_a_figure_shows_the_same_series_in_both_formats(accept: str):
+    """vLLM's deprecated time_per_output_token and SGLang's token counter are read from the
+    series they repeat at scrape time, so a token is counted once, and both names agree."""
+    metrics = GatewayMetrics(lambda: "tiny")
+    clock = metrics.track()
+    for completion in (1, 2, 4):
+        clock.output(prompt_tokens=5, completion_tokens=completion, cached_tokens=0)
+    body, content_type = asyncio.run(metrics.scrape(accept))
+    parse = (openmetrics_families if content_type.startswith("application/openmetrics-text")
+             else text_string_to_metric_families)
+    families = {f.name: f for f in parse(body.decode())}
+
+    def series(name: str, kind: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        family = families[name]
+        assert family.type == kind
+        return {(s.name[len(name):], tuple(sorted(s.labels.items()))): s.value
+                for s in family.samples}
+
+    itl = series("vllm:inter_token_latency_seconds", "histogram")
+    assert itl[("_count", tuple(M.items()))] == 3
+    assert series("vllm:time_per_output_token_seconds", "histogram") == itl
+    tokens = series("vllm:generation_tokens", "counter")
+    assert tokens[("_total", tuple(M.items()))] == 4
+    assert series("sglang:generation_tokens", "counter") == tokens
 
 
 def test_an_abandoned_request_is_an_abort_and_later_outputs_are_ignored():

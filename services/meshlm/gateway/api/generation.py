@@ -185,8 +185,11 @@ class GenerationRPCs:
         until = _loop_time(expires)  # once, not per update
         while not choices.done:
             try:
-                async with asyncio.timeout_at(until):
+                if until is None:
                     updates = await next_updates(pendings)
+                else:
+                    async with asyncio.timeout_at(until):
+                        updates = await next_updates(pendings)
             except TimeoutError:
                 record.failed("deadline_exceeded")
                 watch.deadline_exceeded()

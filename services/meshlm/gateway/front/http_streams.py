@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from starlette.responses import Response
@@ -90,16 +91,18 @@ async def sse(parts: list[tuple[NativeChoices, Any, AsyncIterator[Any]]]
     """SSE events of every prompt's stream, in arrival order, then [DONE]; a failed stream
     ends with an error event (the others go on). The queue is bounded, so a client that
     stops reading stops the streams too (backpressure, no buffering without limit)."""
+    if len(parts) == 1:  # one prompt: its events as they come, without a queue or a task
+        async with aclosing(_events(*parts[0])) as events:
+            async for event in events:
+                yield event
+        yield SSE_DONE
+        return
     queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=2 * len(parts))
 
     async def pump(out: NativeChoices, head: Any, stream: AsyncIterator[Any]) -> None:
-        try:
-            if head is not EMPTY:
-                await queue.put(sse_event(out.add(head).to_dict()))
-                async for message in stream:
-                    await queue.put(sse_event(out.add(message).to_dict()))
-        except Exception as e:  # noqa: BLE001 - the stream's error event says it
-            await queue.put(sse_event(error_body(Shape.NATIVE, failure(e, "/generate"))))
+        async with aclosing(_events(out, head, stream)) as events:
+            async for event in events:
+                await queue.put(event)
         await queue.put(None)  # not when cancelled: then nobody reads the queue any more
 
     tasks = [asyncio.ensure_future(pump(*part)) for part in parts]
@@ -116,6 +119,18 @@ async def sse(parts: list[tuple[NativeChoices, Any, AsyncIterator[Any]]]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _events(out: NativeChoices, head: Any, stream: AsyncIterator[Any]
+                  ) -> AsyncIterator[bytes]:
+    """One prompt's SSE events (its first message `head`); a failure is its last event."""
+    try:
+        if head is not EMPTY:
+            yield sse_event(out.add(head).to_dict())
+            async for message in stream:
+                yield sse_event(out.add(message).to_dict())
+    except Exception as e:  # noqa: BLE001 - the stream's error event says it
+        yield sse_event(error_body(Shape.NATIVE, failure(e, "/generate")))
 
 
 class StreamResponse(Response):

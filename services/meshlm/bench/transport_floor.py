@@ -86,10 +86,10 @@ def grpc_message_floor_us(streams: int = 64, messages: int = 300,
     server = context.Process(target=_serve, args=(messages, cpus, ports), daemon=True)
     server.start()
     try:
-        port = ports.get(timeout=60)
-        before = own_cpu_seconds(server.pid)
+        port, pid = ports.get(timeout=60), server.pid or 0
+        before = own_cpu_seconds(pid)
         sent = asyncio.run(_drain(port, streams))
-        spent = own_cpu_seconds(server.pid) - before
+        spent = own_cpu_seconds(pid) - before
     finally:
         server.kill()
         server.join()

@@ -5,7 +5,7 @@ however the stream ends (which aborts an unfinished request)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -93,16 +93,16 @@ async def sse(parts: list[tuple[NativeChoices, Any, AsyncIterator[Any]]]
     stops reading stops the streams too (backpressure, no buffering without limit)."""
     if len(parts) == 1:  # one prompt: its events as they come, without a queue or a task
         async with aclosing(_events(*parts[0])) as events:
-            async for event in events:
-                yield event
+            async for chunk in events:
+                yield chunk
         yield SSE_DONE
         return
     queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=2 * len(parts))
 
     async def pump(out: NativeChoices, head: Any, stream: AsyncIterator[Any]) -> None:
         async with aclosing(_events(out, head, stream)) as events:
-            async for event in events:
-                await queue.put(event)
+            async for chunk in events:
+                await queue.put(chunk)
         await queue.put(None)  # not when cancelled: then nobody reads the queue any more
 
     tasks = [asyncio.ensure_future(pump(*part)) for part in parts]
@@ -122,7 +122,7 @@ async def sse(parts: list[tuple[NativeChoices, Any, AsyncIterator[Any]]]
 
 
 async def _events(out: NativeChoices, head: Any, stream: AsyncIterator[Any]
-                  ) -> AsyncIterator[bytes]:
+                  ) -> AsyncGenerator[bytes, None]:
     """One prompt's SSE events (its first message `head`); a failure is its last event."""
     try:
         if head is not EMPTY:

@@ -6,6 +6,8 @@ or the HTTP layer turns it into a status. Codes follow google.rpc.Code.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 # google.rpc.Code -> HTTP status, as in google/rpc/code.proto.
@@ -63,3 +65,17 @@ def http_status(code: grpc.StatusCode) -> int:
 def invalid(field: str, problem: str) -> MeshError:
     """INVALID_ARGUMENT naming the field: invalid("sampling_params.top_p", "must be in (0, 1]")."""
     return MeshError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {problem}")
+
+
+def cancelled_under(exc: BaseException) -> MeshError | None:
+    """What a handler's CancelledError means when nobody cancelled the handler: a call it
+    awaited was cancelled under it, because the channel to that replica closed (the replica
+    left the mesh). The client is told UNAVAILABLE and may retry, instead of waiting out its
+    deadline for an answer that never comes. None: the handler itself is being cancelled (its
+    client went away), and the cancellation must go on."""
+    task = asyncio.current_task()
+    if not isinstance(exc, asyncio.CancelledError) or task is None or task.cancelling():
+        return None
+    return MeshError(grpc.StatusCode.UNAVAILABLE, (
+        "a call inside the mesh was cancelled: the replica it went to left the mesh; "
+        "calling again is safe"))

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from meshlm.common.errors import MeshError
+from meshlm.common.errors import MeshError, cancelled_under
 from meshlm.common.logs import get_logger
 from meshlm.common.tracing import context_of, tracer
 
@@ -97,7 +97,8 @@ class _WrappingInterceptor(HandlerInterceptor):
 
 
 class ErrorInterceptor(_WrappingInterceptor):
-    """MeshError -> its status code; anything unexpected -> INTERNAL (logged once)."""
+    """MeshError -> its status code; anything unexpected -> INTERNAL (logged once); a call
+    cancelled under the handler -> UNAVAILABLE (`cancelled_under`)."""
 
     async def _abort(self, method: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
         if isinstance(exc, MeshError):
@@ -105,12 +106,21 @@ class ErrorInterceptor(_WrappingInterceptor):
         log.exception("handler_failed", method=method, error=repr(exc))
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}")
 
+    async def _abort_cancelled(self, exc: asyncio.CancelledError,
+                               context: grpc.aio.ServicerContext) -> None:
+        err = cancelled_under(exc)
+        if err is None:
+            raise exc
+        await context.abort(err.code, err.message)
+
     async def unary(self, method: str, behavior: Behavior, request: Any,
                     context: grpc.aio.ServicerContext) -> Any:
         try:
             return await behavior(request, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except grpc.aio.AbortError:
             raise
+        except asyncio.CancelledError as exc:
+            await self._abort_cancelled(exc, context)
         except Exception as exc:  # noqa: BLE001 - this is the one place errors become statuses
             await self._abort(method, exc, context)
 
@@ -119,8 +129,10 @@ class ErrorInterceptor(_WrappingInterceptor):
         try:
             async for item in behavior(request, context):
                 yield item
-        except (grpc.aio.AbortError, asyncio.CancelledError):
+        except grpc.aio.AbortError:
             raise
+        except asyncio.CancelledError as exc:
+            await self._abort_cancelled(exc, context)
         except Exception as exc:  # noqa: BLE001
             await self._abort(method, exc, context)
 

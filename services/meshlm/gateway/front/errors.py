@@ -1,8 +1,8 @@
 """The HTTP error path. Routes raise (MeshError, or ClientGone when the client left); one
 middleware turns what they raise into the answer, its body in the shape the route's family
-reads errors in (`SHAPES`), and any other exception into a logged 500. A stream that fails
-after its first chunk ends with an error line or event of the same shape (`failure`,
-`error_body`).
+reads errors in (`SHAPES`), any other exception into a logged 500, and a call cancelled
+under the route (its replica left) into a 503 (`cancelled_under`). A stream that fails after
+its first chunk ends with an error line or event of the same shape (`failure`, `error_body`).
 
 Shapes: Status JSON ({"code", "message", "details"}: the transcoded RPCs, unknown routes),
 SGLang's ({"error": {"message", "code": <HTTP>, "type": <gRPC code>}}: the native routes),
@@ -13,6 +13,7 @@ SGLang's /update_weights_from_disk reply.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Callable, Mapping
 from http import HTTPStatus
@@ -23,7 +24,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshlm.common.errors import MeshError
+from meshlm.common.errors import MeshError, cancelled_under
 from meshlm.common.logs import get_logger
 from meshlm.gateway.front.disconnect import ClientGone
 from meshlm.gateway.protocol.openai_errors import error_body as openai_error
@@ -111,6 +112,11 @@ class HttpErrors:
 
         try:
             await self.app(scope, receive, tracked)
+        except asyncio.CancelledError as exc:
+            err = cancelled_under(exc)  # None: the client went away, and that ends it
+            if err is None or started:
+                raise
+            await error_response(self._shape(scope), err)(scope, receive, send)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an answer
             if started:  # too late to answer: the stream already ended as it could
                 failure(exc, scope["path"])
@@ -118,8 +124,9 @@ class HttpErrors:
             if isinstance(exc, ClientGone):
                 response = Response(status_code=CLIENT_GONE)
             else:
-                route = scope.get("route")  # the router's match (its path may be a template)
-                path = str(getattr(route, "path", scope["path"]))
-                shape = self.shapes.get(path, Shape.STATUS)
-                response = error_response(shape, failure(exc, scope["path"]))
+                response = error_response(self._shape(scope), failure(exc, scope["path"]))
             await response(scope, receive, send)
+
+    def _shape(self, scope: Scope) -> Shape:
+        route = scope.get("route")  # the router's match (its path may be a template)
+        return self.shapes.get(str(getattr(route, "path", scope["path"])), Shape.STATUS)

@@ -35,6 +35,24 @@ def _raising(exc: BaseException) -> Any:
     return route
 
 
+async def _replica_left(request: Request) -> NoReturn:
+    """A call the route awaits is cancelled under it (its channel closed: the replica left)."""
+    call = asyncio.ensure_future(asyncio.Event().wait())
+    await asyncio.sleep(0)
+    call.cancel()
+    await call
+    raise AssertionError("not reached")
+
+
+ENTERED = asyncio.Event()
+
+
+async def _raising_never(request: Request) -> NoReturn:
+    ENTERED.set()
+    await asyncio.Event().wait()
+    raise AssertionError("not reached")
+
+
 def _failing_after_first_chunk(exc: BaseException) -> Any:
     async def route(request: Request) -> Response:
         async def body() -> AsyncIterator[bytes]:
@@ -46,7 +64,8 @@ def _failing_after_first_chunk(exc: BaseException) -> Any:
 
 # "/unmapped", "/crash_unmapped" and the late routes have no shape of their own
 SHAPES = {"/status": Shape.STATUS, "/native": Shape.NATIVE, "/openai": Shape.OPENAI,
-          "/weights": Shape.WEIGHTS, "/gone": Shape.NATIVE, "/crash": Shape.NATIVE}
+          "/weights": Shape.WEIGHTS, "/gone": Shape.NATIVE, "/crash": Shape.NATIVE,
+          "/left": Shape.NATIVE}
 APP = Starlette(
     routes=[
         Route("/status", _raising(KV_FULL)),
@@ -55,6 +74,8 @@ APP = Starlette(
         Route("/openai", _raising(BAD_TOP_P)),
         Route("/weights", _raising(PAUSED)),
         Route("/gone", _raising(ClientGone())),
+        Route("/left", _replica_left),
+        Route("/forever", _raising_never),
         Route("/crash", _raising(RuntimeError("bug"))),
         Route("/crash_unmapped", _raising(RuntimeError("bug"))),
         Route("/late_bug", _failing_after_first_chunk(RuntimeError("bug"))),
@@ -107,6 +128,18 @@ async def test_client_gone_is_499_whatever_the_shape(client: httpx.AsyncClient) 
     assert r.content == b""
 
 
+async def test_a_call_cancelled_under_the_route_is_a_503(
+    client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR):
+        r = await client.get("/left")
+    assert r.status_code == 503
+    assert r.json() == {"error": {"message": (
+        "a call inside the mesh was cancelled: the replica it went to left the mesh; "
+        "calling again is safe"), "code": 503, "type": "UNAVAILABLE"}}
+    assert _failures(caplog) == []
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
@@ -127,10 +160,20 @@ async def test_unexpected_exception_is_a_logged_500(
     assert line.exc_info is not None and line.exc_info[0] is RuntimeError
 
 
-async def _raw_get(path: str) -> list[Any]:
+async def test_a_route_whose_own_task_is_cancelled_is_not_answered() -> None:
+    sent: list[Any] = []
+    call = asyncio.ensure_future(_raw_get("/forever", sent))
+    await asyncio.wait_for(ENTERED.wait(), timeout=5)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert sent == []
+
+
+async def _raw_get(path: str, sent: list[Any] | None = None) -> list[Any]:
     """The messages the app sends for GET `path`, over raw ASGI (httpx refuses a response that
     never ends, which is what a route that fails mid-stream leaves: the server closes it)."""
-    sent: list[Any] = []
+    sent = [] if sent is None else sent
     inbox = [{"type": "http.request", "body": b"", "more_body": False}]
 
     async def receive() -> Any:

@@ -55,7 +55,7 @@ from meshlm.bench.pinning import (
 )
 from meshlm.bench.proc_cpu import cpu_delta, snapshot
 from meshlm.bench.raw_http import SsePool
-from meshlm.bench.transport_floor import grpc_message_floor_us
+from meshlm.bench.transport_floor import grpc_message_floor_us, http_event_floor_us
 from meshlm.bench.workload import output_lengths
 from meshlm.common.default_model import ensure_default_model
 from meshlm.launch.mesh import Mesh, MeshOptions
@@ -319,7 +319,9 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     engine = run_in_process(*args)
     (grpc_r, http_r), cpus = run_mesh(*args)
     with pin_process(plan.rest) if plan else contextlib.nullcontext():
-        floor = grpc_message_floor_us(sat.concurrency, cpus=plan.rest if plan else None)
+        rest = plan.rest if plan else None
+        floors = {"gRPC": grpc_message_floor_us(sat.concurrency, cpus=rest),
+                  "HTTP": http_event_floor_us(sat.concurrency, cpus=rest)}
 
     import torch
 
@@ -335,7 +337,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     print()
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
         print(cpu_line(engine, r, transport))
-    print(floor_line(floor, sat.concurrency, plan))
+    print(floor_line(floors, {"gRPC": grpc_r, "HTTP": http_r}, sat.concurrency, plan))
     if plan is not None:
         for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
             print(pinned_line(engine, r, transport, plan))

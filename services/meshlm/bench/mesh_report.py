@@ -116,13 +116,18 @@ def cpu_line(engine: Result, mesh: Result, transport: str) -> str:
             f"{transport}: {', '.join(parts)}")
 
 
-def floor_line(floor_us: float, streams: int, plan: CpuPlan | None) -> str:
-    """grpc.aio's own CPU per streamed message (`transport_floor.py`), under the gateway's."""
+def floor_line(floors: Mapping[str, float], gateway: Mapping[str, Result], streams: int,
+               plan: CpuPlan | None) -> str:
+    """The transports' own CPU per streamed message (`transport_floor.py`, by transport name)
+    and what the gateway spends per token above each (`gateway`: its run on that transport)."""
     where = f", on {describe(plan.rest)} as the gateway" if plan else ""
-    return (f"grpc.aio's own cost of a streamed message (a bare server writing the gateway's "
-            f"per-token message to {streams} streams at once{where}): {floor_us:.0f} µs; over "
-            f"gRPC the gateway writes a message per token, so its CPU per token cannot go "
-            f"below this")
+    above = ", ".join(f"{t} {gateway[t].cpu_us_per_token('gateway') - us:.0f}"
+                      for t, us in floors.items() if "gateway" in gateway[t].cpu)
+    return (f"the transports' own cost of a streamed message (a bare server writing the "
+            f"gateway's per-token message to {streams} streams at once{where}): gRPC (grpc.aio) "
+            f"{floors['gRPC']:.0f} µs, HTTP (uvicorn, SSE) {floors['HTTP']:.0f} µs; the gateway "
+            f"writes a message per token, so its CPU per token cannot go below these. Its own "
+            f"work above them (µs per token): {above}")
 
 
 def placement_lines(plan: CpuPlan, threads: Mapping[str, Counter[str]]) -> list[str]:

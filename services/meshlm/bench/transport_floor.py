@@ -1,11 +1,19 @@
-"""What grpc.aio itself costs per streamed message: the floor under the gateway's CPU per token.
+"""What the transports themselves cost per streamed message: the floors under the gateway's CPU
+per token.
 
-A bare grpc.aio server in its own process (no interceptors, no mesh) streams the message the
-gateway streams per token (a TextGenerateResponse with one id, a piece of text and the same
-meta_info keys) to `streams` clients at once, one message to every stream on each tick of a
-timer, as the gateway writes one message to each client per engine step. Its CPU seconds per
-message are grpc.aio's own cost of one public message, measured on this machine in this run:
-the gateway's µs per token over gRPC cannot go below it while it sends a message per token.
+A bare server in its own process (no mesh, none of the gateway's work) streams the message the
+gateway streams per token to `streams` clients at once, one message to every stream on each
+tick of a timer, as the gateway writes one message to each client per engine step:
+
+- gRPC: grpc.aio with no interceptors, a TextGenerateResponse with one id, a piece of text and
+  the same meta_info keys;
+- HTTP: uvicorn as the gateway runs it (httptools), the gateway's Starlette response class,
+  SGLang's /generate event (cumulative text, the same meta_info keys) as Server-Sent Events.
+
+Its CPU seconds per message are the transport's own cost of one public message, measured on this
+machine in this run: the gateway's µs per token cannot go below it while it sends a message per
+token. What the gateway spends above it is its own work (reading the detokenizer's stream,
+routing each update, building the message).
 """
 
 from __future__ import annotations
@@ -13,59 +21,115 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
-from collections.abc import AsyncIterator, Collection
+import socket
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Any
 
 import grpc
 
 from meshlm.bench.proc_cpu import own_cpu_seconds
+from meshlm.bench.raw_http import SsePool
 from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
 TICK_S = 0.002  # between the server's rounds of writes (an engine step, roughly)
+RID = "0123456789abcdef0123456789abcdef"
 
 
-class _Streamer(sglang_pb2_grpc.SglangServiceServicer):
-    def __init__(self, messages: int) -> None:
-        self.messages = messages
+class _Ticks:
+    """Wakes every stream's writer once per tick."""
+
+    def __init__(self) -> None:
         self.tick = asyncio.Event()
 
-    async def TextGenerate(self, req: pb.TextGenerateRequest,
-                           ctx: grpc.aio.ServicerContext) -> AsyncIterator[pb.TextGenerateResponse]:
-        for i in range(self.messages):
-            await self.tick.wait()
-            meta = {"id": "0123456789abcdef0123456789abcdef", "prompt_tokens": "17",
-                    "completion_tokens": str(i + 1), "cached_tokens": "0"}
-            yield pb.TextGenerateResponse(text=" word", output_ids=[i], meta_info=meta,
-                                          finished=i == self.messages - 1)
-
-    async def ticks(self) -> None:
+    async def run(self) -> None:
         while True:
             self.tick.set()
             self.tick.clear()
             await asyncio.sleep(TICK_S)
 
 
-def _serve(messages: int, cpus: Collection[int] | None, ports: multiprocessing.Queue) -> None:
+class _Streamer(sglang_pb2_grpc.SglangServiceServicer):
+    def __init__(self, messages: int, ticks: _Ticks) -> None:
+        self.messages = messages
+        self.ticks = ticks
+
+    async def TextGenerate(self, req: pb.TextGenerateRequest,
+                           ctx: grpc.aio.ServicerContext) -> AsyncIterator[pb.TextGenerateResponse]:
+        for i in range(self.messages):
+            await self.ticks.tick.wait()
+            meta = {"id": RID, "prompt_tokens": "17", "completion_tokens": str(i + 1),
+                    "cached_tokens": "0"}
+            yield pb.TextGenerateResponse(text=" word", output_ids=[i], meta_info=meta,
+                                          finished=i == self.messages - 1)
+
+
+async def _serve_grpc(messages: int, ticks: _Ticks, ports: multiprocessing.Queue) -> None:
+    server = grpc.aio.server()
+    sglang_pb2_grpc.add_SglangServiceServicer_to_server(_Streamer(messages, ticks), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ports.put(port)
+    await server.wait_for_termination()
+
+
+def _sse_app(messages: int, ticks: _Ticks) -> Any:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.routing import Route
+
+    from meshlm.gateway.front.http_streams import StreamResponse
+    from meshlm.gateway.front.sse import SSE_DONE, sse_event
+
+    async def events() -> AsyncIterator[bytes]:
+        text = ""
+        for i in range(messages):
+            await ticks.tick.wait()
+            text += " word"  # SGLang's events carry the text so far
+            yield sse_event({"text": text, "meta_info": {
+                "id": RID, "finish_reason": None, "prompt_tokens": 17, "completion_tokens": i + 1,
+                "cached_tokens": 0, "e2e_latency": 0.002 * i, "weight_version": "default"}})
+        yield SSE_DONE
+
+    async def generate(request: Request) -> StreamResponse:
+        await request.body()
+        return StreamResponse(events(), None, "text/event-stream")
+
+    return Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+
+
+async def _serve_http(messages: int, ticks: _Ticks, ports: multiprocessing.Queue) -> None:
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    config = uvicorn.Config(_sse_app(messages, ticks), log_config=None, access_log=False,
+                            lifespan="off", http="httptools", loop="none")
+    ports.put(sock.getsockname()[1])
+    await uvicorn.Server(config).serve(sockets=[sock])
+
+
+_SERVERS = {"grpc": _serve_grpc, "http": _serve_http}
+
+
+def _serve(kind: str, messages: int, cpus: Collection[int] | None,
+           ports: multiprocessing.Queue) -> None:
     if cpus:
         os.sched_setaffinity(0, cpus)
 
     async def serve() -> None:
-        server = grpc.aio.server()
-        streamer = _Streamer(messages)
-        sglang_pb2_grpc.add_SglangServiceServicer_to_server(streamer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ticks = asyncio.create_task(streamer.ticks())
-        ports.put(port)
+        ticks = _Ticks()
+        timer = asyncio.create_task(ticks.run())
         try:
-            await server.wait_for_termination()
+            await _SERVERS[kind](messages, ticks, ports)
         finally:
-            ticks.cancel()
+            timer.cancel()
 
     asyncio.run(serve())
 
 
-async def _drain(port: int, streams: int) -> int:
+async def _drain_grpc(port: int, streams: int) -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = sglang_pb2_grpc.SglangServiceStub(channel)
 
@@ -77,22 +141,48 @@ async def _drain(port: int, streams: int) -> int:
     return sum(counts)
 
 
-def grpc_message_floor_us(streams: int = 64, messages: int = 300,
-                          cpus: Collection[int] | None = None) -> float:
-    """Server CPU µs per streamed message, `streams` streams of `messages` each; the server
-    runs on `cpus` (None: anywhere), as the gateway does in the bench."""
+async def _drain_http(port: int, streams: int) -> int:
+    pool = SsePool("127.0.0.1", port)
+
+    async def one() -> int:
+        return len([e async for e in pool.events("/generate", b"{}") if e != b"data: [DONE]"])
+
+    try:
+        await one()  # a connection and the server's first call, not measured
+        counts = await asyncio.gather(*(one() for _ in range(streams)))
+    finally:
+        pool.close()
+    return sum(counts)
+
+
+def _server_cpu_per_message(kind: str, drain: Callable[[int, int], Any], streams: int,
+                            messages: int, cpus: Collection[int] | None) -> float:
     context = multiprocessing.get_context("spawn")  # no copy of this process's torch
     ports: multiprocessing.Queue = context.Queue()
-    server = context.Process(target=_serve, args=(messages, cpus, ports), daemon=True)
+    server = context.Process(target=_serve, args=(kind, messages, cpus, ports), daemon=True)
     server.start()
     try:
         port, pid = ports.get(timeout=60), server.pid or 0
         before = own_cpu_seconds(pid)
-        sent = asyncio.run(_drain(port, streams))
+        sent = asyncio.run(drain(port, streams))
         spent = own_cpu_seconds(pid) - before
     finally:
         server.kill()
         server.join()
     if sent != streams * messages:
-        raise RuntimeError(f"the floor's server sent {sent} of {streams * messages} messages")
+        raise RuntimeError(f"the {kind} floor's server sent {sent} of {streams * messages} "
+                           "messages")
     return spent / sent * 1e6
+
+
+def grpc_message_floor_us(streams: int = 64, messages: int = 300,
+                          cpus: Collection[int] | None = None) -> float:
+    """grpc.aio's server CPU µs per streamed message, `streams` streams of `messages` each;
+    the server runs on `cpus` (None: anywhere), as the gateway does in the bench."""
+    return _server_cpu_per_message("grpc", _drain_grpc, streams, messages, cpus)
+
+
+def http_event_floor_us(streams: int = 64, messages: int = 300,
+                        cpus: Collection[int] | None = None) -> float:
+    """uvicorn's and Starlette's server CPU µs per streamed SSE event, as above."""
+    return _server_cpu_per_message("http", _drain_http, streams, messages, cpus)

@@ -14,7 +14,7 @@ from meshlm.bench.mesh_report import (
     report,
 )
 from meshlm.bench.pinning import CpuPlan
-from meshlm.bench.transport_floor import grpc_message_floor_us
+from meshlm.bench.transport_floor import grpc_message_floor_us, http_event_floor_us
 
 ENGINE = Result("in-process", [0.010, 0.012, 0.011], tokens=1000, seconds=2.0,
                 cpu={"engine": 0.210})
@@ -82,13 +82,16 @@ def test_the_spaced_in_process_run_is_reported_beside_the_goal() -> None:
             "+0.75 ms, mesh HTTP +2.00 ms over it") in report([spaced, GRPC, HTTP])
 
 
-def test_the_floor_line_says_where_the_bare_server_ran() -> None:
-    assert floor_line(26.4, 64, PLAN) == (
-        "grpc.aio's own cost of a streamed message (a bare server writing the gateway's "
-        "per-token message to 64 streams at once, on CPU 1 as the gateway): 26 µs; over gRPC "
-        "the gateway writes a message per token, so its CPU per token cannot go below this")
+def test_the_floor_line_says_where_the_bare_servers_ran_and_what_the_gateway_adds() -> None:
+    assert floor_line({"gRPC": 26.4, "HTTP": 11.6}, {"gRPC": GRPC, "HTTP": HTTP}, 64, PLAN) == (
+        "the transports' own cost of a streamed message (a bare server writing the gateway's "
+        "per-token message to 64 streams at once, on CPU 1 as the gateway): gRPC (grpc.aio) "
+        "26 µs, HTTP (uvicorn, SSE) 12 µs; the gateway writes a message per token, so its CPU "
+        "per token cannot go below these. Its own work above them (µs per token): gRPC 93, "
+        "HTTP 28")
 
 
-def test_the_bare_grpc_server_streams_every_message_and_its_cpu_is_measured() -> None:
-    floor = grpc_message_floor_us(streams=3, messages=20)
-    assert 0 <= floor < 100_000  # every message arrived (else it raises); CPU ticks are coarse
+def test_the_bare_servers_stream_every_message_and_their_cpu_is_measured() -> None:
+    for floor in (grpc_message_floor_us(streams=3, messages=20),
+                  http_event_floor_us(streams=3, messages=20)):
+        assert 0 <= floor < 100_000  # every message arrived (else it raises); CPU ticks are coarse

@@ -126,8 +126,8 @@ def floor_line(floors: Mapping[str, float], gateway: Mapping[str, Result], strea
     return (f"the transports' own cost of a streamed message (a bare server writing the "
             f"gateway's per-token message to {streams} streams at once{where}): gRPC (grpc.aio) "
             f"{floors['gRPC']:.0f} µs, HTTP (uvicorn, SSE) {floors['HTTP']:.0f} µs; the gateway "
-            f"writes a message per token, so its CPU per token cannot go below these. Its own "
-            f"work above them (µs per token): {above}")
+            f"writes a message per token, so its CPU per token cannot go below these. What it "
+            f"spends above them (µs per token): {above}")
 
 
 def placement_lines(plan: CpuPlan, threads: Mapping[str, Counter[str]]) -> list[str]:

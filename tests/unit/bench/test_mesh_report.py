@@ -87,7 +87,7 @@ def test_the_floor_line_says_where_the_bare_servers_ran_and_what_the_gateway_add
         "the transports' own cost of a streamed message (a bare server writing the gateway's "
         "per-token message to 64 streams at once, on CPU 1 as the gateway): gRPC (grpc.aio) "
         "26 µs, HTTP (uvicorn, SSE) 12 µs; the gateway writes a message per token, so its CPU "
-        "per token cannot go below these. Its own work above them (µs per token): gRPC 93, "
+        "per token cannot go below these. What it spends above them (µs per token): gRPC 93, "
         "HTTP 28")
 
 

@@ -38,8 +38,8 @@ def sse_event(payload: Any) -> bytes:
 class NativeOutput:
     """Accumulates one request's response stream into SGLang's /generate shape.
 
-    Text is reported for text requests only. Ids are reported when the response type carries
-    them (GenerateResponse; TextGenerateResponse has no output_ids field in the public proto).
+    Text is reported for text requests only; ids always (TextGenerateResponse carries them as
+    meshlm's extension of the public proto).
     """
 
     def __init__(self, *, return_text: bool, max_new_tokens: int, started: float,
@@ -54,18 +54,20 @@ class NativeOutput:
         self.logprobs: dict[str, list[Any]] = {}
         self.finished = False
 
-    def add(self, message: GenerateMessage) -> None:
+    def add(self, message: GenerateMessage, meta: dict[str, str] | None = None) -> None:
+        """Fold in `message`; `meta`: its meta_info already read into a dict, if it was."""
+        if meta is None:
+            meta = dict(message.meta_info)  # one read of the proto map, then dict lookups
         if isinstance(message, sglang_pb2.TextGenerateResponse):
             self.text += message.text
-        ids = getattr(message, "output_ids", None)  # absent from TextGenerateResponse
-        if ids is not None:
-            if self.output_ids is None:
-                self.output_ids = []
-            self.output_ids.extend(ids)
-        self.meta.update(message.meta_info)
+        if self.output_ids is None:
+            self.output_ids = []
+        self.output_ids.extend(message.output_ids)  # both carry them (text: meshlm's extension)
+        self.meta.update(meta)
         for key in LOGPROB_KEYS:
-            if key in message.meta_info:
-                self.logprobs.setdefault(key, []).extend(orjson.loads(message.meta_info[key]))
+            value = meta.get(key)
+            if value is not None:
+                self.logprobs.setdefault(key, []).extend(orjson.loads(value))
         self.finished = self.finished or message.finished
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,9 +124,10 @@ class NativeChoices:
 
     def add(self, message: GenerateMessage) -> NativeOutput:
         """Fold in one message; returns the sample it belongs to."""
-        index = _int(message.meta_info.get("index", "0"))
+        meta = dict(message.meta_info)
+        index = _int(meta["index"]) if "index" in meta else 0
         out = self.outputs[index if isinstance(index, int) else 0]
-        out.add(message)
+        out.add(message, meta)
         return out
 
     def dicts(self) -> list[dict[str, Any]]:

@@ -52,6 +52,14 @@ class FakeApi:
     async def Abort(self, req: pb.AbortRequest, ctx: CallContext) -> pb.AbortResponse:
         raise MeshError(grpc.StatusCode.UNIMPLEMENTED, "Abort is not implemented yet")
 
+    def generated(self, req: pb.TextGenerateRequest | pb.GenerateRequest,
+                  ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse | pb.GenerateResponse]:
+        """What the HTTP front reads: the messages (the api's own are Generated tuples, with
+        the same fields)."""
+        if isinstance(req, pb.TextGenerateRequest):
+            return self.TextGenerate(req, ctx)
+        return self.Generate(req, ctx)
+
     def TextGenerate(
         self, req: pb.TextGenerateRequest, ctx: CallContext
     ) -> AsyncIterator[pb.TextGenerateResponse]:

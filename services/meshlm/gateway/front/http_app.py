@@ -156,8 +156,7 @@ class _Handlers:
                     max_new_tokens=sampling.max_new_tokens
                     if sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
                 )
-                generation = self.api.generation
-                stream = (generation.TextGenerate if is_text else generation.Generate)(req, ctx)
+                stream = self.api.generation.generated(req, ctx)
                 parts.append((out, stream))
                 streams.streams.append(stream)
             if reqs[0].stream:

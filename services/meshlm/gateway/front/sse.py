@@ -3,8 +3,9 @@ framing.
 
 SGLang's /generate answers {"text", "output_ids", "meta_info"}; when streaming, every
 Server-Sent Event carries the same shape with the text and ids so far (cumulative), and the
-stream ends with `data: [DONE]`. The api streams deltas (TextGenerateResponse.text,
-GenerateResponse.output_ids) with meta_info as strings; `NativeOutput` accumulates them, the
+stream ends with `data: [DONE]`. The api streams deltas (text, output_ids) with meta_info as
+strings, as TextGenerate's and Generate's messages but not yet protos (`Generated`: filling a
+proto's map and reading it back cost more than the rest); `NativeOutput` accumulates them, the
 logprob lists included (real JSON arrays here, cumulative like the text). With n > 1 samples
 (`NativeChoices`) each sample is one such object with an "index": a JSON list of n of them, or
 events for each sample in turn as its news arrives. A batch of prompts answers the same way,
@@ -18,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from meshlm.gateway.api.generation import Generated
 from meshlm.gateway.protocol.logprob_meta import LOGPROB_KEYS
 from sglang.runtime.v1 import sglang_pb2
 
@@ -27,7 +29,8 @@ _COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 _CONSUMED = {"id", "index", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency",
              *_COUNTS, *LOGPROB_KEYS}
 
-GenerateMessage = sglang_pb2.TextGenerateResponse | sglang_pb2.GenerateResponse
+# The api's messages, as protos or not yet (`api/generation.Generated`): the same fields.
+GenerateMessage = sglang_pb2.TextGenerateResponse | sglang_pb2.GenerateResponse | Generated
 EmbedMessage = sglang_pb2.TextEmbedResponse | sglang_pb2.EmbedResponse
 
 
@@ -55,10 +58,10 @@ class NativeOutput:
         self.finished = False
 
     def add(self, message: GenerateMessage, meta: dict[str, str] | None = None) -> None:
-        """Fold in `message`; `meta`: its meta_info already read into a dict, if it was."""
+        """Fold in `message`; `meta`: its meta_info as a dict, if it was read already."""
         if meta is None:
-            meta = dict(message.meta_info)  # one read of the proto map, then dict lookups
-        if isinstance(message, sglang_pb2.TextGenerateResponse):
+            meta = _meta_dict(message)
+        if self.return_text:
             self.text += message.text
         if self.output_ids is None:
             self.output_ids = []
@@ -124,7 +127,7 @@ class NativeChoices:
 
     def add(self, message: GenerateMessage) -> NativeOutput:
         """Fold in one message; returns the sample it belongs to."""
-        meta = dict(message.meta_info)
+        meta = _meta_dict(message)
         index = _int(meta["index"]) if "index" in meta else 0
         out = self.outputs[index if isinstance(index, int) else 0]
         out.add(message, meta)
@@ -147,6 +150,13 @@ def native_embedding(message: EmbedMessage, started: float) -> dict[str, Any]:
         info[key] = _int(meta.get(key, "0"))
     info["e2e_latency"] = round(time.monotonic() - started, 6)
     return {"embedding": list(message.embedding), "meta_info": info}
+
+
+def _meta_dict(message: GenerateMessage) -> dict[str, str]:
+    """A message's meta_info as a dict: as it is (Generated), or read once from the proto map
+    (then dict lookups)."""
+    meta = message.meta_info
+    return meta if isinstance(meta, dict) else dict(meta)
 
 
 def _int(value: str) -> int | str:

@@ -121,11 +121,14 @@ def test_native_body_accepts_logprob_options() -> None:
 
 
 class _Api:
-    """TextGenerate streams two tokens with logprobs, as GatewayAPI formats them."""
+    """TextGenerate (and `generated`, /generate's reading of it) streams two tokens with
+    logprobs, as GatewayAPI formats them."""
 
     def TextGenerate(self, req: pb.TextGenerateRequest,
                      ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse]:
         return self._stream(req)
+
+    generated = TextGenerate
 
     async def _stream(self, req: pb.TextGenerateRequest) -> AsyncIterator[pb.TextGenerateResponse]:
         first = common_pb2.Logprobs(output_logprobs=[-0.5], output_top=[_top([7], [-0.5])],

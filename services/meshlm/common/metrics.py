@@ -19,7 +19,7 @@ scheduler's port and, labelled `engine`, each gateway's /metrics).
 Every instance owns its CollectorRegistry (no process-global state, so tests can build many).
 The gateway serves its registry at /metrics on its HTTP port; every service can also serve its
 own on `--metrics-port` (metrics_server.py's MetricsServer). Histogram buckets are in
-metrics_buckets.py.
+metrics_buckets.py; the inter-token latency, observed per token, is metrics_histogram.py's.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from meshlm.common.metrics_buckets import (
     VLLM_TTFT_BUCKETS,
 )
 from meshlm.common.metrics_engine import EngineCollector
+from meshlm.common.metrics_histogram import Buckets, TokenHistogram
 
 log = get_logger(__name__)
 
@@ -94,7 +95,7 @@ class Alias(Collector):
     names mean the same figure (vLLM's deprecated time_per_output_token, SGLang's and vLLM's
     token counters), it is counted once per token, not once per name."""
 
-    def __init__(self, source: Counter | Histogram, name: str, documentation: str,
+    def __init__(self, source: Collector, name: str, documentation: str,
                  registry: CollectorRegistry) -> None:
         self._source = source
         self._name = name
@@ -124,7 +125,7 @@ class _RequestSeries:
     model_name: str
     success: Counter  # unlabelled parent: finished_reason varies per request
     ttft: tuple[Histogram, ...]
-    itl: tuple[Histogram, ...]
+    itl: tuple[Buckets, ...]  # observed per token: the lean histogram (metrics_histogram.py)
     e2e: tuple[Histogram, ...]
     prompt_tokens: tuple[Counter, ...]
     generation_tokens: tuple[Counter, ...]
@@ -170,9 +171,8 @@ class RequestMetrics:
                     h.observe(now - self._started)
             else:
                 gap = (now - self._last) / new
-                for _ in range(new):
-                    for h in s.itl:
-                        h.observe(gap)
+                for itl in s.itl:
+                    itl.observe(gap, new)
             for counter in s.generation_tokens:
                 counter.inc(new)
             self._tokens, self._last = completion_tokens, now
@@ -225,10 +225,10 @@ class GatewayMetrics(ServiceMetrics):
             hist("sglang:time_to_first_token_seconds", "Histogram of time to first token in "
                  "seconds.", SGLANG_TTFT_BUCKETS))
         self._itl = (
-            hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in "
-                 "seconds.", VLLM_ITL_BUCKETS),
-            hist("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in "
-                 "seconds.", SGLANG_ITL_BUCKETS))
+            TokenHistogram("vllm:inter_token_latency_seconds", "Histogram of inter-token "
+                           "latency in seconds.", MODEL, VLLM_ITL_BUCKETS, r),
+            TokenHistogram("sglang:inter_token_latency_seconds", "Histogram of inter-token "
+                           "latency in seconds.", MODEL, SGLANG_ITL_BUCKETS, r))
         Alias(self._itl[0], "vllm:time_per_output_token_seconds", "Histogram of time per "
               "output token in seconds. DEPRECATED: use vllm:inter_token_latency_seconds.", r)
         self._e2e = (

@@ -102,6 +102,8 @@ def cpu_line(engine: Result, mesh: Result, transport: str) -> str:
                 engine_us = mesh.cpu_us_per_token(ENGINE_THREAD_PART)
                 split = (f"; engine thread {engine_us:.0f}, event loop and gRPC threads "
                          f"{us - engine_us:.0f}")
+                if engine_us < us / 2:  # one CPU: the steps ran on the loop (placement.py)
+                    split += ", the forward passes included (--engine-steps)"
             parts.append(f"scheduler {us:.0f} ({us / bare:.2f}x engine; "
                          f"goal <= {SCHEDULER_CPU_GOAL:.2f}x{split})")
         elif name == "gateway":

@@ -4,7 +4,8 @@
 the request's meta, with its route and deadline, sent on whole in its first output's header;
 aborts that came before their request) and runs the engine's step,
 schedule -> execute -> postprocess, with the forward pass on the engine thread (the executor's
-one worker) and all scheduling state on the event loop. Each step's outputs leave as one batch
+one worker) or, on one CPU, on the event loop itself (placement.py), and all scheduling state
+on the event loop. Each step's outputs leave as one batch
 per detokenizer, put on a sink (the stream pool to the detokenizers); a request's tokens may
 leave in pieces (pacing.py: 50 for one that does not stream, --stream-interval for one that
 does). Control calls (flush, pause, weights) queued with `at_step_boundary` run between two
@@ -29,18 +30,24 @@ from meshlm.common.packed import Plain
 from meshlm.common.profiling import RequestEvents
 from meshlm.common.tracing import context_of, tracer
 from meshlm.scheduler import pacing, wire
-from meshlm.scheduler.engine.sequence import StepOutput
+from meshlm.scheduler.engine.sequence import Plan, StepOutput
+from meshlm.scheduler.placement import StepPlacement
 from meshlm.scheduler.tracked import Code, Tracked
 from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT, EngineWatchdog
 from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 if TYPE_CHECKING:
-    from meshlm.scheduler.engine.engine import Engine
+    from meshlm.scheduler.engine.engine import Engine, ExecResult
 
 log = get_logger(__name__)
 
 PRE_ABORT_TTL = 60.0  # seconds an abort for a not-yet-seen rid is remembered
 EXPIRY_CHECK = 0.05  # seconds between scans for requests past their deadline
+# Turns of the event loop after a step run on it, before the next: enough for a send whose
+# last write has completed to write again (one turn takes in the completion, the next resumes
+# the sender), and for requests that came meanwhile to be admitted.
+LOOP_TURNS = 3
+MAX_INTAKE_TURNS = 16
 ABORTED_ALL = "the request was aborted: every request was (abort_all)"
 
 T = TypeVar("T")
@@ -68,11 +75,13 @@ class EngineLoop:
     def __init__(self, engine: Engine, executor: ThreadPoolExecutor, sink: OutputSink,
                  events: RequestEvents | None = None, address: str = "",
                  max_queued: int = 1024,
-                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, stream_interval: int = 1) -> None:
+                 stall_timeout: float = DEFAULT_STALL_TIMEOUT, stream_interval: int = 1,
+                 placement: StepPlacement | None = None) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.engine = engine
-        self.executor = executor  # the engine thread: every torch call runs on it
+        self.executor = executor  # the engine thread: every torch call but loop steps runs on it
+        self.placement = placement or StepPlacement()  # where each forward pass runs
         self.sink = sink
         self.events = events or RequestEvents("scheduler")
         self.address = address
@@ -81,6 +90,7 @@ class EngineLoop:
         self.tracked: dict[str, Tracked] = {}  # live requests, by rid
         self.pre_aborted: dict[str, float] = {}  # rid -> time.monotonic() it is forgotten at
         self.wake = asyncio.Event()
+        self._received = 0  # tokenizers' batches submitted so far
         self._tracer = tracer("meshlm.scheduler")
         self._pending: list[StepOutput] = []  # outputs made outside a step (refusals)
         # Control calls awaiting a step boundary, in arrival order.
@@ -93,6 +103,7 @@ class EngineLoop:
 
     def submit(self, batch: scheduler_pb2.TokenizedBatch) -> None:
         """A tokenizer's batch: each request admitted (or refused), then the loop woken."""
+        self._received += 1
         self.events.record("recv", (r.meta.rid for r in batch.requests))
         for req in batch.requests:
             self.admit(req)
@@ -268,8 +279,9 @@ class EngineLoop:
 
     async def run(self) -> None:
         """Step the engine for ever (cancel to stop). A step's outputs are sent while the next
-        step computes: the engine thread does not wait for the event loop's encoding and
-        sending, which needs no engine state."""
+        step computes on the engine thread: it does not wait for the event loop's encoding and
+        sending, which needs no engine state. A step run on the loop instead (placement.py)
+        has its outputs sent before the next."""
         unsent: list[StepOutput] = []
         while True:
             # 1. sleep until there is work or a deadline to enforce; between steps, run control
@@ -282,24 +294,61 @@ class EngineLoop:
                     await asyncio.wait_for(self.wake.wait(), next_deadline)
             if self._controls:
                 await self._run_controls()
-            # 2. plan on the loop thread, start the forward pass on the engine thread
+            # 2. plan on the loop thread, start the forward pass on the engine thread (or run it
+            # here: placement.py)
             plan = self.engine.schedule()
-            step: asyncio.Future[Any] | None = None
+            here = plan is not None and self.placement.on_loop(plan.num_tokens)
+            if here and unsent:  # the last step ran on the engine thread: its outputs first
+                await self._emit(unsent)
+                unsent = []
+                await self._turns()
+            step: asyncio.Future[tuple[ExecResult, float]] | None = None
+            result = None
             if plan is not None:
                 self.watchdog.step_started()
-                step = asyncio.ensure_future(self.on_engine_thread(self.engine.execute, plan))
+                if here:
+                    result = self._execute(plan)
+                else:
+                    step = asyncio.ensure_future(self.on_engine_thread(self._execute, plan))
             # 3. meanwhile, send the previous step's outputs
             if unsent:
                 await self._emit(unsent)
-            result = None
             if step is not None:
                 result = await step
+            if plan is not None and result is not None:
                 await self.watchdog.step_finished()
-            # 4. fold results back; their outputs leave during the next step
-            unsent = self._pending + self.engine.postprocess(plan, result)
+                self.placement.observe(result[1], plan.num_tokens)
+            # 4. fold results back; their outputs leave during the next step (or now, when the
+            # step ran here)
+            unsent = self._pending + self.engine.postprocess(
+                plan, None if result is None else result[0])
             self._pending = []
-            if not unsent and plan is None:
+            if here:
+                await self._emit(unsent)
+                unsent = []
+                await self._turns()
+            elif not unsent and plan is None:
                 await asyncio.sleep(0)
+
+    def _execute(self, plan: Plan) -> tuple[ExecResult, float]:
+        """The forward pass (either thread), and the seconds it took."""
+        start = time.perf_counter()
+        result = self.engine.execute(plan)
+        return result, time.perf_counter() - start
+
+    async def _turns(self) -> None:
+        """Let the event loop run (sends, new requests) before the next step holds it; while
+        tokenizers' batches keep coming in (a burst of requests), a few turns more, so that
+        the next step admits them rather than one batch a step."""
+        seen = self._received
+        for _ in range(LOOP_TURNS):
+            await asyncio.sleep(0)
+        for _ in range(MAX_INTAKE_TURNS):
+            if self._received == seen:
+                return
+            seen = self._received
+            await asyncio.sleep(0)  # the next read's completion comes in
+            await asyncio.sleep(0)  # and its batch is submitted
 
     async def _emit(self, outputs: list[StepOutput]) -> None:
         """Outputs -> one batch per detokenizer; a request's end also ends its tracking (and

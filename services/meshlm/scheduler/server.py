@@ -20,6 +20,7 @@ import grpc
 
 from meshlm.common import config as cfg
 from meshlm.common.affinity import name_thread, parse_cpu_list
+from meshlm.common.logs import get_logger
 from meshlm.common.metrics import SchedulerMetrics
 from meshlm.common.packed import Plain, packer
 from meshlm.common.profiling import Profiling, profiler_binding
@@ -36,13 +37,22 @@ from meshlm.common.service import (
 from meshlm.common.streams import StreamPool
 from meshlm.scheduler import wire
 from meshlm.scheduler.control import EngineControl
-from meshlm.scheduler.cpus import DEFAULT_MESH_US, ENGINE_THREAD, EngineCpus, auto_threads
+from meshlm.scheduler.cpus import (
+    DEFAULT_MESH_US,
+    ENGINE_THREAD,
+    EngineCpus,
+    auto_threads,
+    usable_cpus,
+)
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
 from meshlm.scheduler.loop import EngineLoop
+from meshlm.scheduler.placement import StepPlacement, check_mode, choose
 from meshlm.scheduler.torch_trace import EngineTorchTrace
 from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT
 from meshlm.v1 import common_pb2, detokenizer_pb2, detokenizer_pb2_grpc, scheduler_pb2
 from meshlm.v1 import scheduler_pb2_grpc as pb_grpc
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -92,6 +102,11 @@ class SchedulerConfig(ServiceConfig):
                                                     "mesh spends on these cores, for auto "
                                                     "threads (make bench measures it); 0 = "
                                                     "the engine has the cores to itself")
+    engine_steps: str = cfg.field("auto", "where the forward passes run: thread (the "
+                                          "engine's own, while the event loop sends and "
+                                          "receives), loop (the event loop, steps of up to "
+                                          "20 ms), or auto (loop on one CPU without a GPU: "
+                                          "placement.py)")
     max_queued: int = cfg.field(1024, "requests waiting for a running slot; beyond it a new "
                                       "request ends at once with RESOURCE_EXHAUSTED")
     stream_interval: int = cfg.field(1, "a streaming request's tokens per output after its "
@@ -163,11 +178,28 @@ def _warm_up(engine: Engine) -> None:
         engine.step()
 
 
+async def _placement(mode: str, engine: Engine, executor: ThreadPoolExecutor,
+                     torch_trace: EngineTorchTrace) -> StepPlacement:
+    """Where the steps run (placement.py), logged; steps on the loop get the engine's torch
+    threads there too."""
+    import torch
+
+    threads = await asyncio.get_running_loop().run_in_executor(executor, torch.get_num_threads)
+    on_loop, why = choose(mode, str(engine.device), usable_cpus(), threads)
+    if on_loop:
+        torch.set_num_threads(threads)
+    log.info("engine_steps", on="event loop, up to 20 ms a step" if on_loop else "engine thread",
+             why=why)
+    return StepPlacement(on_loop, held=lambda: torch_trace.recording)
+
+
 async def serve(config: SchedulerConfig) -> None:
+    check_mode(config.engine_steps)
     model_path = resolve_model_path(config.model_path)
     # Every torch call happens on this one thread, the engine's: the model is built here too.
     # (Torch from a second thread brings a second OpenMP pool whose spinning workers halve the
-    # speed of both on a small machine.)
+    # speed of both on a small machine.) The one exception: on one CPU with one torch thread,
+    # which has no pool, short steps run on the event loop (placement.py).
     cpu_plan = (EngineCpus.pinned(parse_cpu_list(config.engine_cpus), config.num_threads)
                 if config.engine_cpus else EngineCpus(config.num_threads))
     cpu_plan.pin_process()
@@ -199,9 +231,12 @@ async def serve(config: SchedulerConfig) -> None:
         json_info=model_info_json(model_path, {"device": str(engine.device),
                                                "max_running": config.max_running}),
     )
-    profiling = Profiling("scheduler", EngineTorchTrace(executor))
+    torch_trace = EngineTorchTrace(executor)
+    profiling = Profiling("scheduler", torch_trace)
+    placement = await _placement(config.engine_steps, engine, executor, torch_trace)
     loop = EngineLoop(engine, executor, outputs, profiling.events, max_queued=config.max_queued,
-                      stall_timeout=config.stall_timeout, stream_interval=config.stream_interval)
+                      stall_timeout=config.stall_timeout, stream_interval=config.stream_interval,
+                      placement=placement)
     servicer = SchedulerServicer(loop, EngineControl(engine, loop, info))
     server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
                                  "meshlm.v1.Scheduler"), profiler_binding(profiling)])

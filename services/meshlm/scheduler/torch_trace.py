@@ -19,6 +19,11 @@ class EngineTorchTrace:
         self._profiler: torch.profiler.profile | None = None
         self._path = ""
 
+    @property
+    def recording(self) -> bool:
+        """A trace is being recorded (the engine's steps must stay on its thread meanwhile)."""
+        return self._profiler is not None
+
     async def start(self, path_prefix: str) -> None:
         await asyncio.get_running_loop().run_in_executor(self.executor, self._start,
                                                          path_prefix)

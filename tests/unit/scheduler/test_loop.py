@@ -5,6 +5,7 @@ outputs of a request that does not stream sent in pieces."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,20 +19,28 @@ from scheduler_helpers import Outputs, sample_prompt, tokenized, write_checkpoin
 from meshlm.scheduler.engine.sequence import SamplingParams, StepOutput
 from meshlm.scheduler.loop import EngineLoop
 from meshlm.scheduler.pacing import HOLD_TOKENS, hold_tokens, merge
+from meshlm.scheduler.placement import StepPlacement
 from meshlm.scheduler.tracked import Code
 from meshlm.v1 import common_pb2, scheduler_pb2
 
 
+@pytest.fixture(params=["thread", "loop"])
+def placement(request: pytest.FixtureRequest) -> StepPlacement:
+    """Every loop test runs with the steps on the engine thread, and again with the short
+    ones on the event loop (placement.py)."""
+    return StepPlacement(allowed=request.param == "loop")
+
+
 @pytest.fixture
-async def running(make_engine: Any, request: pytest.FixtureRequest,
-                  tmp_path: Path) -> AsyncIterator[tuple[EngineLoop, Outputs]]:
+async def running(make_engine: Any, request: pytest.FixtureRequest, tmp_path: Path,
+                  placement: StepPlacement) -> AsyncIterator[tuple[EngineLoop, Outputs]]:
     """An engine loop over the tiny engine, running; `@pytest.mark.parametrize("running", [N],
     indirect=True)` gives it a model of N positions instead of 256."""
     positions = getattr(request, "param", None)
     path = write_checkpoint(tmp_path / "long", max_positions=positions) if positions else None
     outputs = Outputs()
     loop = EngineLoop(make_engine(path, max_running=8, block_size=16), ThreadPoolExecutor(1),
-                      outputs, address="s")
+                      outputs, address="s", placement=placement)
     task = asyncio.create_task(loop.run())
     yield loop, outputs
     task.cancel()
@@ -289,3 +298,45 @@ def test_what_is_held_back_and_what_is_not() -> None:
     with pytest.raises(ValueError, match="stream_interval must be at least 1, got 0"):
         EngineLoop(SimpleNamespace(), ThreadPoolExecutor(1), Outputs(),  # type: ignore[arg-type]
                    stream_interval=0)
+
+
+async def test_on_one_cpu_short_steps_run_on_the_event_loop_and_long_ones_on_the_engine_thread(
+        make_engine: Any, monkeypatch: pytest.MonkeyPatch):
+    """Placement "loop": once a step has been timed, the steps within the budget run on the
+    event loop's own thread; a prompt whose step would pass it, and every step while a torch
+    trace records, go to the engine thread. The tokens are the same either way."""
+    engine = make_engine(None, max_running=8, block_size=16)
+    tracing = False
+    placement = StepPlacement(allowed=True, held=lambda: tracing)
+    outputs = Outputs()
+    loop = EngineLoop(engine, ThreadPoolExecutor(1), outputs, address="s", placement=placement)
+    where: list[tuple[int, bool]] = []  # (tokens, ran on the event loop's thread)
+    execute, loop_thread = engine.execute, threading.get_ident()
+
+    def watched(plan: Any) -> Any:
+        where.append((plan.num_tokens, threading.get_ident() == loop_thread))
+        return execute(plan)
+
+    monkeypatch.setattr(engine, "execute", watched)
+    task = asyncio.create_task(loop.run())
+    try:
+        _submit(loop, tokenized("a", sample_prompt(12)))  # 4 tokens: a prompt step, 3 decodes
+        first = (await outputs.finished({"a"}))["a"]
+        assert where == [(12, False), (1, True), (1, True), (1, True)]  # timed, then here
+        assert placement.seconds_per_token is not None
+        # Cost and budget fixed: a 12-token step passes a budget of 6 tokens, a decode fits.
+        monkeypatch.setattr(placement, "observe", lambda seconds, tokens: None)
+        placement.seconds_per_token, placement.max_seconds = 1.0, 6.0
+        where.clear()
+        _submit(loop, tokenized("b", sample_prompt(12)))
+        second = (await outputs.finished({"b"}))["b"]
+        assert where == [(12, False), (1, True), (1, True), (1, True)]
+        assert [t for o in second for t in o.token_ids] == [t for o in first for t in o.token_ids]
+        tracing = True  # a torch trace records only the engine thread
+        where.clear()
+        _submit(loop, tokenized("c", sample_prompt(5)))
+        await outputs.finished({"c"})
+        assert where == [(5, False), (1, False), (1, False), (1, False)]
+    finally:
+        task.cancel()
+        loop.close()

@@ -3,7 +3,7 @@
 import pytest
 import redis
 
-from meshlm.gateway.mesh.registry import RidRegistry, key
+from meshlm.gateway.mesh.registry import RidRegistry, coalesce, key
 from meshlm.launch.redis_server import RedisServer
 
 
@@ -42,6 +42,44 @@ async def test_background_writes_keep_their_order(redis_server):
         record = await reg.get("r2")
         assert record["gateway"] == "g" and record["state"] == "finished"
         assert record["finish_reason"] == "stop"
+    finally:
+        await reg.close()
+
+
+def test_coalesce_merges_each_rids_ops_in_order():
+    ops = [("create", "a", {"gateway": "g", "state": "queued"}, None),
+           ("update", "b", {"state": "running"}, None),
+           ("update", "a", {"state": "running"}, None),
+           ("update", "b", {"completion_tokens": "3"}, None),
+           ("update", "a", {"state": "finished", "finish_reason": "stop"}, 5)]
+    assert coalesce(ops) == [
+        ("create", "a", {"gateway": "g", "state": "finished", "finish_reason": "stop"}, 5),
+        ("update", "b", {"state": "running", "completion_tokens": "3"}, None)]
+
+
+async def test_a_short_requests_writes_reach_redis_as_one_command(redis_server):
+    """create_later, running and finish within one flush interval: one script call (the
+    create, with the final state and TTL), whose HSET and EXPIRE are the only ones."""
+    sync = redis.Redis.from_url(redis_server.url)
+    reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=5, flush_interval=0.2)
+    reg.start()
+    try:
+        await reg.get("warm-up")  # the connection and its handshake, before counting
+        sync.config_resetstat()
+        reg.create_later("short", {"gateway": "g", "scheduler": "s"})
+        reg.update("short", state="running")
+        reg.finish("short", "finished", finish_reason="length", completion_tokens=1)
+        await reg.flush()
+        record = await reg.get("short")
+        assert record["gateway"] == "g" and record["state"] == "finished"
+        assert record["finish_reason"] == "length" and record["completion_tokens"] == "1"
+        assert 0 < sync.ttl(key("short")) <= 5
+        stats = sync.info("commandstats")
+        scripts = sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0)
+                      for c in ("evalsha", "eval"))
+        assert scripts == 1
+        calls = {c: stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("hset", "expire")}
+        assert calls == {"hset": 1, "expire": 1}  # a script's own commands count too
     finally:
         await reg.close()
 

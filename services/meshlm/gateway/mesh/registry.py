@@ -211,12 +211,12 @@ class RidRegistry:
                     now = str(time.time())
                     for op, rid, data, ttl in coalesce(ops):
                         ttl = ttl if ttl is not None else self.ttl
-                        data = {**data, "updated_at": now}
+                        fields: dict[Any, Any] = {**data, "updated_at": now}
                         if op == "create":
-                            await self._create(keys=[key(rid)], args=_create_args(ttl, data),
+                            await self._create(keys=[key(rid)], args=_create_args(ttl, fields),
                                                client=pipe)
                             continue
-                        pipe.hset(key(rid), mapping=data)
+                        pipe.hset(key(rid), mapping=fields)
                         pipe.expire(key(rid), ttl)
                     await pipe.execute()
             except (RedisError, OSError) as exc:

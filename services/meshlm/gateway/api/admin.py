@@ -53,7 +53,7 @@ class AdminRPCs:
             schedulers, rids = [members[0].scheduler], [m.rid for m in members]
         else:
             registry = self.core.registry
-            record = await registry.get(req.rid)
+            record = await registry.find(req.rid)
             if record is None and registry.degraded:
                 # Fail-open: every scheduler this gateway knows, every child the rid may have.
                 replies = await on_every(channels, known, lambda ch: abort_call(

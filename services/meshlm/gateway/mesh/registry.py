@@ -41,9 +41,9 @@ PROBE_EVERY = 1.0  # seconds between checks that Redis is there and is the same 
 MAX_UNSENT = 100_000  # final states kept for Redis while it is away (oldest dropped)
 FLUSH_INTERVAL = 0.01  # seconds from the first background write queued to its round
 
-# A queued write: (op, rid, data, ttl). "create": data is the whole record; "update": the
-# fields to set. ttl: the record's new TTL, None for the live TTL (a final state has one).
-Op = tuple[str, str, dict[str, str], int | None]
+# A queued write: (rid, fields to set, the record's new TTL: None for the live TTL, a final
+# state has one). A fresh rid's whole record is written so too: it cannot clash.
+Op = tuple[str, dict[str, str], int | None]
 
 # Create only if absent; set fields and TTL atomically. ARGV = ttl, field, value, ...
 _CREATE = """
@@ -58,21 +58,13 @@ def key(rid: str) -> str:
     return KEY_PREFIX + rid
 
 
-def _create_args(ttl: int, record: dict[str, str]) -> list[Any]:
-    return [ttl, *(x for kv in record.items() for x in kv)]
-
-
 def coalesce(ops: list[Op]) -> list[Op]:
     """One write per rid, in the order the rids first appear, with the effect of its ops in
-    turn: the fields of later ops over earlier ones, a create stays a create (with the fields
-    that followed it), and the last op's TTL."""
+    turn: the fields of later ops over earlier ones, and the last op's TTL."""
     merged: dict[str, Op] = {}
-    for op, rid, data, ttl in ops:
+    for rid, data, ttl in ops:
         before = merged.get(rid)
-        if before is None:
-            merged[rid] = (op, rid, data, ttl)
-        else:
-            merged[rid] = (before[0], rid, {**before[2], **data}, ttl)
+        merged[rid] = (rid, data if before is None else {**before[1], **data}, ttl)
     return list(merged.values())
 
 
@@ -126,15 +118,15 @@ class RidRegistry:
     def _resync(self) -> None:
         """Queue the whole of what Redis should hold of this gateway's requests."""
         for rid, record in self._live.items():
-            self._queue.append(("update", rid, record, None))
+            self._queue.append((rid, record, None))
         for rid, (record, ttl) in self._unsent.items():
-            self._queue.append(("update", rid, record, ttl))
+            self._queue.append((rid, record, ttl))
         self._wake.set()
 
     def _unwritten(self, ops: list[Op]) -> None:
         """Keep the final states among ops that did not reach Redis (live records are in
         `_live` anyway)."""
-        for _, rid, data, ttl in ops:
+        for rid, data, ttl in ops:
             if ttl is not None:
                 self._unsent[rid] = (data, ttl)
         while len(self._unsent) > MAX_UNSENT:
@@ -163,7 +155,8 @@ class RidRegistry:
         if not self._available():
             return True
         try:
-            created = await self._create(keys=[key(rid)], args=_create_args(self.ttl, record))
+            args: list[Any] = [self.ttl, *(x for kv in record.items() for x in kv)]
+            created = await self._create(keys=[key(rid)], args=args)
         except (RedisError, OSError) as exc:
             self._failed("create", exc)
             return True
@@ -174,7 +167,7 @@ class RidRegistry:
 
     def create_later(self, rid: str, fields: dict[str, Any]) -> None:
         """Record a request whose rid cannot clash (a fresh uuid4), off the request's path."""
-        self._queue.append(("create", rid, self._record(rid, fields), None))
+        self._queue.append((rid, self._record(rid, fields), None))
         self._wake.set()
 
     def update(self, rid: str, **fields: Any) -> None:
@@ -182,19 +175,20 @@ class RidRegistry:
         record = self._live.get(rid)
         if record is not None:
             record.update((k, str(v)) for k, v in fields.items())
-        self._queue.append(("update", rid, {k: str(v) for k, v in fields.items()}, None))
+        self._queue.append((rid, {k: str(v) for k, v in fields.items()}, None))
         self._wake.set()
 
     def finish(self, rid: str, state: str, **fields: Any) -> None:
         """Mark the request ended; its record then expires after finished_ttl."""
         record = {**self._live.pop(rid, {}), "state": state,
                   **{k: str(v) for k, v in fields.items()}}
-        self._queue.append(("update", rid, record, self.finished_ttl))
+        self._queue.append((rid, record, self.finished_ttl))
         self._wake.set()
 
     async def _write_loop(self) -> None:
         """Background writes, in order, many per round trip (one pipeline per round, a round
-        at most every `flush_interval`)."""
+        at most every `flush_interval`). Plain HSET and EXPIRE: a pipeline with a script
+        would first ask Redis whether the script exists, a second round trip each time."""
         while True:
             await self._wake.wait()
             await asyncio.sleep(self.flush_interval)  # gather the round's writes
@@ -209,15 +203,10 @@ class RidRegistry:
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     now = str(time.time())
-                    for op, rid, data, ttl in coalesce(ops):
-                        ttl = ttl if ttl is not None else self.ttl
+                    for rid, data, ttl in coalesce(ops):
                         fields: dict[Any, Any] = {**data, "updated_at": now}
-                        if op == "create":
-                            await self._create(keys=[key(rid)], args=_create_args(ttl, fields),
-                                               client=pipe)
-                            continue
                         pipe.hset(key(rid), mapping=fields)
-                        pipe.expire(key(rid), ttl)
+                        pipe.expire(key(rid), ttl if ttl is not None else self.ttl)
                     await pipe.execute()
             except (RedisError, OSError) as exc:
                 self._failed("write", exc)
@@ -225,7 +214,7 @@ class RidRegistry:
                 continue
             finally:
                 self._busy = False
-            for _, rid, _, ttl in ops:
+            for rid, _, ttl in ops:
                 if ttl is not None:
                     self._unsent.pop(rid, None)
             self._ok()
@@ -240,6 +229,16 @@ class RidRegistry:
             return None
         self._ok()
         return record or None
+
+    async def find(self, rid: str) -> dict[str, str] | None:
+        """A record another gateway may have just queued: any gateway's writer sends a fresh
+        rid's record up to `FLUSH_INTERVAL` after the request left, so a rid not found is
+        looked up once more after that (and the round trip) has passed."""
+        record = await self.get(rid)
+        if record is None and not self.degraded:
+            await asyncio.sleep(3 * FLUSH_INTERVAL)  # one writer's round, not synchronisation
+            record = await self.get(rid)
+        return record
 
     async def flush(self) -> None:
         """Wait until the background writes queued so far have been sent (tests, shutdown)."""

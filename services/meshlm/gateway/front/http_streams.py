@@ -126,9 +126,9 @@ async def _events(out: NativeChoices, head: Any, stream: AsyncIterator[Any]
     """One prompt's SSE events (its first message `head`); a failure is its last event."""
     try:
         if head is not EMPTY:
-            yield sse_event(out.add(head).to_dict())
+            yield out.add(head).event()
             async for message in stream:
-                yield sse_event(out.add(message).to_dict())
+                yield out.add(message).event()
     except Exception as e:  # noqa: BLE001 - the stream's error event says it
         yield sse_event(error_body(Shape.NATIVE, failure(e, "/generate")))
 

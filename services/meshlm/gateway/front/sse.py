@@ -10,6 +10,13 @@ logprob lists included (real JSON arrays here, cumulative like the text). With n
 (`NativeChoices`) each sample is one such object with an "index": a JSON list of n of them, or
 events for each sample in turn as its news arrives. A batch of prompts answers the same way,
 the prompts' samples numbered one after another. /encode answers {"embedding", "meta_info"}.
+
+A streamed event repeats the text and ids so far, so encoding each one whole costs time that
+grows with the output. `NativeOutput.event` keeps both as JSON fragments instead, each new
+piece encoded once and appended (JSON escapes character by character, so the fragments of the
+pieces are the fragment of the whole), and writes the event around them: the bytes
+`sse_event(to_dict())` gives, at a cost that no longer grows with the output (fold and encode,
+one CPU, micro: 230-token outputs 2.4-2.5 -> 2.25 µs an event, 1000-token 3.4-3.6 -> 2.3).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from sglang.runtime.v1 import sglang_pb2
 SSE_DONE = b"data: [DONE]\n\n"
 
 _COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
+_LOGPROB_KEYS = frozenset(LOGPROB_KEYS)
 _CONSUMED = {"id", "index", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency",
              *_COUNTS, *LOGPROB_KEYS}
 
@@ -56,21 +64,31 @@ class NativeOutput:
         self.meta: dict[str, str] = {}
         self.logprobs: dict[str, list[Any]] = {}
         self.finished = False
+        self._text_json = bytearray()  # the text so far, JSON-escaped, without its quotes
+        self._ids_json = bytearray()   # the ids so far, as JSON array items: b"1,2,3"
 
     def add(self, message: GenerateMessage, meta: dict[str, str] | None = None) -> None:
         """Fold in `message`; `meta`: its meta_info as a dict, if it was read already."""
         if meta is None:
             meta = _meta_dict(message)
-        if self.return_text:
+        if self.return_text and message.text:
             self.text += message.text
+            self._text_json += orjson.dumps(message.text)[1:-1]
         if self.output_ids is None:
             self.output_ids = []
-        self.output_ids.extend(message.output_ids)  # both carry them (text: meshlm's extension)
+        ids = message.output_ids  # both carry them (text: meshlm's extension)
+        if ids:
+            if self.output_ids:
+                self._ids_json += b","
+            self._ids_json += (b"%d" % ids[0] if len(ids) == 1
+                               else orjson.dumps(list(ids))[1:-1])
+            self.output_ids.extend(ids)
         self.meta.update(meta)
-        for key in LOGPROB_KEYS:
-            value = meta.get(key)
-            if value is not None:
-                self.logprobs.setdefault(key, []).extend(orjson.loads(value))
+        if not _LOGPROB_KEYS.isdisjoint(meta):
+            for key in LOGPROB_KEYS:
+                value = meta.get(key)
+                if value is not None:
+                    self.logprobs.setdefault(key, []).extend(orjson.loads(value))
         self.finished = self.finished or message.finished
 
     def to_dict(self) -> dict[str, Any]:
@@ -84,17 +102,35 @@ class NativeOutput:
             out["index"] = self.index
         return out
 
+    def event(self) -> bytes:
+        """The SSE event of `to_dict()`, byte for byte, written around the kept fragments."""
+        if self.logprobs or self.output_ids is None:  # rare: encoded whole
+            return sse_event(self.to_dict())
+        parts: list[bytes | bytearray] = (
+            [b'data: {"text":"', self._text_json, b'","output_ids":['] if self.return_text
+            else [b'data: {"output_ids":['])
+        parts += [self._ids_json, b'],"meta_info":', orjson.dumps(self._meta_info())]
+        if self.index is not None:
+            parts += [b',"index":', b"%d" % self.index]
+        parts.append(b"}\n\n")
+        return b"".join(parts)
+
     def _meta_info(self) -> dict[str, Any]:
         meta = self.meta
-        info: dict[str, Any] = {"id": meta.get("id", "")}
-        info["finish_reason"] = self._finish_reason() if self.finished else None
-        for key in _COUNTS:
-            info[key] = _int(meta.get(key, "0"))
-        info["e2e_latency"] = round(time.monotonic() - self.started, 6)
-        for key, value in meta.items():
-            if key not in _CONSUMED:
-                info[key] = value
-        info.update(self.logprobs)
+        get = meta.get
+        info: dict[str, Any] = {
+            "id": get("id", ""),
+            "finish_reason": self._finish_reason() if self.finished else None,
+            "prompt_tokens": _int(get("prompt_tokens", "0")),
+            "completion_tokens": _int(get("completion_tokens", "0")),
+            "cached_tokens": _int(get("cached_tokens", "0")),
+            "e2e_latency": round(time.monotonic() - self.started, 6)}
+        if not meta.keys() <= _CONSUMED:  # keys of its own (rare), in their order
+            for key, value in meta.items():
+                if key not in _CONSUMED:
+                    info[key] = value
+        if self.logprobs:
+            info.update(self.logprobs)
         return info
 
     def _finish_reason(self) -> dict[str, Any] | None:

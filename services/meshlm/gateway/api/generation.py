@@ -201,6 +201,7 @@ class GenerationRPCs:
         """(sample, update) pairs due to the client, until every sample has ended; the
         request's failure (a sample's error, the deadline) is raised."""
         until = _loop_time(expires)  # once, not per update
+        any_output = any(p.first_output for p in pendings)  # kept, not computed per update
         while not choices.done:
             try:
                 if until is None:
@@ -216,8 +217,9 @@ class GenerationRPCs:
                 if update.error is not None:
                     record.failed("error")
                     raise update.error
-                first_of_request = not any(p.first_output for p in pendings)
+                first_of_request = not any_output
                 if first_of_request:
+                    any_output = True
                     record.running()
                 watch.output(index, update, first_of_sample=not pendings[index].first_output,
                              first_of_request=first_of_request)

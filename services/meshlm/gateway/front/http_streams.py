@@ -10,7 +10,7 @@ from contextlib import aclosing
 from typing import Any
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from meshlm.gateway.front.disconnect import ClientGone, unless_disconnected
 from meshlm.gateway.front.errors import Shape, error_body, failure
@@ -133,6 +133,43 @@ async def _events(out: NativeChoices, head: Any, stream: AsyncIterator[Any]
         yield sse_event(error_body(Shape.NATIVE, failure(e, "/generate")))
 
 
+BODY_SEND = "meshlm.body_send"  # the scope's key for `send` as KeepBodySend found it
+
+
+class KeepBodySend:
+    """ASGI middleware, the first of the app's own: keeps `send` as it reaches the app's
+    middleware in the scope, for a streamed response's body. The middleware inside it (the
+    API-key check, the body limit, the error answers, Starlette's exception handling and its
+    route wrapper) each wrap `send` only to see whether the response has started, so the
+    chunks after the start need not pass through them: four calls fewer per streamed token.
+    A middleware that must see body chunks goes before this one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[BODY_SEND] = send
+        await self.app(scope, receive, send)
+
+
+def body_send(scope: Scope, send: Send) -> Send:
+    """Where a streamed response writes its body after the start went through `send`."""
+    return scope.get(BODY_SEND, send)  # type: ignore[no-any-return]
+
+
+def split_send(scope: Scope, send: Send) -> Send:
+    """For a response class that writes its start and its body through one `send`
+    (Starlette's StreamingResponse): the start through `send`, the body past the middleware."""
+    body = body_send(scope, send)
+    if body is send:
+        return send
+
+    async def split(message: Message) -> None:
+        await (send if message["type"] == "http.response.start" else body)(message)
+    return split
+
+
 class StreamResponse(Response):
     """Streams `chunks`. Whether the stream ends, fails or the client leaves, closes `chunks`
     and then the api iterator `source` (which aborts the request if it is not finished)."""
@@ -147,15 +184,15 @@ class StreamResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await unless_disconnected(self._pump(send), receive)
+            await unless_disconnected(self._pump(send, body_send(scope, send)), receive)
         except (ClientGone, OSError):
             pass  # the client went away: nobody to tell
         finally:
             await aclose(self.chunks)
             await aclose(self.source)
 
-    async def _pump(self, send: Send) -> None:
+    async def _pump(self, send: Send, body: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         async for chunk in self.chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await body({"type": "http.response.body", "body": chunk, "more_body": True})
+        await body({"type": "http.response.body", "body": b"", "more_body": False})

@@ -33,6 +33,7 @@ from meshlm.gateway.api.openai import Chunks
 from meshlm.gateway.front.disconnect import unless_disconnected
 from meshlm.gateway.front.errors import Shape, error_body, failure
 from meshlm.gateway.front.http_call import call_context
+from meshlm.gateway.front.http_streams import split_send
 from meshlm.gateway.protocol.openai import (
     GenerationRequest,
     parse_chat,
@@ -197,7 +198,7 @@ class _EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, split_send(scope, send))
         finally:
             await self.producer.close()
 

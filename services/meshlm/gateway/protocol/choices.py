@@ -55,16 +55,16 @@ class Choices:
         self.n = n
         self.stream = stream
         self.finals: list[Update | None] = [None] * n  # each child's finishing update
+        self.done = False  # every child has finished (kept, not computed: read per update)
+        self._running = n
         self._held: list[list[Update]] = [[] for _ in range(n)]
-
-    @property
-    def done(self) -> bool:
-        """Every child has finished."""
-        return all(f is not None for f in self.finals)
 
     def add(self, index: int, update: Update) -> list[tuple[int, Update]]:
         """Take child `index`'s update; returns what is due to the client now."""
         if update.final is not None:
+            if self.finals[index] is None:
+                self._running -= 1
+                self.done = not self._running
             self.finals[index] = update
         if self.stream:
             return [(index, update)]

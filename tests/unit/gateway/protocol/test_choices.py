@@ -65,3 +65,12 @@ def test_merge_keeps_the_embedding() -> None:
     u = _update([], "stop")
     u.embedding = [0.6, 0.8]
     assert merge_updates([u]).embedding == [0.6, 0.8]
+
+
+def test_done_counts_each_child_once() -> None:
+    choices = Choices(2, stream=True)
+    choices.add(0, _update([1], "stop"))
+    choices.add(0, _update([2], "stop"))  # a second final of the same child
+    assert not choices.done
+    choices.add(1, _update([3], "length"))
+    assert choices.done

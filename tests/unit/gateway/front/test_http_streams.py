@@ -1,0 +1,70 @@
+"""A streamed response's body skips the app's own middleware (KeepBodySend); its start does not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from meshlm.gateway.front.http_streams import KeepBodySend, StreamResponse, split_send
+
+SEEN: list[str] = []
+
+
+class Watching:
+    """A middleware that records each message it is given to send."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def watched(message: Message) -> None:
+            SEEN.append(message["type"])
+            await send(message)
+        await self.app(scope, receive, watched)
+
+
+async def _chunks() -> AsyncIterator[bytes]:
+    for i in range(3):
+        yield b"data: %d\n\n" % i
+
+
+class _Streaming(StreamingResponse):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().__call__(scope, receive, split_send(scope, send))
+
+
+async def _ours(request: Request) -> StreamResponse:
+    return StreamResponse(_chunks(), None, "text/event-stream")
+
+
+async def _starlettes(request: Request) -> StreamingResponse:
+    return _Streaming(_chunks(), media_type="text/event-stream")
+
+
+def _app(keep: bool) -> Starlette:
+    middleware = ([Middleware(KeepBodySend)] if keep else []) + [Middleware(Watching)]
+    return Starlette(routes=[Route("/ours", _ours), Route("/starlettes", _starlettes)],
+                     middleware=middleware)
+
+
+@pytest.mark.parametrize("path", ["/ours", "/starlettes"])
+@pytest.mark.parametrize("keep", [True, False])
+async def test_the_body_skips_the_middleware_after_keep_body_send(path: str, keep: bool) -> None:
+    SEEN.clear()
+    transport = httpx.ASGITransport(app=_app(keep))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        reply = await client.get(path)
+    assert reply.status_code == 200
+    assert reply.text == "data: 0\n\ndata: 1\n\ndata: 2\n\n"
+    bodies: Any = SEEN.count("http.response.body")
+    assert SEEN[0] == "http.response.start"
+    assert bodies == (0 if keep else 4)  # three chunks and the end

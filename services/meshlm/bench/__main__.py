@@ -34,6 +34,7 @@ import httpx
 import orjson
 from tqdm import tqdm
 
+from meshlm.bench.gateway_path import own_cpu_us
 from meshlm.bench.mesh_report import (
     ENGINE_THREAD_PART,
     LOAD_GENERATOR_PART,
@@ -42,6 +43,7 @@ from meshlm.bench.mesh_report import (
     Result,
     cpu_line,
     floor_line,
+    own_work_line,
     pinned_line,
     placement_lines,
     report,
@@ -322,6 +324,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
         rest = plan.rest if plan else None
         floors = {"gRPC": grpc_message_floor_us(sat.concurrency, cpus=rest),
                   "HTTP": http_event_floor_us(sat.concurrency, cpus=rest)}
+        own = own_cpu_us(sat.concurrency, tokens=128, runs=3)
 
     import torch
 
@@ -338,6 +341,8 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
         print(cpu_line(engine, r, transport))
     print(floor_line(floors, {"gRPC": grpc_r, "HTTP": http_r}, sat.concurrency, plan))
+    print(own_work_line({"gRPC": own["grpc"], "HTTP": own["http"]}, floors,
+                        {"gRPC": grpc_r, "HTTP": http_r}))
     if plan is not None:
         for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
             print(pinned_line(engine, r, transport, plan))

@@ -27,8 +27,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
+import statistics
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, MutableMapping
 from typing import Any
 
 import grpc
@@ -44,7 +48,6 @@ from meshlm.gateway.front.servicer import SglangServicer
 from meshlm.gateway.mesh.inbox import InboxServicer, RequestTable
 from meshlm.v1 import common_pb2, gateway_pb2, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
-from sglang.runtime.v1 import sglang_pb2_grpc
 
 ADDRESS = {"tokenizer": "tokenizer:0", "scheduler": "scheduler:0",
            "detokenizer": "detokenizer:0"}
@@ -184,7 +187,7 @@ class _Context:
         raise RuntimeError(f"{code}: {details}")
 
 
-def _grpc_client(api: GatewayAPI, written: _Written) -> Callable[[int], Awaitable[None]]:
+def _grpc_client(api: GatewayAPI, written: _Written) -> Callable[[int], Coroutine[Any, Any, None]]:
     """One streamed TextGenerate call, through the handler as the public server wraps it."""
     servicer = SglangServicer(api)
     handler = grpc.unary_stream_rpc_method_handler(
@@ -203,7 +206,7 @@ def _grpc_client(api: GatewayAPI, written: _Written) -> Callable[[int], Awaitabl
     return call
 
 
-def _http_client(api: GatewayAPI, written: _Written) -> Callable[[int], Awaitable[None]]:
+def _http_client(api: GatewayAPI, written: _Written) -> Callable[[int], Coroutine[Any, Any, None]]:
     """One streamed /generate call, through the HTTP app as ASGI."""
     app = build_http_app(api)
 
@@ -219,7 +222,7 @@ def _http_client(api: GatewayAPI, written: _Written) -> Callable[[int], Awaitabl
         sent = False
         never = asyncio.Event()
 
-        async def receive() -> dict[str, Any]:
+        async def receive() -> MutableMapping[str, Any]:
             nonlocal sent
             if not sent:
                 sent = True
@@ -227,7 +230,7 @@ def _http_client(api: GatewayAPI, written: _Written) -> Callable[[int], Awaitabl
             await never.wait()  # the client stays connected
             return {"type": "http.disconnect"}
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             if message["type"] == "http.response.body" and message.get("body"):
                 written.add(len(message["body"]))
 
@@ -266,7 +269,17 @@ async def measure(transport: str, streams: int, tokens: int) -> dict[str, float]
     per_token = steady_cpu / steady_tokens
     per_request = (total - steady_cpu) / streams - 2 * per_token  # beyond its tokens' share
     return {"token_us": 1e6 * per_token, "request_us": 1e6 * per_request,
-            "bytes_per_message": written.bytes / written.count}
+            "messages": written.count, "bytes_per_message": written.bytes / written.count}
+
+
+def own_cpu_us(streams: int, tokens: int, runs: int) -> dict[str, float]:
+    """The median µs per token of `runs` runs on each transport, in a fresh process (this
+    one may hold torch and the bench's objects), on the CPUs this process may use."""
+    out = subprocess.run([sys.executable, "-m", "meshlm.bench.gateway_path", "--json",
+                          "--streams", str(streams), "--tokens", str(tokens),
+                          "--runs", str(runs)], check=True, capture_output=True, text=True)
+    return {t: statistics.median(r["token_us"] for r in rs)
+            for t, rs in json.loads(out.stdout).items()}
 
 
 def main() -> None:
@@ -275,6 +288,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--transport", choices=("grpc", "http", "both"), default="both")
+    parser.add_argument("--json", action="store_true", help="print every run's figures as JSON")
     args = parser.parse_args()
     gc.freeze()  # as the gateway does after start-up
     transports = ("grpc", "http") if args.transport == "both" else (args.transport,)
@@ -283,6 +297,9 @@ def main() -> None:
         for transport in transports:
             results[transport].append(asyncio.run(measure(transport, args.streams,
                                                           args.tokens)))
+    if args.json:
+        print(json.dumps(results))
+        return
     print(f"the gateway's own CPU, {args.streams} streams of {args.tokens} tokens, "
           f"{args.runs} runs (min / median / max):")
     for transport, runs in results.items():

@@ -132,6 +132,20 @@ def floor_line(floors: Mapping[str, float], gateway: Mapping[str, Result], strea
             f"spends above them (µs per token): {above}")
 
 
+def own_work_line(own: Mapping[str, float], floors: Mapping[str, float],
+                  gateway: Mapping[str, Result]) -> str:
+    """The gateway's own work per token without its transports (`gateway_path.py`, by
+    transport name), and what is left of its figure in the mesh above that and the floor."""
+    rest = ", ".join(f"{t} {gateway[t].cpu_us_per_token('gateway') - floors[t] - us:.0f}"
+                     for t, us in own.items() if "gateway" in gateway[t].cpu)
+    return (f"the gateway's own work per token, without its transports (its api, fronts and "
+            f"inbox in one process, fed one token per stream per step; `python -m "
+            f"meshlm.bench.gateway_path`): gRPC {own['gRPC']:.1f} µs, HTTP {own['HTTP']:.1f} "
+            f"µs. Left above that and the floor (µs per token): {rest}; its per-request work "
+            f"over real connections, the inbox's stream, and sharing its CPU with the other "
+            f"services and the load generator")
+
+
 def placement_lines(plan: CpuPlan, threads: Mapping[str, Counter[str]]) -> list[str]:
     """Which CPUs each part was given, and which CPUs each service's threads were seen on
     (`threads`: service -> {CPU list: how many of its threads may run there})."""

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
+import pytest
+
+from meshlm.bench.gateway_path import measure
 from meshlm.bench.mesh_report import (
     ENGINE_THREAD_PART,
     Result,
     cpu_line,
     floor_line,
+    own_work_line,
     pinned_line,
     placement_lines,
     report,
@@ -89,6 +94,23 @@ def test_the_floor_line_says_where_the_bare_servers_ran_and_what_the_gateway_add
         "26 µs, HTTP (uvicorn, SSE) 12 µs; the gateway writes a message per token, so its CPU "
         "per token cannot go below these. What it spends above them (µs per token): gRPC 93, "
         "HTTP 28")
+
+
+def test_the_own_work_line_leaves_the_floor_and_the_own_work_out_of_the_rest() -> None:
+    line = own_work_line({"gRPC": 10.0, "HTTP": 11.0}, {"gRPC": 26.4, "HTTP": 11.6},
+                         {"gRPC": GRPC, "HTTP": HTTP})
+    assert "gRPC 10.0 µs, HTTP 11.0 µs" in line
+    assert "(µs per token): gRPC 83, HTTP 17;" in line  # 119 - 26.4 - 10, 40 - 11.6 - 11
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+async def test_the_gateway_path_streams_every_token_through_the_real_fronts(
+        transport: str) -> None:
+    figures = await asyncio.wait_for(measure(transport, streams=3, tokens=5), timeout=30)
+    assert figures["token_us"] > 0
+    # a message a token (SSE: then [DONE]), each with its token's text and id
+    assert figures["messages"] == 3 * (5 if transport == "grpc" else 6)
+    assert figures["bytes_per_message"] > (60 if transport == "grpc" else 150)
 
 
 def test_the_bare_servers_stream_every_message_and_their_cpu_is_measured() -> None:

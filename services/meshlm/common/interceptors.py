@@ -8,6 +8,7 @@ generators (streamed responses), as in grpc's own aio examples.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -48,14 +49,13 @@ def _wrap(handler: grpc.RpcMethodHandler, method: str, unary: UnaryWrapper,
     req_stream, resp_stream = handler.request_streaming, handler.response_streaming
     behavior = behavior_of(handler)
 
-    # Streams written as async generators are wrapped item by item; those written with
-    # context.write (e.g. grpc's own health Watch) are coroutines and wrap like unary calls.
+    # Streams written as async generators are wrapped item by item: the wrapper's own
+    # generator is the new handler (a partial of it, which grpc and inspect still take for an
+    # async generator function; not a generator around it: one less per message). Those
+    # written with context.write (e.g. grpc's own health Watch) are coroutines and wrap like
+    # unary calls.
     if resp_stream and inspect.isasyncgenfunction(behavior):
-        async def wrapped_stream(request: Any,
-                                 context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for item in stream(method, behavior, request, context):
-                yield item
-        new_behavior: Any = wrapped_stream
+        new_behavior: Any = functools.partial(stream, method, behavior)
     else:
         async def wrapped_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
             return await unary(method, behavior, request, context)

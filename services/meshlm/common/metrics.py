@@ -19,7 +19,8 @@ scheduler's port and, labelled `engine`, each gateway's /metrics).
 Every instance owns its CollectorRegistry (no process-global state, so tests can build many).
 The gateway serves its registry at /metrics on its HTTP port; every service can also serve its
 own on `--metrics-port` (metrics_server.py's MetricsServer). Histogram buckets are in
-metrics_buckets.py; the inter-token latency, observed per token, is metrics_histogram.py's.
+metrics_buckets.py; the inter-token latency and the generation tokens, counted per update,
+are metrics_histogram.py's.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from meshlm.common.metrics_buckets import (
     VLLM_TTFT_BUCKETS,
 )
 from meshlm.common.metrics_engine import EngineCollector
-from meshlm.common.metrics_histogram import Buckets, TokenHistogram
+from meshlm.common.metrics_histogram import Buckets, Count, TokenCounter, TokenHistogram
 
 log = get_logger(__name__)
 
@@ -128,7 +129,7 @@ class _RequestSeries:
     itl: tuple[Buckets, ...]  # observed per token: the lean histogram (metrics_histogram.py)
     e2e: tuple[Histogram, ...]
     prompt_tokens: tuple[Counter, ...]
-    generation_tokens: tuple[Counter, ...]
+    generation_tokens: tuple[Count, ...]
     cached_tokens: Counter
     prompt_lengths: Histogram
     generation_lengths: Histogram
@@ -173,8 +174,8 @@ class RequestMetrics:
                 gap = (now - self._last) / new
                 for itl in s.itl:
                     itl.observe(gap, new)
-            for counter in s.generation_tokens:
-                counter.inc(new)
+            for count in s.generation_tokens:
+                count.inc(new)
             self._tokens, self._last = completion_tokens, now
         if finish_reason is not None:
             self.finish(finish_reason)
@@ -239,8 +240,9 @@ class GatewayMetrics(ServiceMetrics):
         self._prompt_tokens = (
             counter("vllm:prompt_tokens", "Number of prefill tokens processed."),
             counter("sglang:prompt_tokens", "Number of prefill tokens processed."))
-        self._generation_tokens = (
-            counter("vllm:generation_tokens", "Number of generation tokens processed."),)
+        self._generation_tokens = (  # counted per update: the lean counter
+            TokenCounter("vllm:generation_tokens", "Number of generation tokens processed.",
+                         MODEL, r),)
         Alias(self._generation_tokens[0], "sglang:generation_tokens",
               "Number of generation tokens processed.", r)
         self._cached_tokens = counter("sglang:cached_tokens", "Number of cached prompt tokens.")

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import grpc
 
@@ -78,14 +78,14 @@ class GenerationRPCs:
     async def TextGenerate(self, req: pb.TextGenerateRequest,
                            ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse]:
         async for g in self.generated(req, ctx):
-            yield pb.TextGenerateResponse(text=g.text, meta_info=g.meta_info,
-                                          finished=g.finished, output_ids=g.output_ids)
+            yield _with_meta(pb.TextGenerateResponse(text=g.text, finished=g.finished,
+                                                     output_ids=g.output_ids), g.meta_info)
 
     async def Generate(self, req: pb.GenerateRequest,
                        ctx: CallContext) -> AsyncIterator[pb.GenerateResponse]:
         async for g in self.generated(req, ctx):
-            yield pb.GenerateResponse(output_ids=g.output_ids, meta_info=g.meta_info,
-                                      finished=g.finished)
+            yield _with_meta(pb.GenerateResponse(output_ids=g.output_ids, finished=g.finished),
+                             g.meta_info)
 
     async def generated(self, req: pb.TextGenerateRequest | pb.GenerateRequest,
                         ctx: CallContext) -> AsyncIterator[Generated]:
@@ -283,6 +283,18 @@ def _raise_if_cancelled(update: Update, ctx: CallContext) -> None:
     if (final is not None and final.error.code == grpc.StatusCode.CANCELLED.value[0]
             and ctx.transport == "grpc"):
         raise MeshError(grpc.StatusCode.CANCELLED, final.error.message)
+
+
+Response = TypeVar("Response", pb.TextGenerateResponse, pb.GenerateResponse)
+
+
+def _with_meta(message: Response, meta: dict[str, str]) -> Response:
+    """`message` with `meta` in its meta_info map, set entry by entry: given to the
+    constructor, the map is filled by Python's MutableMapping.update (0.5 µs more a message)."""
+    entries = message.meta_info
+    for key, value in meta.items():
+        entries[key] = value
+    return message
 
 
 def _loop_time(expires: float | None) -> float | None:

@@ -40,7 +40,7 @@ from meshlm.gateway.front.disconnect import unless_disconnected
 from meshlm.gateway.front.errors import HttpErrors, Shape, error_response
 from meshlm.gateway.front.http_call import call_context
 from meshlm.gateway.front.http_streams import (
-    KeepBodySend,
+    BodySendApp,
     StreamResponse,
     Streams,
     drain,
@@ -89,11 +89,10 @@ def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
     shapes = {**{r.path: Shape.NATIVE for r in native if isinstance(r, Route)},
               **{r.path: Shape.OPENAI for r in openai if isinstance(r, Route)},
               **NATIVE_OWN_SHAPES, **OPENAI_OWN_SHAPES}
-    middleware = [Middleware(KeepBodySend)]
-    middleware += [Middleware(ApiKeyMiddleware, keys=keys)] if keys else []
+    middleware = [Middleware(ApiKeyMiddleware, keys=keys)] if keys else []
     middleware += [Middleware(BodyLimit, limit=bounds.max_body_bytes, reclaim=reclaim),
                    Middleware(HttpErrors, shapes=shapes)]
-    return Starlette(
+    return BodySendApp(
         routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed},
         middleware=middleware,
     )

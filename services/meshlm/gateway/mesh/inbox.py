@@ -21,7 +21,7 @@ from meshlm.v1 import common_pb2, gateway_pb2
 from meshlm.v1 import gateway_pb2_grpc as pb_grpc
 
 
-@dataclass
+@dataclass(slots=True)
 class Update:
     """Everything that arrived for one request since the client last read."""
 
@@ -102,8 +102,9 @@ class PendingRequest:
         if not self._news:
             return None
         self._news = False
-        update = Update("".join(self._text), self._ids, self._final, self._error, *self._counts,
-                        logprobs=self._logprobs, embedding=self._embedding)
+        prompt, completion, cached = self._counts
+        update = Update("".join(self._text), self._ids, self._final, self._error, prompt,
+                        completion, cached, self._logprobs, self._embedding)  # positional: faster
         self._text, self._ids, self._logprobs = [], [], None
         if update.final is not None or update.error is not None:
             self.done = True
@@ -119,6 +120,12 @@ async def next_updates(requests: Sequence[PendingRequest]) -> list[tuple[int, Up
     """Wait until any of `requests` (which share one `ready` event) has news; take it all, as
     (position in `requests`, update) pairs."""
     ready = requests[0].ready
+    if len(requests) == 1:  # n == 1, the common case: no scan
+        only = requests[0]
+        while (update := only.take()) is None:
+            ready.clear()
+            await ready.wait()
+        return [(0, update)]
     while True:
         news = [(i, u) for i, r in enumerate(requests) if (u := r.take()) is not None]
         if news:

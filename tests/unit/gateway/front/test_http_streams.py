@@ -1,4 +1,4 @@
-"""A streamed response's body skips the app's own middleware (KeepBodySend); its start does not."""
+"""A streamed response's body skips the app's middleware (BodySendApp); its start does not."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from meshlm.gateway.front.http_streams import KeepBodySend, StreamResponse, split_send
+from meshlm.gateway.front.http_streams import BodySendApp, StreamResponse, split_send
 
 SEEN: list[str] = []
 
@@ -51,14 +51,14 @@ async def _starlettes(request: Request) -> StreamingResponse:
 
 
 def _app(keep: bool) -> Starlette:
-    middleware = ([Middleware(KeepBodySend)] if keep else []) + [Middleware(Watching)]
-    return Starlette(routes=[Route("/ours", _ours), Route("/starlettes", _starlettes)],
-                     middleware=middleware)
+    app = BodySendApp if keep else Starlette
+    return app(routes=[Route("/ours", _ours), Route("/starlettes", _starlettes)],
+               middleware=[Middleware(Watching)])
 
 
 @pytest.mark.parametrize("path", ["/ours", "/starlettes"])
 @pytest.mark.parametrize("keep", [True, False])
-async def test_the_body_skips_the_middleware_after_keep_body_send(path: str, keep: bool) -> None:
+async def test_the_body_skips_the_middleware_of_a_body_send_app(path: str, keep: bool) -> None:
     SEEN.clear()
     transport = httpx.ASGITransport(app=_app(keep))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

@@ -123,8 +123,7 @@ def floor_line(floors: Mapping[str, float], gateway: Mapping[str, Result], strea
     """The transports' own CPU per streamed message (`transport_floor.py`, by transport name)
     and what the gateway spends per token above each (`gateway`: its run on that transport)."""
     where = f", on {describe(plan.rest)} as the gateway" if plan else ""
-    above = ", ".join(f"{t} {gateway[t].cpu_us_per_token('gateway') - us:.0f}"
-                      for t, us in floors.items() if "gateway" in gateway[t].cpu)
+    above = _gateway_less(gateway, floors)
     return (f"the transports' own cost of a streamed message (a bare server writing the "
             f"gateway's per-token message to {streams} streams at once{where}): gRPC (grpc.aio) "
             f"{floors['gRPC']:.0f} µs, HTTP (uvicorn, SSE) {floors['HTTP']:.0f} µs; the gateway "
@@ -136,14 +135,19 @@ def own_work_line(own: Mapping[str, float], floors: Mapping[str, float],
                   gateway: Mapping[str, Result]) -> str:
     """The gateway's own work per token without its transports (`gateway_path.py`, by
     transport name), and what is left of its figure in the mesh above that and the floor."""
-    rest = ", ".join(f"{t} {gateway[t].cpu_us_per_token('gateway') - floors[t] - us:.0f}"
-                     for t, us in own.items() if "gateway" in gateway[t].cpu)
+    rest = _gateway_less(gateway, {t: floors[t] + us for t, us in own.items()})
     return (f"the gateway's own work per token, without its transports (its api, fronts and "
             f"inbox in one process, fed one token per stream per step; `python -m "
             f"meshlm.bench.gateway_path`): gRPC {own['gRPC']:.1f} µs, HTTP {own['HTTP']:.1f} "
             f"µs. Left above that and the floor (µs per token): {rest}; its per-request work "
             f"over real connections, the inbox's stream, and sharing its CPU with the other "
             f"services and the load generator")
+
+
+def _gateway_less(gateway: Mapping[str, Result], parts: Mapping[str, float]) -> str:
+    """"gRPC 12, HTTP 27": the gateway's µs per token on each transport less its part there."""
+    return ", ".join(f"{t} {gateway[t].cpu_us_per_token('gateway') - us:.0f}"
+                     for t, us in parts.items() if "gateway" in gateway[t].cpu)
 
 
 def placement_lines(plan: CpuPlan, threads: Mapping[str, Counter[str]]) -> list[str]:

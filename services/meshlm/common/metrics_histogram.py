@@ -15,13 +15,16 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+C = TypeVar("C")
 
 
 class Buckets:
@@ -41,9 +44,29 @@ class Buckets:
         self.sum += value * n
 
 
-class TokenHistogram(Collector):
-    """A histogram with labels, registered in `registry`; `labels(...)` gives a label set's
-    Buckets, to observe into."""
+class _Family(Collector, Generic[C]):
+    """A lean metric with labels, registered in `registry`: `labels(...)` gives a label set's
+    child (made by `child()`), to count into; the subclass says how it is exposed."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry, child: Callable[[], C]) -> None:
+        self._name, self._documentation = name, documentation
+        self._labelnames = list(labelnames)
+        self._children: dict[tuple[str, ...], C] = {}
+        self._child = child
+        registry.register(self)
+
+    def labels(self, *values: str) -> C:
+        if len(values) != len(self._labelnames):
+            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._child()
+        return child
+
+
+class TokenHistogram(_Family[Buckets]):
+    """A histogram with labels; its children are Buckets, to observe into."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
                  buckets: Iterable[float], registry: CollectorRegistry) -> None:
@@ -52,18 +75,7 @@ class TokenHistogram(Collector):
             bounds.append(math.inf)
         self._bounds = bounds
         self._le = [floatToGoString(b) for b in bounds]
-        self._name, self._documentation = name, documentation
-        self._labelnames = list(labelnames)
-        self._children: dict[tuple[str, ...], Buckets] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> Buckets:
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = Buckets(self._bounds)
-        return child
+        super().__init__(name, documentation, labelnames, registry, lambda: Buckets(bounds))
 
     def describe(self) -> list[Metric]:
         return [HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)]
@@ -92,24 +104,13 @@ class Count:
         self.value += n
 
 
-class TokenCounter(Collector):
-    """A counter with labels, registered in `registry`, exposed as prometheus_client's Counter
-    is (`_total`, `_created`); `labels(...)` gives a label set's Count, to increment."""
+class TokenCounter(_Family[Count]):
+    """A counter with labels, exposed as prometheus_client's Counter is (`_total`,
+    `_created`); its children are Counts, to increment."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
                  registry: CollectorRegistry) -> None:
-        self._name, self._documentation = name, documentation
-        self._labelnames = list(labelnames)
-        self._children: dict[tuple[str, ...], Count] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> Count:
-        if len(values) != len(self._labelnames):
-            raise ValueError(f"{self._name}: expected labels {self._labelnames}, got {values}")
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = Count()
-        return child
+        super().__init__(name, documentation, labelnames, registry, Count)
 
     def describe(self) -> list[Metric]:
         return [CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)]

@@ -14,7 +14,8 @@ mesh, so a run measures only the gateway's own Python and repeats to within a fe
 - gRPC: TextGenerate's handler as the public server runs it (the interceptors' wrapping, the
   request parsed from bytes, each response serialized), called without grpc.aio;
 - HTTP: /generate with "stream": true through the HTTP app (its middleware, SSE), called as
-  ASGI with a `send` that keeps the bytes' length, without uvicorn.
+  ASGI with a `send` that keeps the bytes' length, without uvicorn;
+- OpenAI (`--transport openai`): /v1/completions with "stream": true, the same way.
 
 It prints the process's CPU per token in the steady state (every stream started, none
 finished) and per request (the rest of the run: admission, routing, the first and last
@@ -49,6 +50,7 @@ from meshlm.gateway.mesh.inbox import InboxServicer, RequestTable
 from meshlm.v1 import common_pb2, gateway_pb2, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
+Call = Callable[[int], Coroutine[Any, Any, None]]  # one streamed call of n tokens
 ADDRESS = {"tokenizer": "tokenizer:0", "scheduler": "scheduler:0",
            "detokenizer": "detokenizer:0"}
 PROMPT_TOKENS = 17
@@ -187,7 +189,7 @@ class _Context:
         raise RuntimeError(f"{code}: {details}")
 
 
-def _grpc_client(api: GatewayAPI, written: _Written) -> Callable[[int], Coroutine[Any, Any, None]]:
+def _grpc_client(api: GatewayAPI, written: _Written) -> Call:
     """One streamed TextGenerate call, through the handler as the public server wraps it."""
     servicer = SglangServicer(api)
     handler = grpc.unary_stream_rpc_method_handler(
@@ -206,16 +208,22 @@ def _grpc_client(api: GatewayAPI, written: _Written) -> Callable[[int], Coroutin
     return call
 
 
-def _http_client(api: GatewayAPI, written: _Written) -> Callable[[int], Coroutine[Any, Any, None]]:
+def _http_client(api: GatewayAPI, written: _Written) -> Call:
     """One streamed /generate call, through the HTTP app as ASGI."""
-    app = build_http_app(api)
+    return _asgi_call(build_http_app(api), written, "/generate", lambda tokens: {
+        "text": "a prompt", "stream": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}})
+
+
+def _asgi_call(app: Any, written: _Written, path: str, body_of: Callable[[int], Any]
+               ) -> Call:
+    """A streamed POST to `path` of `app`, called as ASGI; `send` counts the body's pieces."""
 
     async def call(tokens: int) -> None:
-        body = orjson.dumps({"text": "a prompt", "stream": True, "sampling_params": {
-            "temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}})
+        body = orjson.dumps(body_of(tokens))
         scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": "/generate",
-                 "raw_path": b"/generate", "query_string": b"", "root_path": "",
+                 "method": "POST", "scheme": "http", "path": path,
+                 "raw_path": path.encode(), "query_string": b"", "root_path": "",
                  "headers": [(b"content-type", b"application/json"),
                              (b"content-length", b"%d" % len(body))],
                  "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 30000)}
@@ -238,7 +246,14 @@ def _http_client(api: GatewayAPI, written: _Written) -> Callable[[int], Coroutin
     return call
 
 
-CLIENTS = {"grpc": _grpc_client, "http": _http_client}
+def _openai_client(api: GatewayAPI, written: _Written) -> Call:
+    """One streamed /v1/completions call (OpenAI's SSE), through the HTTP app as ASGI."""
+    return _asgi_call(build_http_app(api), written, "/v1/completions", lambda tokens: {
+        "model": "bench", "prompt": "a prompt", "stream": True, "temperature": 0,
+        "max_tokens": tokens, "ignore_eos": True})
+
+
+CLIENTS = {"grpc": _grpc_client, "http": _http_client, "openai": _openai_client}
 
 
 async def measure(transport: str, streams: int, tokens: int) -> dict[str, float]:
@@ -287,7 +302,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--transport", choices=("grpc", "http", "both"), default="both")
+    parser.add_argument("--transport", choices=("grpc", "http", "openai", "both"),
+                        default="both", help="both: gRPC and /generate (the bench's paths)")
     parser.add_argument("--json", action="store_true", help="print every run's figures as JSON")
     args = parser.parse_args()
     gc.freeze()  # as the gateway does after start-up

@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from meshlm.gateway.front.disconnect import ClientGone, unless_disconnected
 from meshlm.gateway.front.errors import Shape, error_body, failure
@@ -153,18 +153,6 @@ class BodySendApp(Starlette):
 def body_send(scope: Scope, send: Send) -> Send:
     """Where a streamed response writes its body after the start went through `send`."""
     return scope.get(BODY_SEND, send)  # type: ignore[no-any-return]
-
-
-def split_send(scope: Scope, send: Send) -> Send:
-    """For a response class that writes its start and its body through one `send`
-    (Starlette's StreamingResponse): the start through `send`, the body past the middleware."""
-    body = body_send(scope, send)
-    if body is send:
-        return send
-
-    async def split(message: Message) -> None:
-        await (send if message["type"] == "http.response.start" else body)(message)
-    return split
 
 
 class StreamResponse(Response):

@@ -7,14 +7,13 @@ streaming, each chunk is a Server-Sent Event and `data: [DONE]` ends the stream.
 the first chunk (bad field, unknown model, context too long) are raised, and answered with
 OpenAI's error JSON (`front/errors.py`); a later one is an `{"error": ...}` event before [DONE].
 
-A request's chunk stream runs from start to end in one task (its tracing span opens and closes
-in one context), handing chunks over through a short queue; when the client goes away that
-task is cancelled, which aborts the request in the mesh.
+A streamed request's chunks are written as they come (`front/http_streams.StreamResponse`, as
+/generate's events are); when the client goes away the chunk stream is closed, which aborts
+the request in the mesh.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -23,9 +22,8 @@ from typing import Any
 
 import grpc
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
-from starlette.types import Receive, Scope, Send
 
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
@@ -33,7 +31,7 @@ from meshlm.gateway.api.openai import Chunks
 from meshlm.gateway.front.disconnect import unless_disconnected
 from meshlm.gateway.front.errors import Shape, error_body, failure
 from meshlm.gateway.front.http_call import call_context
-from meshlm.gateway.front.http_streams import split_send
+from meshlm.gateway.front.http_streams import EMPTY, StreamResponse, aclose, first
 from meshlm.gateway.protocol.openai import (
     GenerationRequest,
     parse_chat,
@@ -109,15 +107,14 @@ async def _generation(parse: Callable[[bytes], GenerationRequest],
     if not req.stream:
         last = await unless_disconnected(_last(chunks), request.receive)
         return Response(last.json_chunk, media_type=JSON)
-    producer = _Producer(chunks)
     try:
-        first = await unless_disconnected(producer.next(), request.receive)
+        head = await unless_disconnected(first(chunks), request.receive)
     except BaseException:
-        await producer.close()
+        await aclose(chunks)
         raise
-    if first is None:  # cannot happen: a stream ends with its finish chunk
+    if head is EMPTY:  # cannot happen: a stream ends with its finish chunk
         raise MeshError(grpc.StatusCode.INTERNAL, "the stream ended without a chunk")
-    return _EventStream(producer, first, request.url.path)
+    return StreamResponse(_events(head, chunks, request.url.path), chunks, "text/event-stream")
 
 
 async def _reply(parse: Callable[[bytes], Any], run: Callable[[Any], Awaitable[bytes]],
@@ -143,63 +140,17 @@ async def _last(chunks: Chunks) -> pb.OpenAIStreamChunk:
 # ---- streaming -------------------------------------------------------------------------------
 
 
-class _Producer:
-    """Runs a chunk stream in its own task; `next()` gives its chunks, then None at the end,
-    or raises its failure."""
-
-    def __init__(self, chunks: Chunks) -> None:
-        self._queue: asyncio.Queue[pb.OpenAIStreamChunk | Exception | None] = asyncio.Queue(4)
-        self._task = asyncio.ensure_future(self._run(chunks))
-
-    async def _run(self, chunks: Chunks) -> None:
-        try:
-            async with aclosing(chunks):
-                async for chunk in chunks:
-                    await self._queue.put(chunk)
-        except Exception as e:
-            await self._queue.put(e)
-        else:
-            await self._queue.put(None)
-
-    async def next(self) -> pb.OpenAIStreamChunk | None:
-        item = await self._queue.get()
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    async def close(self) -> None:
-        """Cancel the stream (a no-op when it has ended) and wait until it has."""
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+async def _events(head: pb.OpenAIStreamChunk, chunks: Chunks, path: str) -> AsyncIterator[bytes]:
+    """The SSE events of a chunk stream whose first chunk was `head`, then [DONE]; a failure
+    is an error event before it."""
+    yield _event(head.json_chunk)
+    try:
+        async for chunk in chunks:
+            yield _event(chunk.json_chunk)
+    except Exception as e:  # noqa: BLE001 - the stream's error event says it
+        yield _event(dumps(error_body(Shape.OPENAI, failure(e, path))))
+    yield SSE_DONE
 
 
 def _event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
-
-
-class _EventStream(StreamingResponse):
-    """The SSE response of a streaming request; however it ends, the producer is closed."""
-
-    def __init__(self, producer: _Producer, first: pb.OpenAIStreamChunk, path: str) -> None:
-        super().__init__(self._events(producer, first, path), media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.producer = producer
-
-    @staticmethod
-    async def _events(producer: _Producer, first: pb.OpenAIStreamChunk,
-                      path: str) -> AsyncIterator[bytes]:
-        yield _event(first.json_chunk)
-        try:
-            while (chunk := await producer.next()) is not None:
-                yield _event(chunk.json_chunk)
-        except Exception as e:  # noqa: BLE001 - the stream's error event says it
-            yield _event(dumps(error_body(Shape.OPENAI, failure(e, path))))
-        yield SSE_DONE
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, split_send(scope, send))
-        finally:
-            await self.producer.close()
-
-

@@ -63,15 +63,13 @@ class Answer:
         count = n * prompts
         self.updates: list[Update | None] = [None] * count  # not streaming: merged, final
         self.finish: list[str | None] = [None] * count
+        self.done = False  # every choice has finished (kept, not computed: read per update)
+        self._running = count
         self._started = [False] * count
         self._held: list[common_pb2.Logprobs | None] = [None] * count  # tokens without text
         self._completion_tokens = [0] * count
         self._prompt_tokens = [0] * prompts
         self._cached_tokens = [0] * prompts
-
-    @property
-    def done(self) -> bool:
-        return all(f is not None for f in self.finish)
 
     def add(self, prompt: int, update: Update, meta: dict[str, str]) -> list[Chunk]:
         """Take one update of prompt `prompt`'s stream; returns the chunks due (streaming)."""
@@ -84,6 +82,9 @@ class Answer:
             self._cached_tokens[prompt] = update.cached_tokens
         self._completion_tokens[index] = update.completion_tokens
         if update.final is not None:
+            if self.finish[index] is None:
+                self._running -= 1
+                self.done = not self._running
             self.finish[index] = update.final.finish_reason
         if not self.stream:
             self.updates[index] = update

@@ -154,7 +154,7 @@ class RequestMetrics:
         self._seen = False
         self._done = False
 
-    def output(self, *, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+    def output(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                finish_reason: str | None = None) -> None:
         if self._done:
             return

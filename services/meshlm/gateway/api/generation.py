@@ -221,8 +221,8 @@ class GenerationRPCs:
                 if first_of_request:
                     any_output = True
                     record.running()
-                watch.output(index, update, first_of_sample=not pendings[index].first_output,
-                             first_of_request=first_of_request)
+                watch.output(index, update, not pendings[index].first_output,  # first of sample
+                             first_of_request)
                 pendings[index].first_output = True
                 due = choices.add(index, update)
                 if choices.done:

@@ -26,16 +26,17 @@ class RequestObservers:
     def output(self, index: int, update: Update, first_of_sample: bool,
                first_of_request: bool) -> None:
         """Sample `index` sent `update`."""
+        final = update.final
         if first_of_request:
             self.span.add_event("first_output")
-        if self.events.active and first_of_sample:
-            self.events.record("first", self.rids[index])
-        if self.events.active and update.final is not None:
-            self.events.record("finish", self.rids[index])
-        self.clocks[index].output(
-            prompt_tokens=update.prompt_tokens, cached_tokens=update.cached_tokens,
-            completion_tokens=update.completion_tokens,
-            finish_reason=update.final.finish_reason if update.final else None)
+        if (first_of_sample or final is not None) and self.events.active:  # not per token
+            if first_of_sample:
+                self.events.record("first", self.rids[index])
+            if final is not None:
+                self.events.record("finish", self.rids[index])
+        self.clocks[index].output(update.prompt_tokens, update.completion_tokens,
+                                  update.cached_tokens,
+                                  final.finish_reason if final is not None else None)
 
     def finished(self, reason: str) -> None:
         self.span.set_attribute("meshlm.finish_reason", reason)

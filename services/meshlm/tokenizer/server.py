@@ -10,7 +10,6 @@ so one that cannot fit is refused without encoding all of it."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ from opentelemetry import trace
 
 from meshlm.common import config as cfg
 from meshlm.common import deadline
-from meshlm.common.errors import invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import TokenizerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
@@ -37,6 +35,7 @@ from meshlm.common.service import (
 from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
 from meshlm.tokenizer import wire
+from meshlm.tokenizer.chats import Refused, render_chat, rendered_or_refused
 from meshlm.tokenizer.long_prompts import TooLong, encode_prompts
 from meshlm.tokenizer.tokenization import TextTokenizer
 from meshlm.tokenizer.workers import Workers
@@ -132,18 +131,34 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                                 for r in requests])
 
     async def _tokenize(self, requests: Sequence[tokenizer_pb2.GenerateRequest]
-                        ) -> list[list[int] | TooLong]:
-        """Each request's prompt ids (given, or encoded on a worker thread), or TooLong."""
-        ids: list[list[int] | TooLong] = [list(r.input_ids.ids) for r in requests]
-        text_idx = [i for i, r in enumerate(requests) if r.WhichOneof("prompt") == "text"]
+                        ) -> list[list[int] | TooLong | Refused]:
+        """Each request's prompt ids (given, or encoded on a worker thread; a chat rendered by
+        the template first), TooLong, or Refused (a chat the template refused)."""
+        ids: list[list[int] | TooLong | Refused] = [list(r.input_ids.ids) for r in requests]
+        texts: dict[int, tuple[str | tuple[str, str], bool]] = {}  # to encode, with specials?
+        chats: dict[str, str | Refused] = {}  # n samples of one chat: rendered once
+        for i, r in enumerate(requests):
+            kind = r.WhichOneof("prompt")
+            if kind == "text":
+                texts[i] = wire.prompt_text(r), r.add_special_tokens
+            elif kind == "chat":
+                key = r.chat.SerializeToString()
+                rendered = chats.get(key)
+                if rendered is None:
+                    rendered = chats[key] = await self.workers.run(
+                        len(r.chat.messages_json), rendered_or_refused, self._tok, r.chat)
+                if isinstance(rendered, Refused):
+                    ids[i] = rendered
+                else:  # the templates write their own special tokens (bos)
+                    texts[i] = rendered, False
         # add_special_tokens is per request; group so each group is one encode_batch call.
         for special in (True, False):
-            group = [i for i in text_idx if requests[i].add_special_tokens == special]
+            group = [i for i, (_, flag) in texts.items() if flag == special]
             if not group:
                 continue
-            texts = [wire.prompt_text(requests[i]) for i in group]
-            chars = sum(wire.prompt_chars(requests[i]) for i in group)
-            encoded = await self.workers.run(chars, encode_prompts, self._tok, texts, special,
+            chunk = [texts[i][0] for i in group]
+            chars = sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in chunk)
+            encoded = await self.workers.run(chars, encode_prompts, self._tok, chunk, special,
                                              self._tok.max_model_len - 1)
             for i, e in zip(group, encoded, strict=True):
                 ids[i] = e
@@ -159,24 +174,30 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         now = time.time()
         for req, prompt in zip(requests, ids, strict=True):
             meta = req.meta
-            tokens = prompt.tokens if isinstance(prompt, TooLong) else len(prompt)
+            tokens = (prompt.tokens if isinstance(prompt, TooLong)
+                      else 0 if isinstance(prompt, Refused) else len(prompt))
             with self._tracer.start_as_current_span(
                 "tokenizer.tokenize", context=context_of(req.trace),
                 attributes={"meshlm.rid": meta.rid, "meshlm.prompt_tokens": tokens},
             ) as span:
                 sampling = meta.sampling
                 start = sampling.logprob_start_len if sampling.return_logprob else -1
+                limit = self._tok.context_length(req.max_model_len)
+                # A rendered chat's ids stand for the client's messages, as ids do.
+                field = "input_ids" if req.WhichOneof("prompt") == "chat" else "text"
+                if req.fill_max_new_tokens and isinstance(prompt, list):
+                    sampling.max_new_tokens = max(limit - len(prompt), 1)  # the room left
                 code, problem = grpc.StatusCode.INVALID_ARGUMENT, (
-                    prompt.message(self._tok.context_length(req.max_model_len))
-                    if isinstance(prompt, TooLong)
+                    prompt.message if isinstance(prompt, Refused)
+                    else prompt.message(limit, field) if isinstance(prompt, TooLong)
                     else self._tok.check_context(len(prompt), sampling.max_new_tokens,
-                                                 logprob_start_len=start,
+                                                 prompt_field=field, logprob_start_len=start,
                                                  limit=req.max_model_len))
                 if problem is None and deadline.passed(meta.deadline, now):
                     code, problem = (grpc.StatusCode.DEADLINE_EXCEEDED,
                                      "the client's deadline passed before the request was "
                                      "tokenized")
-                if problem is not None or isinstance(prompt, TooLong):
+                if problem is not None or not isinstance(prompt, list):
                     span.set_status(trace.StatusCode.ERROR, problem)
                     rejections.append(wire.rejection(meta.rid, code, problem or ""))
                     continue
@@ -205,19 +226,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     async def ApplyChatTemplate(
         self, request: tokenizer_pb2.ChatTemplateRequest, context: grpc.aio.ServicerContext,
     ) -> tokenizer_pb2.ChatTemplateResponse:
-        try:
-            messages = json.loads(request.messages_json)
-        except ValueError as e:
-            raise invalid("messages", f"not valid JSON: {e}") from None
-        if not isinstance(messages, list):
-            raise invalid("messages", "must be a list of messages")
-        try:
-            text = await self.workers.run(len(request.messages_json),
-                                          self._tok.apply_chat_template, messages,
-                                          request.add_generation_prompt,
-                                          request.continue_final_message)
-        except ValueError as e:
-            raise invalid("messages", str(e)) from None
+        text = await self.workers.run(len(request.messages_json), render_chat, self._tok,
+                                      request)
         # Templates write their own special tokens (bos).
         tokens = await self.workers.run(len(text), self._tok.encode, text, False)
         return tokenizer_pb2.ChatTemplateResponse(tokens=tokens)

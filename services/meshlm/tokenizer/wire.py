@@ -11,8 +11,12 @@ from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
 
 
 def prompt_chars(req: tokenizer_pb2.GenerateRequest) -> int:
-    """The characters to tokenize (text and text pair); 0 for a prompt given as ids."""
-    return len(req.text) + len(req.text_pair) if req.WhichOneof("prompt") == "text" else 0
+    """The characters to tokenize (text and text pair; a chat's messages as JSON); 0 for a
+    prompt given as ids."""
+    kind = req.WhichOneof("prompt")
+    if kind == "chat":
+        return len(req.chat.messages_json)
+    return len(req.text) + len(req.text_pair) if kind == "text" else 0
 
 
 def prompt_text(req: tokenizer_pb2.GenerateRequest) -> str | tuple[str, str]:

@@ -1,7 +1,8 @@
 """The tokenizer's Submit stream over fake schedulers: a big prompt is tokenized as a job of its
 own, so the small requests behind it on the same stream are forwarded first; one that cannot
 fit the context is refused (counted piece by piece), the others go on. ApplyChatTemplate with
-the final message left open, and its refusals naming "messages"."""
+the final message left open, and its refusals naming "messages"; a chat in the stream rendered
+and encoded as ApplyChatTemplate does, its default max_new_tokens the room left."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ BIG = 1000
 class _Scheduler:
     def __init__(self) -> None:
         self.rids: list[str] = []
+        self.items: dict[str, scheduler_pb2.TokenizedRequest] = {}
         self.arrived = asyncio.Event()
 
     async def put(self, items: list[scheduler_pb2.TokenizedRequest]) -> None:
         self.rids += [r.meta.rid for r in items]
+        self.items.update((r.meta.rid, r) for r in items)
         self.arrived.set()
 
 
@@ -138,6 +141,42 @@ async def test_apply_chat_template_can_leave_the_final_message_open(tok: TextTok
                 add_generation_prompt=True), None)  # type: ignore[arg-type]
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.message.startswith("messages: continue_final_message")
+    finally:
+        workers.close()
+
+
+def _chat(rid: str, messages: str, *, fill: bool, open_final: bool = False,
+          max_new_tokens: int = 4) -> tokenizer_pb2.GenerateRequest:
+    return tokenizer_pb2.GenerateRequest(
+        chat=tokenizer_pb2.ChatTemplateRequest(messages_json=messages, add_generation_prompt=True,
+                                               continue_final_message=open_final),
+        fill_max_new_tokens=fill, meta=common_pb2.RequestMeta(
+            rid=rid, sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens,
+                                                        logprob_start_len=-1),
+            route=common_pb2.Route(scheduler="s:1")))
+
+
+async def test_a_chat_in_the_stream_is_rendered_and_encoded_there(tok: TextTokenizer) -> None:
+    workers = Workers(big_chars=BIG)
+    servicer, scheduler = _servicer(tok, workers)
+    user = json.dumps([{"role": "user", "content": "Hi"}])
+    queue: asyncio.Queue[tokenizer_pb2.GenerateBatch | None] = asyncio.Queue()
+    try:
+        await queue.put(tokenizer_pb2.GenerateBatch(requests=[
+            _chat("room", user, fill=True), _chat("asked", user, fill=False),
+            _chat("refused", user, fill=True, open_final=True)]))
+        await queue.put(None)
+        [rejection] = await asyncio.wait_for(
+            _collect(servicer.Submit(_batches(queue), None)), 30)  # type: ignore[arg-type]
+        rendered = await servicer.ApplyChatTemplate(tokenizer_pb2.ChatTemplateRequest(
+            messages_json=user, add_generation_prompt=True), None)  # type: ignore[arg-type]
+        room, asked = scheduler.items["room"], scheduler.items["asked"]
+        assert list(room.input_ids) == list(asked.input_ids) == list(rendered.tokens)
+        assert room.meta.sampling.max_new_tokens == tok.max_model_len - len(rendered.tokens)
+        assert asked.meta.sampling.max_new_tokens == 4  # the client's max_tokens stays
+        assert rejection.rid == "refused"
+        assert rejection.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert rejection.status.message.startswith("messages: continue_final_message")
     finally:
         workers.close()
 

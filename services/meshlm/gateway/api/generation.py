@@ -181,7 +181,8 @@ class GenerationRPCs:
         elif not live:
             raise MeshError(grpc.StatusCode.UNAVAILABLE, "no scheduler is available")
         else:
-            key = affinity_key(v.routing_key, v.text, v.input_ids, v.session_id)
+            text = v.chat.messages_json if v.chat is not None else v.text
+            key = affinity_key(v.routing_key, text, v.input_ids, v.session_id)
             scheduler = self.router.pick(live, self.core.table.count_on, self.loads.loads, key)
         return common_pb2.Route(gateway=self.core.identity.inbox, scheduler=scheduler,
                                 detokenizer=self.core.pick("detokenizer"))

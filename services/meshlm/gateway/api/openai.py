@@ -5,10 +5,13 @@ routes (`front/openai_routes.py`) share.
 (`protocol/openai.py`), turn each prompt into a public Generate/TextGenerate/TextEmbed request
 checked by the gateway's own validation, run it through the gateway's generation path
 (`GenerationRPCs.generate`: n > 1 fan-out, logprobs, abort when the caller goes away) and fold
-the updates into OpenAI's shapes (`protocol/openai_responses.py`). A chat conversation is
-rendered to token ids by a tokenizer (`Tokenizer.ApplyChatTemplate`, the checkpoint's
-template, with the generation prompt or the final message left open to continue); the gateway
-never renders templates itself.
+the updates into OpenAI's shapes (`protocol/openai_responses.py`). A chat conversation goes
+to the tokenizer as its messages, in the request itself: the tokenizer renders it with the
+checkpoint's template (the generation prompt, or the final message left open to continue),
+encodes it and checks it against the context in the same step as any prompt, and fills in
+OpenAI's default max_tokens (the room the context leaves), so a chat costs no round trip before
+it is sent (1.2-1.4 ms of TTFT at concurrency 1 when it was `Tokenizer.ApplyChatTemplate`
+first); the gateway never renders templates itself.
 
 Streams of OpenAIStreamChunk: not streaming, one chunk holding the whole response; streaming,
 one chunk per OpenAI stream chunk. The last chunk has `finished` set. Errors are MeshErrors whose
@@ -22,11 +25,14 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from typing import Any, TypeVar
 
+import orjson
+
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.api.generation import GenerationRPCs
 from meshlm.gateway.api.tokens import TokenRPCs
+from meshlm.gateway.protocol.bounds import text_chars
 from meshlm.gateway.protocol.openai import (
     ChatRequest,
     CompletionRequest,
@@ -49,11 +55,14 @@ from meshlm.gateway.protocol.validation import (
     Limits,
     ValidatedRequest,
     check_batch,
+    check_prompt_chars,
+    validate_chat,
     validate_embed,
     validate_generate,
     validate_text_embed,
     validate_text_generate,
 )
+from meshlm.v1 import tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 R = TypeVar("R")
@@ -92,11 +101,17 @@ class OpenAIRPCs:
         limits = await self.core.limits()
         model = served_model(self.core, req.model)
         check_batch(req.n, limits.max_batch, "n")
-        tokens = await self.tokens.chat_tokens(req.messages, req.add_generation_prompt,
-                                               req.continue_final_message)
-        # OpenAI's default: whatever room the context leaves.
-        room = max(limits.max_model_len - len(tokens), 1)
-        v = _validated(public_request(req, tokens, max_new_tokens=room), limits, req.names)
+        check_prompt_chars(text_chars(req.messages), limits, "messages")
+        chat = tokenizer_pb2.ChatTemplateRequest(
+            messages_json=orjson.dumps(req.messages).decode(),
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message)
+        public = public_request(req, [])  # the prompt: `chat`, rendered by the tokenizer
+        try:  # OpenAI's default max_tokens: whatever room the context leaves (the tokenizer's)
+            v = validate_chat(public, chat, not req.sampling.HasField("max_new_tokens"), limits)
+        except MeshError as e:
+            raise renamed(e, req.names) from None
+        v.return_text = True
         answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
                             stream=req.stream, include_usage=req.include_usage,
                             top_logprobs=req.top_logprobs, echo=req.echo_text)

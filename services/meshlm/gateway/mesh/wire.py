@@ -28,6 +28,9 @@ def tokenizer_request(v: ValidatedRequest, child: Child, route: common_pb2.Route
         msg.text = v.text
         if v.text_pair is not None:
             msg.text_pair = v.text_pair
+    elif v.chat is not None:
+        msg.chat.CopyFrom(v.chat)
+        msg.fill_max_new_tokens = v.fill_max_new_tokens
     else:
         msg.input_ids.ids.extend(v.input_ids or [])
     return msg

@@ -31,7 +31,7 @@ import grpc
 from meshlm.common.context_length import completion_too_long, prompt_too_long
 from meshlm.common.errors import MeshError, invalid
 from meshlm.gateway.protocol.logprob_options import GenerateLike, logprob_options
-from meshlm.v1 import common_pb2
+from meshlm.v1 import common_pb2, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -55,7 +55,7 @@ class Limits:
 @dataclass
 class ValidatedRequest:
     """A generation or embedding request that passed validation; exactly one of text /
-    input_ids is set."""
+    input_ids / chat is set."""
 
     rid: str | None
     text: str | None
@@ -71,6 +71,10 @@ class ValidatedRequest:
     text_pair: str | None = None  # with text: a cross-encoder's second text (rerank)
     session_id: str | None = None  # routing affinity when routing_key is not given
     priority: int = 0  # the scheduler's queue order: larger first (0 when not given)
+    # An OpenAI chat, rendered and encoded by the tokenizer; fill_max_new_tokens: it gave no
+    # max_tokens, so max_new_tokens is the room its prompt leaves (set there).
+    chat: tokenizer_pb2.ChatTemplateRequest | None = None
+    fill_max_new_tokens: bool = False
 
 
 def unimplemented(field_path: str, problem: str) -> MeshError:
@@ -292,6 +296,19 @@ def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> Valida
     check_token_ids(ids, limits, "input_ids")
     check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
     return _validated(req, sampling, limits, text=None, input_ids=ids)
+
+
+def validate_chat(req: sglang_pb2.GenerateRequest, chat: tokenizer_pb2.ChatTemplateRequest,
+                  fill_max_new_tokens: bool, limits: Limits) -> ValidatedRequest:
+    """A chat's request (`req` without its prompt: the tokenizer renders it from `chat`'s
+    messages, and checks its length as TextGenerate's, under the name input_ids)."""
+    sampling = normalize_sampling(
+        req.sampling_params if req.HasField("sampling_params") else None
+    )
+    check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
+    v = _validated(req, sampling, limits, text=None, input_ids=None)
+    v.chat, v.fill_max_new_tokens = chat, fill_max_new_tokens
+    return v
 
 
 _EmbedLike = sglang_pb2.TextEmbedRequest | sglang_pb2.EmbedRequest | sglang_pb2.ClassifyRequest

@@ -1,6 +1,6 @@
 """The OpenAI routes and RPCs over a fake gateway: one implementation behind both (chunks and
-their `finished` flags, SSE framing, [DONE]), the chat template asked of the tokenizer (a final
-message continued, echoed), token-id prompts echoed without special tokens, errors
+their `finished` flags, SSE framing, [DONE]), a chat's messages sent in the request for the
+tokenizer to render (a final message continued, echoed; no max_tokens: the room left), token-id prompts echoed without special tokens, errors
 in OpenAI's JSON before the first chunk and as an event after it, batches merged (one failure
 ends the rest), and the request ended when the client goes away."""
 
@@ -94,6 +94,9 @@ class FakeGateway(OpenAIRPCs):
         prompt = v.text if v.text is not None else self.mode
         completed = False
         try:
+            if v.chat is not None and "bad template" in v.chat.messages_json:
+                raise MeshError(grpc.StatusCode.INVALID_ARGUMENT,  # the tokenizer's refusal
+                                "messages: the template failed")
             if prompt == "long":
                 raise MeshError(grpc.StatusCode.INVALID_ARGUMENT,
                                 "text: the prompt is 99 tokens, the model's context length is 64")
@@ -150,7 +153,7 @@ def _error(r: httpx.Response, status: int) -> dict[str, Any]:
 USER = [{"role": "user", "content": "hi"}]
 
 
-async def test_chat_reply_renders_the_template_in_the_tokenizer(
+async def test_chat_reply_sends_the_messages_for_the_tokenizer_to_render(
         client: httpx.AsyncClient, gw: FakeGateway) -> None:
     r = await client.post("/v1/chat/completions", json={"model": "tiny", "messages": USER})
     assert r.status_code == 200 and r.headers["content-type"] == "application/json"
@@ -161,12 +164,15 @@ async def test_chat_reply_renders_the_template_in_the_tokenizer(
                                                         "reasoning_content": None},
                                 "logprobs": None, "finish_reason": "stop"}]
     assert body["usage"]["total_tokens"] == 5
-    [req] = gw.fake_tokenizer.requests
-    assert orjson.loads(req.messages_json) == USER and req.add_generation_prompt
-    assert not req.continue_final_message
+    assert gw.fake_tokenizer.requests == []  # no round trip before the request goes
     [v] = gw.validated
-    assert v.input_ids == CHAT_TOKENS and v.return_text
-    assert v.sampling.max_new_tokens == LIMITS.max_model_len - len(CHAT_TOKENS)  # the room left
+    assert v.chat is not None and v.text is None and v.input_ids is None and v.return_text
+    assert orjson.loads(v.chat.messages_json) == USER and v.chat.add_generation_prompt
+    assert not v.chat.continue_final_message
+    assert v.fill_max_new_tokens  # no max_tokens: the tokenizer fills in the room left
+    r = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 7})
+    assert not gw.validated[-1].fill_max_new_tokens
+    assert gw.validated[-1].sampling.max_new_tokens == 7
 
 
 async def test_chat_stream(client: httpx.AsyncClient) -> None:
@@ -191,8 +197,9 @@ async def test_chat_continues_and_echoes_the_final_message(client: httpx.AsyncCl
         "messages": opened, "continue_final_message": True, "add_generation_prompt": False,
         "echo": True})
     assert r.json()["choices"][0]["message"]["content"] == "Onceab"
-    [req] = gw.fake_tokenizer.requests
-    assert req.continue_final_message and not req.add_generation_prompt
+    [v] = gw.validated
+    assert v.chat is not None
+    assert v.chat.continue_final_message and not v.chat.add_generation_prompt
     events = _events(await client.post("/v1/chat/completions", json={
         "messages": opened, "continue_final_message": True, "echo": True, "stream": True}))
     assert "".join(e["choices"][0]["delta"]["content"] for e in events) == "Onceab"

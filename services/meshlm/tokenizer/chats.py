@@ -1,0 +1,45 @@
+"""OpenAI chats, rendered by the checkpoint's chat template: for ApplyChatTemplate, and for a
+chat that comes in the Submit stream as its prompt (rendered and encoded in the same step as
+any prompt, without a round trip of its own before it). Pure; runs on the worker threads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from meshlm.common.errors import MeshError, invalid
+from meshlm.tokenizer.tokenization import TextTokenizer
+from meshlm.v1 import tokenizer_pb2
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A chat whose messages the template could not render: the request's INVALID_ARGUMENT."""
+
+    message: str
+
+
+def render_chat(tok: TextTokenizer, chat: tokenizer_pb2.ChatTemplateRequest) -> str:
+    """The chat's prompt text; MeshError(INVALID_ARGUMENT, "messages: ...") when its messages
+    are not a JSON list or the template refuses them. Encode it without special tokens: the
+    templates write their own (bos)."""
+    try:
+        messages = json.loads(chat.messages_json)
+    except ValueError as e:
+        raise invalid("messages", f"not valid JSON: {e}") from None
+    if not isinstance(messages, list):
+        raise invalid("messages", "must be a list of messages")
+    try:
+        return tok.apply_chat_template(messages, chat.add_generation_prompt,
+                                       chat.continue_final_message)
+    except ValueError as e:
+        raise invalid("messages", str(e)) from None
+
+
+def rendered_or_refused(tok: TextTokenizer, chat: tokenizer_pb2.ChatTemplateRequest
+                        ) -> str | Refused:
+    """`render_chat`, its refusal as a value (one chat's refusal ends its request only)."""
+    try:
+        return render_chat(tok, chat)
+    except MeshError as e:
+        return Refused(e.message)

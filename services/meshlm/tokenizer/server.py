@@ -192,7 +192,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                     else prompt.message(limit, field) if isinstance(prompt, TooLong)
                     else self._tok.check_context(len(prompt), sampling.max_new_tokens,
                                                  prompt_field=field, logprob_start_len=start,
-                                                 limit=req.max_model_len))
+                                                 limit=req.max_model_len)
+                    or wire.min_over_max(sampling))
                 if problem is None and deadline.passed(meta.deadline, now):
                     code, problem = (grpc.StatusCode.DEADLINE_EXCEEDED,
                                      "the client's deadline passed before the request was "

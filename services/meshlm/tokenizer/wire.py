@@ -34,3 +34,12 @@ def tokenized(req: tokenizer_pb2.GenerateRequest, ids: list[int],
 def rejection(rid: str, code: grpc.StatusCode, message: str) -> tokenizer_pb2.Rejection:
     return tokenizer_pb2.Rejection(rid=rid, status=common_pb2.Status(code=code.value[0],
                                                                      message=message))
+
+
+def min_over_max(sampling: common_pb2.SamplingParams) -> str | None:
+    """The gateway's check of min_new_tokens, again once the tokenizer set max_new_tokens (a
+    chat's default, the room its prompt leaves): the same message."""
+    if sampling.min_new_tokens <= sampling.max_new_tokens:
+        return None
+    return (f"sampling_params.min_new_tokens: must be in [0, max_new_tokens="
+            f"{sampling.max_new_tokens}], got {sampling.min_new_tokens}")

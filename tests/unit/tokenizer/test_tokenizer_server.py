@@ -146,13 +146,14 @@ async def test_apply_chat_template_can_leave_the_final_message_open(tok: TextTok
 
 
 def _chat(rid: str, messages: str, *, fill: bool, open_final: bool = False,
-          max_new_tokens: int = 4) -> tokenizer_pb2.GenerateRequest:
+          max_new_tokens: int = 4, min_new_tokens: int = 0) -> tokenizer_pb2.GenerateRequest:
     return tokenizer_pb2.GenerateRequest(
         chat=tokenizer_pb2.ChatTemplateRequest(messages_json=messages, add_generation_prompt=True,
                                                continue_final_message=open_final),
         fill_max_new_tokens=fill, meta=common_pb2.RequestMeta(
-            rid=rid, sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens,
-                                                        logprob_start_len=-1),
+            rid=rid, sampling=common_pb2.SamplingParams(
+                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                logprob_start_len=-1),
             route=common_pb2.Route(scheduler="s:1")))
 
 
@@ -164,9 +165,10 @@ async def test_a_chat_in_the_stream_is_rendered_and_encoded_there(tok: TextToken
     try:
         await queue.put(tokenizer_pb2.GenerateBatch(requests=[
             _chat("room", user, fill=True), _chat("asked", user, fill=False),
-            _chat("refused", user, fill=True, open_final=True)]))
+            _chat("refused", user, fill=True, open_final=True),
+            _chat("min over room", user, fill=True, min_new_tokens=tok.max_model_len)]))
         await queue.put(None)
-        [rejection] = await asyncio.wait_for(
+        rejection, over = await asyncio.wait_for(
             _collect(servicer.Submit(_batches(queue), None)), 30)  # type: ignore[arg-type]
         rendered = await servicer.ApplyChatTemplate(tokenizer_pb2.ChatTemplateRequest(
             messages_json=user, add_generation_prompt=True), None)  # type: ignore[arg-type]
@@ -177,6 +179,10 @@ async def test_a_chat_in_the_stream_is_rendered_and_encoded_there(tok: TextToken
         assert rejection.rid == "refused"
         assert rejection.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert rejection.status.message.startswith("messages: continue_final_message")
+        room = tok.max_model_len - len(rendered.tokens)
+        assert over.rid == "min over room" and over.status.message == (
+            f"sampling_params.min_new_tokens: must be in [0, max_new_tokens={room}], "
+            f"got {tok.max_model_len}")
     finally:
         workers.close()
 

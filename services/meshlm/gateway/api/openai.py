@@ -106,7 +106,9 @@ class OpenAIRPCs:
             messages_json=orjson.dumps(req.messages).decode(),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message)
-        public = public_request(req, [])  # the prompt: `chat`, rendered by the tokenizer
+        # The prompt: `chat`, rendered by the tokenizer, which also sets the default
+        # max_tokens; until then the largest room a prompt can leave stands in for it.
+        public = public_request(req, [], max_new_tokens=limits.max_model_len - 1)
         try:  # OpenAI's default max_tokens: whatever room the context leaves (the tokenizer's)
             v = validate_chat(public, chat, not req.sampling.HasField("max_new_tokens"), limits)
         except MeshError as e:

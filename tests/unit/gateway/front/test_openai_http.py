@@ -1,8 +1,9 @@
 """The OpenAI routes and RPCs over a fake gateway: one implementation behind both (chunks and
 their `finished` flags, SSE framing, [DONE]), a chat's messages sent in the request for the
-tokenizer to render (a final message continued, echoed; no max_tokens: the room left), token-id prompts echoed without special tokens, errors
-in OpenAI's JSON before the first chunk and as an event after it, batches merged (one failure
-ends the rest), and the request ended when the client goes away."""
+tokenizer to render (a final message continued, echoed; no max_tokens: the room left),
+token-id prompts echoed without special tokens, errors in OpenAI's JSON before the first chunk
+and as an event after it, batches merged (one failure ends the rest), and the request ended
+when the client goes away."""
 
 from __future__ import annotations
 
@@ -173,6 +174,10 @@ async def test_chat_reply_sends_the_messages_for_the_tokenizer_to_render(
     r = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 7})
     assert not gw.validated[-1].fill_max_new_tokens
     assert gw.validated[-1].sampling.max_new_tokens == 7
+    # min_tokens is held to the largest room a prompt can leave here, to the real one there
+    r = await client.post("/v1/chat/completions", json={"messages": USER, "min_tokens": 50})
+    assert r.status_code == 200 and gw.validated[-1].fill_max_new_tokens
+    assert gw.validated[-1].sampling.max_new_tokens == LIMITS.max_model_len - 1
 
 
 async def test_chat_stream(client: httpx.AsyncClient) -> None:

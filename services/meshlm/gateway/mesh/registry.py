@@ -97,6 +97,11 @@ class RidRegistry:
         return not self.degraded or time.monotonic() >= self._retry_at
 
     def _failed(self, op: str, exc: Exception) -> None:
+        """Redis did not answer `op` (call it in the `except` that caught `exc`). Any other
+        error is logged with its traceback, and handled the same: the registry fails open,
+        and its background tasks must outlive whatever one call raised."""
+        if not isinstance(exc, (RedisError, OSError)):
+            log.exception("registry_unexpected_error", op=op)
         if not self.degraded:
             log.warning("registry_degraded", op=op, error=repr(exc))
         self.degraded = True
@@ -140,7 +145,7 @@ class RidRegistry:
                 continue
             try:
                 run_id = (await self._redis.info("server")).get("run_id")
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - _failed tells them apart
                 self._failed("probe", exc)
                 continue
             if self._run_id is not None and run_id != self._run_id and not self.degraded:
@@ -157,7 +162,7 @@ class RidRegistry:
         try:
             args: list[Any] = [self.ttl, *(x for kv in record.items() for x in kv)]
             created = await self._create(keys=[key(rid)], args=args)
-        except (RedisError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - _failed tells them apart
             self._failed("create", exc)
             return True
         self._ok()
@@ -208,7 +213,7 @@ class RidRegistry:
                         pipe.hset(key(rid), mapping=fields)
                         pipe.expire(key(rid), ttl if ttl is not None else self.ttl)
                     await pipe.execute()
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - _failed tells them apart
                 self._failed("write", exc)
                 self._unwritten(ops)
                 continue
@@ -224,7 +229,7 @@ class RidRegistry:
             return None
         try:
             record = typing.cast(dict[str, str], await self._redis.hgetall(key(rid)))
-        except (RedisError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - _failed tells them apart
             self._failed("get", exc)
             return None
         self._ok()

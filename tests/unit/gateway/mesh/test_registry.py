@@ -173,3 +173,34 @@ async def test_a_restart_between_writes_is_noticed_by_its_new_run_id():
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_the_writer_outlives_an_unexpected_error(redis_server, monkeypatch):
+    """A round that fails with anything (not only Redis's errors) is kept and written later:
+    the background writer does not die with it."""
+    import meshlm.gateway.mesh.registry as registry
+
+    monkeypatch.setattr(registry, "RETRY_AFTER", 0.05)
+    reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=50)
+    pipeline = reg._redis.pipeline
+    failures = [RuntimeError("a client bug")]
+
+    def flaky(*args, **kwargs):
+        if failures:
+            raise failures.pop()
+        return pipeline(*args, **kwargs)
+
+    monkeypatch.setattr(reg._redis, "pipeline", flaky)
+    reg.start()
+    try:
+        reg.create_later("odd", {"gateway": "g"})
+        reg.finish("odd", "finished", finish_reason="stop")
+
+        async def written() -> bool:
+            record = await reg.get("odd")
+            return bool(record and record["state"] == "finished")
+
+        await _wait(written, "the record, after the failed round")
+        assert not failures and not reg.degraded
+    finally:
+        await reg.close()

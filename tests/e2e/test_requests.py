@@ -79,12 +79,17 @@ def test_grpc_cancel_aborts_the_request(mesh, stub):
     wait_until(lambda: scheduler_load(mesh, creds).running == 0, what="slot freed")
 
 
-def test_http_disconnect_aborts_the_request(mesh):
+@pytest.mark.parametrize(("path", "body"), [
+    ("/generate", {"text": "Disconnect", "stream": True,
+                   "sampling_params": {"temperature": 0, **LONG}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Disconnect"}],
+                              "stream": True, "temperature": 0, "ignore_eos": True,
+                              "max_tokens": LONG["max_new_tokens"]}),
+])
+def test_http_disconnect_aborts_the_request(mesh, path, body):
     creds = mesh_credentials(mesh)
     before = scheduler_load(mesh, creds).aborted_total
-    body = {"text": "Disconnect", "stream": True,
-            "sampling_params": {"temperature": 0, **LONG}}
-    with httpx.stream("POST", f"{mesh.addresses.gateway_http}/generate", json=body,
+    with httpx.stream("POST", f"{mesh.addresses.gateway_http}{path}", json=body,
                       timeout=60) as resp:
         lines = resp.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))

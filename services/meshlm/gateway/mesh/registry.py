@@ -58,6 +58,17 @@ def key(rid: str) -> str:
     return KEY_PREFIX + rid
 
 
+def command(*args: str | int) -> bytes:
+    """One Redis command as the server reads it (RESP: an array of bulk strings, UTF-8). A
+    round's commands are packed so, not by the client library: its packing costs the gateway
+    about 60 µs per request (a record's HSET has a dozen arguments), this a tenth of that."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
 def coalesce(ops: list[Op]) -> list[Op]:
     """One write per rid, in the order the rids first appear, with the effect of its ops in
     turn: the fields of later ops over earlier ones, and the last op's TTL."""
@@ -191,9 +202,9 @@ class RidRegistry:
         self._wake.set()
 
     async def _write_loop(self) -> None:
-        """Background writes, in order, many per round trip (one pipeline per round, a round
-        at most every `flush_interval`). Plain HSET and EXPIRE: a pipeline with a script
-        would first ask Redis whether the script exists, a second round trip each time."""
+        """Background writes, in order, many per round trip (one write of every command per
+        round, a round at most every `flush_interval`). Plain HSET and EXPIRE: a script would
+        first need to be known to Redis, a second round trip after each restart."""
         while True:
             await self._wake.wait()
             await asyncio.sleep(self.flush_interval)  # gather the round's writes
@@ -206,13 +217,15 @@ class RidRegistry:
                 continue
             self._busy = True
             try:
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    now = str(time.time())
-                    for rid, data, ttl in coalesce(ops):
-                        fields: dict[Any, Any] = {**data, "updated_at": now}
-                        pipe.hset(key(rid), mapping=fields)
-                        pipe.expire(key(rid), ttl if ttl is not None else self.ttl)
-                    await pipe.execute()
+                now = str(time.time())
+                commands = []
+                for rid, data, ttl in coalesce(ops):
+                    fields = {**data, "updated_at": now}
+                    commands.append(command("HSET", key(rid),
+                                            *(x for kv in fields.items() for x in kv)))
+                    commands.append(command("EXPIRE", key(rid),
+                                            ttl if ttl is not None else self.ttl))
+                await self._send(commands)
             except Exception as exc:  # noqa: BLE001 - _failed tells them apart
                 self._failed("write", exc)
                 self._unwritten(ops)
@@ -223,6 +236,21 @@ class RidRegistry:
                 if ttl is not None:
                     self._unsent.pop(rid, None)
             self._ok()
+
+    async def _send(self, commands: list[bytes]) -> None:
+        """Send packed `commands` in one write and read their replies; an error reply (or
+        any failure) raises, and the connection, its replies unread, is dropped."""
+        pool = self._redis.connection_pool
+        connection = await pool.get_connection()
+        try:
+            await connection.send_packed_command(b"".join(commands))
+            for _ in commands:
+                await connection.read_response()
+        except BaseException:
+            await connection.disconnect()
+            raise
+        finally:
+            await pool.release(connection)
 
     async def get(self, rid: str) -> dict[str, str] | None:
         if not self._available():

@@ -3,7 +3,7 @@
 import pytest
 import redis
 
-from meshlm.gateway.mesh.registry import RidRegistry, coalesce, key
+from meshlm.gateway.mesh.registry import RidRegistry, coalesce, command, key
 from meshlm.launch.redis_server import RedisServer
 
 
@@ -42,6 +42,26 @@ async def test_background_writes_keep_their_order(redis_server):
         record = await reg.get("r2")
         assert record["gateway"] == "g" and record["state"] == "finished"
         assert record["finish_reason"] == "stop"
+    finally:
+        await reg.close()
+
+
+def test_commands_are_packed_as_the_client_library_packs_them():
+    from redis.asyncio.connection import Connection
+
+    args = ("HSET", "meshlm:rid:é-1", "state", "finished", "n", 3, "empty", "")
+    assert command(*args) == b"".join(Connection().pack_command(*args))
+
+
+async def test_an_error_reply_fails_the_round_and_the_next_one_writes(redis_server):
+    """A command Redis refuses raises (the round is kept as unwritten); the connection whose
+    replies were not all read is dropped, so the next round's replies are its own."""
+    reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=5)
+    try:
+        with pytest.raises(redis.ResponseError):
+            await reg._send([command("EXPIRE", "k", "not-a-number"), command("PING")])
+        await reg._send([command("HSET", key("after"), "state", "queued")])
+        assert (await reg.get("after")) == {"state": "queued"}
     finally:
         await reg.close()
 
@@ -182,15 +202,15 @@ async def test_the_writer_outlives_an_unexpected_error(redis_server, monkeypatch
 
     monkeypatch.setattr(registry, "RETRY_AFTER", 0.05)
     reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=50)
-    pipeline = reg._redis.pipeline
+    send = reg._send
     failures = [RuntimeError("a client bug")]
 
-    def flaky(*args, **kwargs):
+    async def flaky(commands):
         if failures:
             raise failures.pop()
-        return pipeline(*args, **kwargs)
+        await send(commands)
 
-    monkeypatch.setattr(reg._redis, "pipeline", flaky)
+    monkeypatch.setattr(reg, "_send", flaky)
     reg.start()
     try:
         reg.create_later("odd", {"gateway": "g"})

@@ -41,6 +41,7 @@ from meshlm.bench.mesh_report import (
     SERVICES,
     SPACED_GAP_S,
     Result,
+    batching_line,
     cpu_line,
     floor_line,
     own_work_line,
@@ -142,6 +143,7 @@ def bench_engine(model_path: str, n_warm: int, n_ttft: int, sat: Saturation,
         time.sleep(SPACED_GAP_S)  # the workload: the engine idle before the request comes
         spaced.append(first_token(f"g{i}", i))
     ids = [tok.encode(text) for text, _ in sat.requests]
+    steps = engine.stats()["steps_total"]
     start, cpu_start = time.perf_counter(), time.process_time()
     for i, (p, (_, new_tokens)) in enumerate(zip(ids, sat.requests, strict=True)):
         engine.add_request(f"s{i}", p, SamplingParams(
@@ -150,7 +152,8 @@ def bench_engine(model_path: str, n_warm: int, n_ttft: int, sat: Saturation,
     while engine.has_work():
         tokens += sum(len(o.new_token_ids) for o in engine.step())
     return Result("in-process", ttft, tokens, time.perf_counter() - start,
-                  cpu={"engine": time.process_time() - cpu_start}, spaced_ttft=spaced)
+                  cpu={"engine": time.process_time() - cpu_start}, spaced_ttft=spaced,
+                  steps=engine.stats()["steps_total"] - steps)
 
 
 # -- mesh over gRPC ---------------------------------------------------------------------------
@@ -170,19 +173,26 @@ async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_toke
     return first or 0.0, tokens
 
 
+def engine_steps(stub: sglang_pb2_grpc.SglangServiceStub) -> int:
+    """Engine steps so far, every scheduler's (GetLoad's steps_total)."""
+    loads = orjson.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)
+    return sum(int(load.get("steps_total", 0)) for load in loads)
+
+
 async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
-                     measure: Callable[[], dict[str, float]]) -> Result:
+                     measure: Callable[[], dict[str, float]], steps: Callable[[], int]) -> Result:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = sglang_pb2_grpc.SglangServiceStub(channel)
         for i in range(n_warm):
             await _grpc_one(stub, prompt(i, 16), 2)
         ttft = [(await _grpc_one(stub, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="grpc ttft", leave=False)]
-        cpu_before, start = measure(), time.perf_counter()
+        steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
         results = await _limited(sat.concurrency, [
             functools.partial(_grpc_one, stub, text, k) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
-        return Result("mesh gRPC", ttft, sum(t for _, t in results), seconds, cpu)
+        return Result("mesh gRPC", ttft, sum(t for _, t in results), seconds, cpu,
+                      steps=steps() - steps_before)
 
 
 # -- mesh over HTTP ---------------------------------------------------------------------------
@@ -204,7 +214,7 @@ async def _http_one(pool: SsePool, text: str, new_tokens: int) -> tuple[float, i
 
 
 async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
-                     measure: Callable[[], dict[str, float]]) -> Result:
+                     measure: Callable[[], dict[str, float]], steps: Callable[[], int]) -> Result:
     url = httpx.URL(base)
     pool = SsePool(url.host, url.port or 80)
     try:
@@ -212,11 +222,12 @@ async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
             await _http_one(pool, prompt(i, 16), 2)
         ttft = [(await _http_one(pool, prompt(i, 16), 1))[0]
                 for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
-        cpu_before, start = measure(), time.perf_counter()
+        steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
         results = await _limited(sat.concurrency, [
             functools.partial(_http_one, pool, text, k) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
-        return Result("mesh HTTP", ttft, sum(t for _, t in results), seconds, cpu)
+        return Result("mesh HTTP", ttft, sum(t for _, t in results), seconds, cpu,
+                      steps=steps() - steps_before)
     finally:
         pool.close()
 
@@ -264,11 +275,13 @@ def run_mesh(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threads
             def measure() -> dict[str, float]:  # this process alone: the mesh is its children
                 return {**snapshot(parts, engine_thread), LOAD_GENERATOR_PART: time.process_time()}
 
-            results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_warm, n_ttft, sat,
-                                              measure))]
-            cpus = {name: thread_cpus(p.pid) for name, p in mesh.services.items() if p.pid}
-            results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_warm, n_ttft, sat,
-                                                  measure)))
+            with grpc.insecure_channel(mesh.addresses.gateway_grpc) as channel:
+                steps = functools.partial(engine_steps, sglang_pb2_grpc.SglangServiceStub(channel))
+                results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_warm, n_ttft,
+                                                  sat, measure, steps))]
+                cpus = {name: thread_cpus(p.pid) for name, p in mesh.services.items() if p.pid}
+                results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_warm, n_ttft,
+                                                      sat, measure, steps)))
     return results, cpus
 
 
@@ -337,6 +350,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
         print("\n".join(placement_lines(plan, cpus)))
     print()
     print(report([engine, grpc_r, http_r]))
+    print(batching_line([engine, grpc_r, http_r]))
     print()
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
         print(cpu_line(engine, r, transport))

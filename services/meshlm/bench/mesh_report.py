@@ -43,6 +43,7 @@ class Result:
     # In-process only: TTFTs with the engine idle for SPACED_GAP_S before each request, as the
     # mesh's engine is while a request crosses the other services.
     spaced_ttft: list[float] = field(default_factory=list)
+    steps: int = 0  # engine steps (forward passes) in the saturation phase
 
     @property
     def p50(self) -> float:
@@ -86,6 +87,14 @@ def report(results: list[Result]) -> str:
     lines.append(f"gRPC vs HTTP: TTFT p50 {grpc_r.p50 / http_r.p50:.2f}x, "
                  f"throughput {grpc_r.throughput / http_r.throughput:.2f}x")
     return "\n".join(lines)
+
+
+def batching_line(results: list[Result]) -> str:
+    """Output tokens per engine step at saturation on each path: whether the mesh keeps the
+    engine's batch as full as the engine alone does (fewer tokens a step: more steps, each
+    with its fixed cost, for the same tokens)."""
+    parts = ", ".join(f"{r.name} {r.tokens / r.steps:.1f}" for r in results if r.steps)
+    return f"output tokens per engine step at saturation: {parts}"
 
 
 def cpu_line(engine: Result, mesh: Result, transport: str) -> str:

@@ -11,6 +11,7 @@ from meshlm.bench.gateway_path import measure
 from meshlm.bench.mesh_report import (
     ENGINE_THREAD_PART,
     Result,
+    batching_line,
     cpu_line,
     floor_line,
     own_work_line,
@@ -35,6 +36,13 @@ PLAN = CpuPlan(frozenset({0}), frozenset({1}))
 def test_cpu_us_per_token() -> None:
     assert round(ENGINE.cpu_us_per_token("engine")) == 210
     assert round(HTTP.cpu_us_per_token("gateway")) == 40
+
+
+def test_the_batching_line_gives_tokens_per_step_of_each_path_that_counted_them() -> None:
+    counted = [Result("in-process", [0.01], tokens=1000, seconds=1.0, steps=25),
+               Result("mesh gRPC", [0.01], tokens=1000, seconds=1.0, steps=40), HTTP]
+    assert batching_line(counted) == ("output tokens per engine step at saturation: "
+                                      "in-process 40.0, mesh gRPC 25.0")
 
 
 def test_cpu_line_grpc() -> None:

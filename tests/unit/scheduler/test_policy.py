@@ -99,6 +99,16 @@ def test_long_prompt_is_chunked_in_order_and_samples_last() -> None:
     assert firsts[:2] == [[], []] and len(firsts[2][0]) == 1
     assert s.stats()["chunked_prefills_total"] == 2
     assert [i.reset_row for p in runner.plans for i in p.items] == [True, False, False]
+    assert s.stats()["steps_total"] == 3  # each forward pass whose results came back
+
+
+def test_a_step_that_failed_is_not_counted() -> None:
+    s = make()
+    s.add("a", prompt(3), params(max_new_tokens=2))
+    plan = s.schedule()
+    assert plan is not None
+    s.postprocess(plan, None, error="the forward pass failed")
+    assert s.stats()["steps_total"] == 0
 
 
 def test_chunks_interleave_with_decodes() -> None:

@@ -327,6 +327,7 @@ class BatchPlanner:
                         self._finish(seq, "error")
                         self._pending.append(step_output(seq, error=error or "no result"))
             else:
+                self.totals.steps += 1
                 for item, result in zip(plan.items, results, strict=True):
                     self._advance(item, result)
         self._release_aborted()

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass
 class Totals:
+    steps: int = 0  # forward passes whose results came back (tokens per step: batching)
     finished: int = 0  # every end: aborts and errors included
     aborted: int = 0
     preempted: int = 0

@@ -4,8 +4,10 @@ Prints TTFT p50/p99 at concurrency 1 and output tokens/s at saturation for each 
 default issue 16's workload: 256 requests kept 64 in flight, output lengths exponential with
 mean 128, the same seeded lengths everywhere), the ratios between them, and the CPU time each
 mesh service spends per output token in the saturation phases (from /proc, see proc_cpu.py)
-against the bare engine's. Machines are shared
-and noisy: compare the ratios of one run.
+against the bare engine's. Machines are shared and noisy: compare the ratios of one run. A
+run is `--rounds` rounds (3) of in-process, gRPC and HTTP in turn, on one engine and one mesh,
+so that each path meets the same quiet and busy periods; a path's figures are over all its
+rounds, and the throughput ratios are also printed round by round.
 
 With --pin (the default on >= 2 CPUs) the engine gets its own CPU(s) and everything else the
 rest: in-process, the whole bench process runs on the engine's CPUs; in the mesh, the bench
@@ -48,6 +50,7 @@ from meshlm.bench.mesh_report import (
     pinned_line,
     placement_lines,
     report,
+    rounds_line,
 )
 from meshlm.bench.pinning import (
     CpuPlan,
@@ -114,46 +117,59 @@ async def _limited(concurrency: int, calls: Sequence[Callable[[], Awaitable[T]]]
 
 # -- in-process -------------------------------------------------------------------------------
 
-def bench_engine(model_path: str, n_warm: int, n_ttft: int, sat: Saturation,
-                 threads: int) -> Result:
-    from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
-    from meshlm.tokenizer.tokenization import TextTokenizer
+class InProcess:
+    """The engine in this process, warmed up once; each `round` measures TTFT (back to back
+    and spaced) and the saturation phase again, with fresh rids."""
 
-    tok = TextTokenizer.from_pretrained(model_path)
-    engine = Engine(EngineConfig(model_path=model_path, max_running=sat.concurrency,
-                                 num_threads=threads or None))
-    for i in range(n_warm):
-        engine.add_request(f"w{i}", tok.encode(prompt(i, 16)), SamplingParams(
-            temperature=0.0, max_new_tokens=2, ignore_eos=True))
-        while engine.has_work():
-            engine.step()
-    def first_token(rid: str, i: int) -> float:
+    def __init__(self, model_path: str, n_warm: int, sat: Saturation, threads: int) -> None:
+        from meshlm.scheduler.engine.engine import Engine, EngineConfig
+        from meshlm.tokenizer.tokenization import TextTokenizer
+
+        self.sat = sat
+        self.tok = TextTokenizer.from_pretrained(model_path)
+        self.engine = Engine(EngineConfig(model_path=model_path, max_running=sat.concurrency,
+                                          num_threads=threads or None))
+        self.rounds = 0
+        for i in range(n_warm):
+            self._add(f"w{i}", self.tok.encode(prompt(i, 16)), 2)
+            while self.engine.has_work():
+                self.engine.step()
+
+    def _add(self, rid: str, ids: list[int], new_tokens: int) -> None:
+        from meshlm.scheduler.engine.engine import SamplingParams
+
+        self.engine.add_request(rid, ids, SamplingParams(
+            temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+
+    def _first_token(self, rid: str, i: int) -> float:
         start = time.perf_counter()
-        engine.add_request(rid, tok.encode(prompt(i, 16)), SamplingParams(
-            temperature=0.0, max_new_tokens=1, ignore_eos=True))
+        self._add(rid, self.tok.encode(prompt(i, 16)), 1)
         seconds = 0.0
-        while engine.has_work():
-            if any(o.new_token_ids for o in engine.step()):
+        while self.engine.has_work():
+            if any(o.new_token_ids for o in self.engine.step()):
                 seconds = time.perf_counter() - start
         return seconds
 
-    ttft = [first_token(f"t{i}", i) for i in tqdm(range(n_ttft), desc="engine ttft", leave=False)]
-    spaced = []
-    for i in range(n_ttft):
-        time.sleep(SPACED_GAP_S)  # the workload: the engine idle before the request comes
-        spaced.append(first_token(f"g{i}", i))
-    ids = [tok.encode(text) for text, _ in sat.requests]
-    steps = engine.stats()["steps_total"]
-    start, cpu_start = time.perf_counter(), time.process_time()
-    for i, (p, (_, new_tokens)) in enumerate(zip(ids, sat.requests, strict=True)):
-        engine.add_request(f"s{i}", p, SamplingParams(
-            temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
-    tokens = 0
-    while engine.has_work():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-    return Result("in-process", ttft, tokens, time.perf_counter() - start,
-                  cpu={"engine": time.process_time() - cpu_start}, spaced_ttft=spaced,
-                  steps=engine.stats()["steps_total"] - steps)
+    def round(self, n_ttft: int) -> Result:
+        r, engine = self.rounds, self.engine
+        self.rounds += 1
+        ttft = [self._first_token(f"t{r}-{i}", i)
+                for i in tqdm(range(n_ttft), desc="engine ttft", leave=False)]
+        spaced = []
+        for i in range(n_ttft):
+            time.sleep(SPACED_GAP_S)  # the workload: the engine idle before the request comes
+            spaced.append(self._first_token(f"g{r}-{i}", i))
+        ids = [self.tok.encode(text) for text, _ in self.sat.requests]
+        steps = engine.stats()["steps_total"]
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for i, (p, (_, new_tokens)) in enumerate(zip(ids, self.sat.requests, strict=True)):
+            self._add(f"s{r}-{i}", p, new_tokens)
+        tokens = 0
+        while engine.has_work():
+            tokens += sum(len(o.new_token_ids) for o in engine.step())
+        return Result("in-process", ttft, tokens, time.perf_counter() - start,
+                      cpu={"engine": time.process_time() - cpu_start}, spaced_ttft=spaced,
+                      steps=engine.stats()["steps_total"] - steps)
 
 
 # -- mesh over gRPC ---------------------------------------------------------------------------
@@ -238,30 +254,31 @@ def _env_overrides() -> dict[str, str]:
     return {"MESHLM_" + k[len(prefix):]: v for k, v in os.environ.items() if k.startswith(prefix)}
 
 
-def run_in_process(model_path: str, n_warm: int, n_ttft: int, sat: Saturation,
-                   threads: int, plan: CpuPlan | None) -> Result:
-    """The engine in this process; pinned, the whole process runs on the engine's CPUs."""
-    import torch
-
-    torch_threads = torch.get_num_threads()
-    with pin_process(plan.engine) if plan else contextlib.nullcontext():
-        try:
-            return bench_engine(model_path, n_warm, n_ttft, sat, threads)
-        finally:
-            torch.set_num_threads(torch_threads)
+def on_engine_cpus(plan: CpuPlan | None) -> contextlib.AbstractContextManager[object]:
+    """This process on the engine's CPUs (the in-process rounds). Torch keeps the engine's
+    threads throughout: the load generator between rounds runs no torch."""
+    return pin_process(plan.engine) if plan else contextlib.nullcontext()
 
 
-def run_mesh(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threads: int,
-             plan: CpuPlan | None) -> tuple[list[Result], dict[str, Counter[str]]]:
-    """The mesh over gRPC, then over HTTP; and how many threads of each service may run on
-    which CPUs (seen after the gRPC run).
+def run_rounds(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threads: int,
+               plan: CpuPlan | None, rounds: int
+               ) -> tuple[dict[str, list[Result]], dict[str, Counter[str]]]:
+    """`rounds` rounds of in-process, mesh gRPC, mesh HTTP, in turn, so that each path
+    meets the same quiet and busy periods of a shared machine; each path's results by round,
+    and how many threads of each service may run on which CPUs (seen after the first gRPC
+    round).
 
-    Pinned, the scheduler places itself (MESHLM_ENGINE_CPUS); once the mesh is up,
-    every other service, redis and this process move to the rest CPUs."""
+    Pinned, the scheduler places itself (MESHLM_ENGINE_CPUS); once the mesh is up, every
+    other service, redis and this process move to the rest CPUs (this process goes back to
+    the engine's CPUs for each in-process round, while the mesh waits)."""
+    with on_engine_cpus(plan):
+        engine = InProcess(model_path, n_warm, sat, threads)
     env = {"MESHLM_MAX_RUNNING": str(sat.concurrency), "MESHLM_NUM_THREADS": str(threads),
            "MESHLM_LOG_LEVEL": "warning"}
     if plan:
         env["MESHLM_ENGINE_CPUS"] = format_cpus(plan.engine)
+    results: dict[str, list[Result]] = {"in-process": [], "mesh gRPC": [], "mesh HTTP": []}
+    cpus: dict[str, Counter[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         options = MeshOptions(workdir=Path(tmp), model_path=model_path, http_port=0,
                               grpc_port=0, env={**env, **_env_overrides()})
@@ -277,11 +294,17 @@ def run_mesh(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threads
 
             with grpc.insecure_channel(mesh.addresses.gateway_grpc) as channel:
                 steps = functools.partial(engine_steps, sglang_pb2_grpc.SglangServiceStub(channel))
-                results = [asyncio.run(bench_grpc(mesh.addresses.gateway_grpc, n_warm, n_ttft,
-                                                  sat, measure, steps))]
-                cpus = {name: thread_cpus(p.pid) for name, p in mesh.services.items() if p.pid}
-                results.append(asyncio.run(bench_http(mesh.addresses.gateway_http, n_warm, n_ttft,
-                                                      sat, measure, steps)))
+                for r in range(rounds):
+                    warm = n_warm if r == 0 else 0
+                    with on_engine_cpus(plan):
+                        results["in-process"].append(engine.round(n_ttft))
+                    results["mesh gRPC"].append(asyncio.run(bench_grpc(
+                        mesh.addresses.gateway_grpc, warm, n_ttft, sat, measure, steps)))
+                    if not cpus:
+                        cpus = {name: thread_cpus(p.pid)
+                                for name, p in mesh.services.items() if p.pid}
+                    results["mesh HTTP"].append(asyncio.run(bench_http(
+                        mesh.addresses.gateway_http, warm, n_ttft, sat, measure, steps)))
     return results, cpus
 
 
@@ -316,9 +339,12 @@ def _pin_all_but_schedulers(mesh: Mesh, cpus: frozenset[int]) -> None:
 @click.option("--engine-cpus", default="",
               help="with --pin, the engine's CPU list, e.g. 0 or 0-1 (default: the first CPU "
                    "this process may use)")
+@click.option("--rounds", default=3, show_default=True,
+              help="rounds of in-process, gRPC and HTTP in turn; each path's figures are over "
+                   "all its rounds")
 def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_requests: int,
          concurrency: int, new_tokens: int, fixed_tokens: bool, engine_threads: int,
-         pin: bool | None, engine_cpus: str) -> None:
+         pin: bool | None, engine_cpus: str, rounds: int) -> None:
     model_path = model_path or str(ensure_default_model())
     if pin is None:
         pin = len(os.sched_getaffinity(0)) >= 2
@@ -330,9 +356,11 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
             raise click.UsageError(str(e)) from None
     threads = engine_threads or (len(plan.engine) if plan else 0)
     sat = Saturation.build(saturation_requests, concurrency, new_tokens, fixed_tokens)
-    args = (model_path, warmup_requests, ttft_requests, sat, threads, plan)
-    engine = run_in_process(*args)
-    (grpc_r, http_r), cpus = run_mesh(*args)
+    if rounds < 1:
+        raise click.UsageError("--rounds must be at least 1")
+    by_round, cpus = run_rounds(model_path, warmup_requests, ttft_requests, sat, threads, plan,
+                                rounds)
+    engine, grpc_r, http_r = (Result.merged(rs) for rs in by_round.values())
     with pin_process(plan.rest) if plan else contextlib.nullcontext():
         rest = plan.rest if plan else None
         floors = {"gRPC": grpc_message_floor_us(sat.concurrency, cpus=rest),
@@ -341,15 +369,16 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
 
     import torch
 
-    print(f"\nmodel: {model_path}; TTFT at concurrency 1 ({ttft_requests} requests, after "
-          f"{warmup_requests} warm-up requests on each path), "
-          f"throughput: {sat.describe()}; "
+    print(f"\nmodel: {model_path}; {rounds} round(s) of in-process, gRPC and HTTP in turn, "
+          f"each: TTFT at concurrency 1 ({ttft_requests} requests; {warmup_requests} warm-up "
+          f"requests on each path first), throughput: {sat.describe()}; "
           f"engine threads {threads or torch.get_num_threads()}; " + (
               f"{os.cpu_count()} CPUs shared by every process" if plan is None else "pinned"))
     if plan is not None:
         print("\n".join(placement_lines(plan, cpus)))
     print()
     print(report([engine, grpc_r, http_r]))
+    print(rounds_line(by_round))
     print(batching_line([engine, grpc_r, http_r]))
     print()
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):

@@ -45,6 +45,17 @@ class Result:
     spaced_ttft: list[float] = field(default_factory=list)
     steps: int = 0  # engine steps (forward passes) in the saturation phase
 
+    @classmethod
+    def merged(cls, rounds: list[Result]) -> Result:
+        """One path's rounds as one result: every TTFT, and the saturation phases' tokens,
+        seconds, CPU and steps summed (throughput and CPU per token over all rounds)."""
+        cpu: Counter[str] = Counter()
+        for r in rounds:
+            cpu.update(r.cpu)
+        return cls(rounds[0].name, [t for r in rounds for t in r.ttft],
+                   sum(r.tokens for r in rounds), sum(r.seconds for r in rounds), dict(cpu),
+                   [t for r in rounds for t in r.spaced_ttft], sum(r.steps for r in rounds))
+
     @property
     def p50(self) -> float:
         return statistics.median(self.ttft) * 1000
@@ -87,6 +98,19 @@ def report(results: list[Result]) -> str:
     lines.append(f"gRPC vs HTTP: TTFT p50 {grpc_r.p50 / http_r.p50:.2f}x, "
                  f"throughput {grpc_r.throughput / http_r.throughput:.2f}x")
     return "\n".join(lines)
+
+
+def rounds_line(by_round: Mapping[str, list[Result]]) -> str:
+    """Each mesh path's throughput over the in-process engine's, round by round: how much
+    the machine moved the ratio during the run."""
+    engine = by_round["in-process"]
+    parts = []
+    for name, rounds in by_round.items():
+        if name != "in-process":
+            ratios = " ".join(f"{r.throughput / e.throughput:.2f}"
+                              for r, e in zip(rounds, engine, strict=True))
+            parts.append(f"{name} {ratios}")
+    return f"throughput / in-process by round: {'; '.join(parts)}"
 
 
 def batching_line(results: list[Result]) -> str:

@@ -18,6 +18,7 @@ from meshlm.bench.mesh_report import (
     pinned_line,
     placement_lines,
     report,
+    rounds_line,
 )
 from meshlm.bench.pinning import CpuPlan
 from meshlm.bench.transport_floor import grpc_message_floor_us, http_event_floor_us
@@ -126,3 +127,18 @@ def test_the_bare_servers_stream_every_message_and_their_cpu_is_measured() -> No
     for floor in (grpc_message_floor_us(streams=3, messages=20),
                   http_event_floor_us(streams=3, messages=20)):
         assert 0 <= floor < 100_000  # every message arrived (else it raises); CPU ticks are coarse
+
+
+def test_rounds_merge_into_one_result_per_path_and_their_ratios_are_printed_by_round() -> None:
+    first = Result("in-process", [0.001], tokens=100, seconds=1.0, cpu={"engine": 0.01},
+                   spaced_ttft=[0.002], steps=4)
+    second = Result("in-process", [0.003], tokens=300, seconds=1.0, cpu={"engine": 0.02},
+                    spaced_ttft=[0.004], steps=6)
+    merged = Result.merged([first, second])
+    assert (merged.ttft, merged.spaced_ttft) == ([0.001, 0.003], [0.002, 0.004])
+    assert (merged.tokens, merged.seconds, merged.steps) == (400, 2.0, 10)
+    assert merged.cpu == {"engine": pytest.approx(0.03)} and merged.throughput == 200
+    by_round = {"in-process": [first, second],
+                "mesh gRPC": [Result("mesh gRPC", [0.01], tokens=90, seconds=1.0),
+                              Result("mesh gRPC", [0.01], tokens=240, seconds=1.0)]}
+    assert rounds_line(by_round) == "throughput / in-process by round: mesh gRPC 0.90 0.80"

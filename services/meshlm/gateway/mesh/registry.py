@@ -13,7 +13,7 @@ and writes them all back once Redis answers again, also after a restart that emp
 new Redis `run_id`), so the registry is consistent again after reconnect.
 
 Background writes (a fresh rid's record, its state changes, its final state) leave the
-request's path: they are sent at most every `FLUSH_INTERVAL`, one pipeline per round, and the
+request's path: they are sent at most every `FLUSH_INTERVAL`, one write per round, and the
 ops of one rid within a round are merged into one write. A request shorter than the interval
 then costs one write instead of three, and no Redis round trip competes with the request's
 own hops while it is starting (on two cores, Redis and the gateway share a core with the

@@ -32,8 +32,9 @@ from sglang.runtime.v1 import sglang_pb2_grpc
 FAULT_BOUND = 2.0    # seconds from a kill to the end of the requests the victim held
 BACK_BOUND = 10.0    # seconds from a kill until the restarted service serves a request
 DETECTION = 0.5      # seconds from a kill until the gateway routes no new request to the victim
-TOKENS = 1000        # per stream: long enough to be mid-stream at the kill (250 were not, once
-                     # in CI), short enough to end
+TOKENS = 1900        # per stream: long enough to be mid-stream at the kill (250 were not, once
+                     # in CI, and 1000 once not either, about 1 s on the tiny model), short
+                     # enough to end
 
 
 class Launcher:

@@ -12,6 +12,12 @@ above its trim threshold, so each step's megabytes came back as new zero pages: 
 faults in 9 s of serving the bench checkpoint at 16 streams, and a KV gather 4-20x slower
 whenever the host was slow to fault. Raising both thresholds, as a caching allocator would,
 keeps those pages mapped; resident memory then stays at the peak step's temporaries.
+
+Python's own collector (`freeze_startup_objects`): every service makes hundreds of thousands of
+objects while it starts (torch modules, protobuf descriptors, grpc, the tokenizer) that live as
+long as the process. A full collection walks them all: in the scheduler on the tiny model, about
+160 ms with the engine stopped, twice in 12 s at saturation. Frozen once started, they are left
+out of every collection, which then walks only what requests made (1.4 ms for three).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 from typing import Any
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters (malloc.h)
@@ -55,3 +62,11 @@ def retain_freed_memory() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return all(mallopt(param, value) == 1 for param, value in RETAIN)
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then move every object made so far out of the collector's reach (a
+    service calls this when it has started: those objects live as long as the process; later
+    collections walk only newer ones). Reference counting still frees a frozen object."""
+    gc.collect()
+    gc.freeze()

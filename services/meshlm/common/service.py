@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from meshlm.common import config as cfg
 from meshlm.common.announce import Announcer
 from meshlm.common.logs import get_logger, setup_logging
+from meshlm.common.memory import freeze_startup_objects
 from meshlm.common.metrics import ServiceMetrics
 from meshlm.common.metrics_server import MetricsServer
 from meshlm.common.redis_client import RedisAuth
@@ -162,7 +163,8 @@ async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: s
                              metrics: ServiceMetrics | None = None, *, role: str = "",
                              on_stop: Callable[[], None] | None = None,
                              **fields: Any) -> None:
-    """Serve `metrics` on --metrics-port (if set), mark SERVING, log `listening`, announce this
+    """Serve `metrics` on --metrics-port (if set), freeze the start-up's objects out of the
+    collector's reach (common/memory.py), mark SERVING, log `listening`, announce this
     `role` replica in Redis (with --announce-redis-url), run until SIGTERM/SIGINT (or until
     `watch` ends), then call `on_stop` (whatever else sets health stops: e.g. the scheduler's
     watchdog), leave Redis, NOT_SERVING and a graceful stop."""
@@ -171,6 +173,7 @@ async def serve_until_signal(server: GrpcServer, config: ServiceConfig, bound: s
         fields["metrics_address"] = advertised(config, exporter.address)
     if config.health_port:
         fields["health_address"] = await server.serve_health(config.host, config.health_port)
+    freeze_startup_objects()
     await server.set_serving(True)
     log.info("listening", address=advertised(config, bound), **fields)
     announcer = None

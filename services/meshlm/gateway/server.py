@@ -20,6 +20,7 @@ import uvicorn
 from meshlm.common import config as cfg
 from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
+from meshlm.common.memory import freeze_startup_objects
 from meshlm.common.metrics import GatewayMetrics
 from meshlm.common.redis_client import RedisAuth
 from meshlm.common.roles import MESH_PORTS
@@ -33,7 +34,7 @@ from meshlm.gateway.api.gateway import GatewayAPI
 from meshlm.gateway.api.weights import FOLLOW_INTERVAL
 from meshlm.gateway.front.auth import ApiKeyInterceptor, ApiKeys
 from meshlm.gateway.front.http_app import build_http_app
-from meshlm.gateway.front.reclaim import Reclaimer, freeze
+from meshlm.gateway.front.reclaim import Reclaimer
 from meshlm.gateway.front.servicer import SglangServicer
 from meshlm.gateway.mesh.dependencies import ROLES, Dependencies
 from meshlm.gateway.mesh.discovery import Discovery
@@ -224,7 +225,7 @@ async def serve(config: GatewayConfig) -> None:
     extra = {"metrics_address": advertised(config, exporter.address)} if exporter else {}
     if health is not None:
         extra["health_address"] = health
-    freeze()  # start-up's objects live on: collections walk only what requests make
+    freeze_startup_objects()  # collections walk only what requests make
     # After the freeze: the call requests it keeps outstanding are replaced as calls come, and
     # a frozen one would keep a failed call's error, traceback and request, for good.
     public.accept_ahead.start()

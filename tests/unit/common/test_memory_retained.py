@@ -45,5 +45,9 @@ def _faults(mode: str) -> int:
 def test_freed_temporaries_are_reused_without_page_faults() -> None:
     # 28 steps touch ~75k pages of temporaries; by default glibc unmaps and trims most of them
     # and faults them back in on the next step
-    assert _faults("default") > 20_000
-    assert _faults("retain") < 5_000  # at most a few heap extensions
+    default = _faults("default")
+    assert default > 20_000
+    # Retained, at most a heap extension or so (the largest temporary is 7,168 pages). How many
+    # depends on where the heap lands, which moves with the environment's size: 0 to 6,916
+    # seen for the same code (pytest's own variables alone made 0 into 6,916).
+    assert _faults("retain") < default // 4

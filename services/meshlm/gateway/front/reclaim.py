@@ -10,8 +10,8 @@ hundreds of megabytes. So after a request of BIG_REQUEST_BYTES or more, a collec
 shortly after (one at a time), and malloc_trim on a worker thread at most every TRIM_INTERVAL
 (pages handed back must be faulted in again by the next big request: trimming after each one of
 a stream of them would cost each a few more milliseconds of the event loop). The gateway
-freezes the objects it made while starting (`freeze`), so a collection only walks what requests
-made: about a millisecond, not tens.
+freezes the objects it made while starting (`common/memory.py`), so a collection only walks what
+requests made: about a millisecond, not tens.
 """
 
 from __future__ import annotations
@@ -86,10 +86,3 @@ class Reclaimer:
         self.trimmed_at = [*self.trimmed_at[-3:], self._last_trim]
         loop.run_in_executor(None, release_memory)
         self._changed.set()
-
-
-def freeze() -> None:
-    """Move every object made so far out of the collector's reach (they live as long as the
-    process): later collections only walk newer objects."""
-    gc.collect()
-    gc.freeze()

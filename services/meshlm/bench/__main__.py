@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import click
 import grpc
@@ -64,6 +64,7 @@ from meshlm.bench.raw_http import SsePool
 from meshlm.bench.transport_floor import grpc_message_floor_us, http_event_floor_us
 from meshlm.bench.workload import output_lengths
 from meshlm.common.default_model import ensure_default_model
+from meshlm.common.memory import freeze_startup_objects
 from meshlm.launch.mesh import Mesh, MeshOptions
 from meshlm.scheduler.cpus import ENGINE_THREAD
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -164,29 +165,57 @@ class InProcess:
         start, cpu_start = time.perf_counter(), time.process_time()
         for i, (p, (_, new_tokens)) in enumerate(zip(ids, self.sat.requests, strict=True)):
             self._add(f"s{r}-{i}", p, new_tokens)
-        tokens = 0
+        tokens, longest, before = 0, 0.0, time.perf_counter()
         while engine.has_work():
             tokens += sum(len(o.new_token_ids) for o in engine.step())
+            after = time.perf_counter()
+            longest, before = max(longest, after - before), after
         return Result("in-process", ttft, tokens, time.perf_counter() - start,
                       cpu={"engine": time.process_time() - cpu_start}, spaced_ttft=spaced,
-                      steps=engine.stats()["steps_total"] - steps)
+                      steps=engine.stats()["steps_total"] - steps, longest_gap=longest)
 
 
 # -- mesh over gRPC ---------------------------------------------------------------------------
 
+class Streamed(NamedTuple):
+    """One streamed request as its client saw it: seconds to its first message, its output
+    tokens, and the longest wait between two of its messages."""
+
+    ttft: float
+    tokens: int
+    longest_gap: float
+
+
+class Gaps:
+    """The longest wait between two consecutive messages of a stream."""
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+        self.longest = 0.0
+
+    def seen(self) -> float:
+        now = time.perf_counter()
+        if self.last is not None:
+            self.longest = max(self.longest, now - self.last)
+        self.last = now
+        return now
+
+
 async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_tokens: int
-                    ) -> tuple[float, int]:
+                    ) -> Streamed:
     req = pb.TextGenerateRequest(text=text, stream=True, sampling_params=pb.SamplingParams(
         temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
     start = time.perf_counter()
     first = None
     tokens = 0
+    gaps = Gaps()
     async for msg in stub.TextGenerate(req):
+        now = gaps.seen()
         if first is None:
-            first = time.perf_counter() - start
+            first = now - start
         if msg.finished:
             tokens = int(msg.meta_info["completion_tokens"])
-    return first or 0.0, tokens
+    return Streamed(first or 0.0, tokens, gaps.longest)
 
 
 def engine_steps(stub: sglang_pb2_grpc.SglangServiceStub) -> int:
@@ -201,32 +230,35 @@ async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
         stub = sglang_pb2_grpc.SglangServiceStub(channel)
         for i in range(n_warm):
             await _grpc_one(stub, prompt(i, 16), 2)
-        ttft = [(await _grpc_one(stub, prompt(i, 16), 1))[0]
+        ttft = [(await _grpc_one(stub, prompt(i, 16), 1)).ttft
                 for i in tqdm(range(n_ttft), desc="grpc ttft", leave=False)]
         steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
         results = await _limited(sat.concurrency, [
             functools.partial(_grpc_one, stub, text, k) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
-        return Result("mesh gRPC", ttft, sum(t for _, t in results), seconds, cpu,
-                      steps=steps() - steps_before)
+        return Result("mesh gRPC", ttft, sum(r.tokens for r in results), seconds, cpu,
+                      steps=steps() - steps_before,
+                      longest_gap=max(r.longest_gap for r in results))
 
 
 # -- mesh over HTTP ---------------------------------------------------------------------------
 
-async def _http_one(pool: SsePool, text: str, new_tokens: int) -> tuple[float, int]:
+async def _http_one(pool: SsePool, text: str, new_tokens: int) -> Streamed:
     body = orjson.dumps({"text": text, "stream": True, "sampling_params": {
         "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
     start = time.perf_counter()
     first = None
     last = b""
+    gaps = Gaps()
     async for event in pool.events("/generate", body):
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             continue
+        now = gaps.seen()
         if first is None:
-            first = time.perf_counter() - start
+            first = now - start
         last = event
     tokens = int(orjson.loads(last[6:])["meta_info"]["completion_tokens"]) if last else 0
-    return first or 0.0, tokens
+    return Streamed(first or 0.0, tokens, gaps.longest)
 
 
 async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
@@ -236,14 +268,15 @@ async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
     try:
         for i in range(n_warm):
             await _http_one(pool, prompt(i, 16), 2)
-        ttft = [(await _http_one(pool, prompt(i, 16), 1))[0]
+        ttft = [(await _http_one(pool, prompt(i, 16), 1)).ttft
                 for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
         steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
         results = await _limited(sat.concurrency, [
             functools.partial(_http_one, pool, text, k) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
-        return Result("mesh HTTP", ttft, sum(t for _, t in results), seconds, cpu,
-                      steps=steps() - steps_before)
+        return Result("mesh HTTP", ttft, sum(r.tokens for r in results), seconds, cpu,
+                      steps=steps() - steps_before,
+                      longest_gap=max(r.longest_gap for r in results))
     finally:
         pool.close()
 
@@ -294,6 +327,9 @@ def run_rounds(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threa
 
             with grpc.insecure_channel(mesh.addresses.gateway_grpc) as channel:
                 steps = functools.partial(engine_steps, sglang_pb2_grpc.SglangServiceStub(channel))
+                # As every service does once started: the in-process engine is then not stopped
+                # by full collections over this process's start-up objects (one took 198 ms).
+                freeze_startup_objects()
                 for r in range(rounds):
                     warm = n_warm if r == 0 else 0
                     with on_engine_cpus(plan):

@@ -44,6 +44,10 @@ class Result:
     # mesh's engine is while a request crosses the other services.
     spaced_ttft: list[float] = field(default_factory=list)
     steps: int = 0  # engine steps (forward passes) in the saturation phase
+    # The saturation phase's longest wait between two consecutive outputs of one request, in
+    # seconds (the mesh: between two streamed messages, as its client sees them; in-process:
+    # the longest engine step). A pause anywhere on the path (a collection, a stall) shows here.
+    longest_gap: float = 0.0
 
     @classmethod
     def merged(cls, rounds: list[Result]) -> Result:
@@ -54,7 +58,8 @@ class Result:
             cpu.update(r.cpu)
         return cls(rounds[0].name, [t for r in rounds for t in r.ttft],
                    sum(r.tokens for r in rounds), sum(r.seconds for r in rounds), dict(cpu),
-                   [t for r in rounds for t in r.spaced_ttft], sum(r.steps for r in rounds))
+                   [t for r in rounds for t in r.spaced_ttft], sum(r.steps for r in rounds),
+                   max(r.longest_gap for r in rounds))
 
     @property
     def p50(self) -> float:
@@ -97,6 +102,9 @@ def report(results: list[Result]) -> str:
     grpc_r, http_r = results[1], results[2]
     lines.append(f"gRPC vs HTTP: TTFT p50 {grpc_r.p50 / http_r.p50:.2f}x, "
                  f"throughput {grpc_r.throughput / http_r.throughput:.2f}x")
+    gaps = ", ".join(f"{r.name} {r.longest_gap * 1000:.1f} ms" for r in results)
+    lines.append(f"longest wait between two outputs of one request at saturation (in-process: "
+                 f"its longest step): {gaps}")
     return "\n".join(lines)
 
 

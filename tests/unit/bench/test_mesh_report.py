@@ -85,6 +85,13 @@ def test_report_keeps_the_table_and_ratios() -> None:
     assert "mesh gRPC vs in-process: TTFT p50 +1.75 ms, throughput 80.0%" in text
 
 
+def test_the_report_gives_each_paths_longest_wait_between_two_outputs() -> None:
+    paused = Result("mesh HTTP", HTTP.ttft, tokens=500, seconds=1.25, longest_gap=0.1664)
+    assert report([ENGINE, GRPC, paused]).splitlines()[-1] == (
+        "longest wait between two outputs of one request at saturation (in-process: its "
+        "longest step): in-process 0.0 ms, mesh gRPC 0.0 ms, mesh HTTP 166.4 ms")
+
+
 def test_the_spaced_in_process_run_is_reported_beside_the_goal() -> None:
     spaced = Result("in-process", ENGINE.ttft, tokens=1000, seconds=2.0, cpu=ENGINE.cpu,
                     spaced_ttft=[0.0115, 0.0125])
@@ -131,12 +138,13 @@ def test_the_bare_servers_stream_every_message_and_their_cpu_is_measured() -> No
 
 def test_rounds_merge_into_one_result_per_path_and_their_ratios_are_printed_by_round() -> None:
     first = Result("in-process", [0.001], tokens=100, seconds=1.0, cpu={"engine": 0.01},
-                   spaced_ttft=[0.002], steps=4)
+                   spaced_ttft=[0.002], steps=4, longest_gap=0.030)
     second = Result("in-process", [0.003], tokens=300, seconds=1.0, cpu={"engine": 0.02},
-                    spaced_ttft=[0.004], steps=6)
+                    spaced_ttft=[0.004], steps=6, longest_gap=0.020)
     merged = Result.merged([first, second])
     assert (merged.ttft, merged.spaced_ttft) == ([0.001, 0.003], [0.002, 0.004])
     assert (merged.tokens, merged.seconds, merged.steps) == (400, 2.0, 10)
+    assert merged.longest_gap == 0.030
     assert merged.cpu == {"engine": pytest.approx(0.03)} and merged.throughput == 200
     by_round = {"in-process": [first, second],
                 "mesh gRPC": [Result("mesh gRPC", [0.01], tokens=90, seconds=1.0),

@@ -27,6 +27,8 @@
 #include <stdint.h>
 
 #define MAX_GROUP 64
+/* Query heads of one KV head attended together, each key and value row read once for them. */
+#define HEADS_AT_ONCE 4
 
 #if defined(__x86_64__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))

@@ -32,6 +32,7 @@ def _kernels() -> native.Kernels:
     (8, 4, 5, 128, torch.bfloat16), (6, 1, 40, 16, torch.bfloat16),
     (8, 2, None, 64, torch.float16), (8, 4, 5, 128, torch.float16), (6, 1, 40, 20, torch.float16),
     (8, 2, None, 32, torch.float32), (8, 2, 6, 32, torch.bfloat16),
+    (8, 1, None, 64, torch.float32), (7, 1, 9, 32, torch.float16), (3, 1, None, 128, torch.float32),
 ])
 def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
                                                      window: int | None, d: int,
@@ -40,7 +41,8 @@ def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
     from a packed step whose head and row strides are not contiguous ones, and a sliding
     window: the same output as the gather and two matmuls; head sizes the kernel unrolls
     (32, 64, 128) and others (20: a float16 row widened 8 at a time, then 4 more); caches of
-    float32, bfloat16 and float16."""
+    float32, bfloat16 and float16; groups of query heads per KV head that the kernel takes
+    four, two and one at a time (8 = 4 + 4, 7 = 4 + 2 + 1, 6 = 4 + 2, 3 = 2 + 1)."""
     torch.manual_seed(0)
     bs, blocks, rows = 4, 32, 5
     k_cache = torch.randn(kv_heads, blocks, bs, d).to(kv_dtype)

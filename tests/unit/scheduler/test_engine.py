@@ -224,6 +224,28 @@ def test_penalty_state_follows_the_slot(make_engine: EngineFactory) -> None:
     assert tokens_of(run_all(fresh)["b"]) == out_b
 
 
+def test_plain_greedy_rows_beside_and_before_penalised_ones(make_engine: EngineFactory) -> None:
+    """Plain greedy rows (argmax, no statistics kept) batched with penalised ones, then a
+    penalised request in a slot a plain one used: each samples as it would alone."""
+    engine = make_engine(max_running=2)
+    x, y, z = prompts(3, seed=13, lo=40, hi=60)
+    repetition = greedy(10, repetition_penalty=1e9)
+    engine.add_request("x", x, greedy(12))  # slot 0
+    engine.add_request("y", y, greedy(6, frequency_penalty=1000.0))  # slot 1: a mixed batch
+    first = run_all(engine)
+    assert tokens_of(first["x"]) == reference_greedy(engine, x, 12)
+    engine.add_request("z", z, repetition)  # slot 1 is free first; slot 0 after x
+    engine.add_request("x2", x, greedy(12))
+    engine.add_request("z2", z, repetition)  # waits for a slot a plain request used
+    second = run_all(engine)
+    fresh = make_engine(max_running=1)
+    fresh.add_request("z", z, repetition)
+    alone = tokens_of(run_all(fresh)["z"])
+    assert not set(alone) & set(z)  # the penalty bit
+    assert tokens_of(second["z"]) == alone and tokens_of(second["z2"]) == alone
+    assert tokens_of(second["x2"]) == tokens_of(first["x"])
+
+
 def test_dtypes(tmp_path: Path, make_engine: EngineFactory) -> None:
     path = write_checkpoint(tmp_path / "bf16", torch_dtype="bfloat16", layers=1)
     auto = make_engine(path, max_running=2)

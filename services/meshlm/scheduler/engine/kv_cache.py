@@ -17,6 +17,7 @@ before them when there is one. `build_attention_meta` turns a step's items into 
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from meshlm.scheduler.kernels.native import Kernels
+
+
+def long_tensor(values: list[int], device: torch.device | str = "cpu") -> Tensor:
+    """`torch.tensor(values, dtype=torch.long, device=device)`, built through a C array: a
+    quarter of the time for a step's few hundred block ids (torch reads a list item by item)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, device=device)
+    tensor = torch.frombuffer(array.array("q", values), dtype=torch.long)
+    return tensor if torch.device(device).type == "cpu" else tensor.to(device)
 
 
 class KVCache:
@@ -121,20 +131,24 @@ def build_attention_meta(items: list[StepItem], block_size: int, device: torch.d
         if item.num_tokens == 1:
             decodes.append((a, blocks[: item.start // bs + 1], item.start))
         else:
-            table = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long, device=device)
+            table = long_tensor(blocks[: -(-end // bs)], device)
             chunks.append(ChunkSpan(a, len(slots), item.start, table))
     decodes.sort(key=lambda d: len(d[1]))
     groups = []
     for lo, hi in decode_groups([len(d[1]) for d in decodes], group_cost, max_groups):
         members = decodes[lo:hi]
         width = len(members[-1][1])
+        padding = [0] * width
+        flat: list[int] = []
+        for _, table_ids, _ in members:  # each table padded to the group's widest with block 0
+            flat += table_ids
+            flat += padding[len(table_ids):]
         groups.append(DecodeGroup(
-            rows=torch.tensor([d[0] for d in members], dtype=torch.long, device=device),
-            tables=torch.tensor([d[1] + [0] * (width - len(d[1])) for d in members],
-                                dtype=torch.long, device=device),
-            positions=torch.tensor([d[2] for d in members], dtype=torch.long, device=device),
+            rows=long_tensor([d[0] for d in members], device),
+            tables=long_tensor(flat, device).view(len(members), width),
+            positions=long_tensor([d[2] for d in members], device),
         ))
-    return AttentionMeta(torch.tensor(slots, dtype=torch.long, device=device), groups, chunks)
+    return AttentionMeta(long_tensor(slots, device), groups, chunks)
 
 
 def decode_groups(widths: list[int], group_cost: int = GROUP_COST_BLOCKS,

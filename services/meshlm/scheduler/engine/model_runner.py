@@ -20,6 +20,7 @@ from meshlm.scheduler.engine.kv_cache import (
     PagedAttention,
     StepItem,
     build_attention_meta,
+    long_tensor,
 )
 from meshlm.scheduler.engine.logprobs import chosen_and_top, log_softmax, of_token_ids, top
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
@@ -133,8 +134,8 @@ class ModelRunner:
             self.block_size, self.device,
             max_groups=1 if self.kernels else MAX_DECODE_GROUPS,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        input_ids = long_tensor(ids, self.device)
+        positions = long_tensor(pos, self.device)
         return input_ids, positions, meta
 
     @staticmethod
@@ -183,6 +184,11 @@ class ModelRunner:
                 results: list[ItemResult]) -> None:
         chosen = [items[i] for i in sampling]
         seqs = [item.seq for item in chosen]
+        if all(s.params.plain_greedy and s.num_completion_tokens >= s.params.min_new_tokens
+               for s in seqs):  # the common case: argmax, nothing else to build or track
+            for i, token in zip(sampling, logits.argmax(dim=-1).tolist(), strict=True):
+                results[i].token = token
+            return
         rows = torch.tensor([_row_of(item) for item in chosen], dtype=torch.long,
                             device=self.device)
         batch = SamplingBatch.build(
@@ -211,9 +217,15 @@ class ModelRunner:
             return
         rows = torch.tensor([_row_of(item) for item in items], dtype=torch.long,
                             device=self.device)
+        self.pooled[rows] = 0
+        # The token statistics, for the rows whose sampling reads them.
+        items = [item for item in items if not item.seq.params.plain_greedy]
+        if not items:
+            return
+        rows = torch.tensor([_row_of(item) for item in items], dtype=torch.long,
+                            device=self.device)
         self.seen[rows] = False
         self.counts[rows] = 0
-        self.pooled[rows] = 0
         seqs = [item.seq for item in items]
         index = [i for i, s in enumerate(seqs) for _ in range(s.num_tokens)]
         ids = torch.tensor([t for s in seqs for t in s.token_ids], device=self.device)

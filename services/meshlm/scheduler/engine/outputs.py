@@ -12,17 +12,10 @@ def step_output(
     """`seq`'s news: the `new` tokens (with their logprobs from `result` when it asked for
     them), its counts, its end when finished, and on its first output its prompt logprobs."""
     finished = seq.status is SequenceStatus.FINISHED
-    out = StepOutput(
-        rid=seq.rid,
-        new_token_ids=new or [],
-        finished=finished,
-        finish_reason=seq.finish_reason if finished else None,
-        matched_token=seq.matched_token,
-        prompt_tokens=seq.num_prompt_tokens,
-        completion_tokens=seq.num_completion_tokens,
-        cached_tokens=seq.num_cached_tokens,
-        error=error,
-    )
+    prompt = seq.num_prompt_tokens
+    out = StepOutput(seq.rid, new or [], finished, seq.finish_reason if finished else None,
+                     seq.matched_token, prompt, len(seq.token_ids) - prompt,
+                     seq.num_cached_tokens, error)  # positional: faster
     if seq.params.return_logprob:
         if result is not None:
             _position_logprobs(out, seq, result)

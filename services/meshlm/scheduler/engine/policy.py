@@ -215,12 +215,26 @@ class BatchPlanner:
         scheduled: set[int] = set()
         preempted = False
         # 1. Decodes, oldest first; a decode that needs a block may preempt the newest.
+        blocks = self.blocks
+        room = blocks.block_size  # slots per block
+        running = SequenceStatus.RUNNING
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or not seq.decoding:
+            if seq.status is not running:
                 continue
-            while not self.blocks.can_grow(seq.table, seq.num_tokens):
+            n = len(seq.token_ids)
+            computed = seq.num_computed_tokens
+            if computed != n - 1 or computed < seq.num_prompt_tokens:
+                continue  # not decoding (Sequence.decoding)
+            if n <= len(seq.table.blocks) * room:  # its last block has a free slot
+                fresh = seq.row_fresh
+                seq.row_fresh = False
+                items.append(ScheduledSeq(seq, computed, 1, True, fresh))
+                scheduled.add(id(seq))
+                budget -= 1
+                continue
+            while not blocks.can_grow(seq.table, seq.num_tokens):
                 victim = next(
                     (s for s in reversed(self.running) if id(s) not in scheduled and s is not seq),
                     None,
@@ -338,10 +352,13 @@ class BatchPlanner:
         seq = item.seq
         if seq.status is not SequenceStatus.RUNNING or seq.aborted:
             return
-        seq.num_computed_tokens = item.end
-        if self.prefix_cache:
-            self.blocks.register_full_blocks(seq.table, seq.token_ids, seq.num_computed_tokens)
-        seq.keep_prompt_logprobs(result)
+        seq.num_computed_tokens = computed = item.start + item.num_tokens
+        table = seq.table
+        # Only a block just filled is new to the prefix cache (one step in block_size).
+        if self.prefix_cache and computed // self.blocks.block_size > len(table.hashes):
+            self.blocks.register_full_blocks(table, seq.token_ids, computed)
+        if seq.params.return_logprob:
+            seq.keep_prompt_logprobs(result)
         if seq.followers and seq.num_computed_tokens >= seq.num_prompt_tokens:
             self.waiting.push_front(*seq.release_followers())  # they share its prompt's KV
         if not item.sample:
@@ -361,16 +378,19 @@ class BatchPlanner:
     def _append(self, seq: Sequence, result: ItemResult) -> StepOutput:
         token = result.token
         assert token is not None
-        seq.token_ids.append(token)
+        ids = seq.token_ids
+        ids.append(token)
         self.totals.generated_tokens += 1
         p = seq.params
+        n = len(ids)
+        completion = n - seq.num_prompt_tokens
         # min_new_tokens: EOS and stop ids may not be among the first min_new_tokens tokens.
-        may_stop = seq.num_completion_tokens > p.min_new_tokens
+        may_stop = completion > p.min_new_tokens
         if may_stop and not p.ignore_eos and token in self.eos_token_ids:
             self._finish(seq, "stop", token)
         elif may_stop and token in p.stop_token_ids:
             self._finish(seq, "stop", token)
-        elif seq.num_completion_tokens >= p.max_new_tokens or seq.num_tokens >= self.max_model_len:
+        elif completion >= p.max_new_tokens or n >= self.max_model_len:
             self._finish(seq, "length")
         return step_output(seq, [token], result)
 

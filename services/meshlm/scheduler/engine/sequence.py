@@ -44,6 +44,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy, without penalties or logprobs: the token is the raw logits' argmax (once
+        min_new_tokens allows every id), and the row's token statistics are never read."""
+        return (self.temperature < GREEDY_EPS and self.repetition_penalty == 1.0
+                and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
+                and not self.return_logprob)
+
     def problem(self) -> str | None:
         """Why these parameters are unusable, or None when they are fine."""
         if self.temperature < 0:

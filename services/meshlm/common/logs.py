@@ -38,6 +38,10 @@ class EventLogger:
         if self._log.isEnabledFor(level):
             self._log.log(level, event, exc_info=exc, extra={"fields": fields}, stacklevel=3)
 
+    def debugging(self) -> bool:
+        """Whether debug lines are written: test it before computing a hot path's fields."""
+        return self._log.isEnabledFor(logging.DEBUG)
+
     def debug(self, event: str, **fields: Any) -> None:
         self._emit(logging.DEBUG, event, False, fields)
 

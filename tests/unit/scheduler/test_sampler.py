@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch, top_k_mask, top_p_floor
+from meshlm.scheduler.engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    argmax_rows,
+    top_k_mask,
+    top_p_floor,
+)
 from meshlm.scheduler.engine.sequence import SamplingParams
 
 CPU = torch.device("cpu")
@@ -31,6 +37,18 @@ def test_greedy_is_exact_argmax() -> None:
     b = batch([SamplingParams(temperature=0.0)] * 16)
     assert b.all_greedy
     assert sample(logits, b) == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax(dtype: torch.dtype) -> None:
+    """Ties go to the first id, a NaN wins, strided rows read right: as torch's argmax."""
+    logits = torch.randn(9, 300, generator=torch.Generator().manual_seed(3)).to(dtype)
+    logits[1, 7] = logits[1, 250] = 50.0
+    logits[2, 40] = float("nan")
+    logits[3] = float("-inf")
+    for view in (logits, logits[:, ::3], logits.t().contiguous().t()):
+        assert torch.equal(argmax_rows(view), view.argmax(dim=-1))
+    assert argmax_rows(logits)[1] == 7 and argmax_rows(logits)[2] == 40
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:

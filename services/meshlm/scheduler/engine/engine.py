@@ -261,11 +261,12 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - one bad batch must not kill the service
             log.exception("execute_failed", seqs=len(plan.items), tokens=plan.num_tokens)
             return ExecResult(error=f"{type(e).__name__}: {e}")
-        log.debug(
-            "executed", seqs=len(plan.items), tokens=plan.num_tokens,
-            prefill_tokens=plan.num_prefill_tokens,
-            ms=round((time.perf_counter() - start) * 1e3, 3),
-        )
+        if log.debugging():  # its fields cost a pass over the plan: not for nothing
+            log.debug(
+                "executed", seqs=len(plan.items), tokens=plan.num_tokens,
+                prefill_tokens=plan.num_prefill_tokens,
+                ms=round((time.perf_counter() - start) * 1e3, 3),
+            )
         return ExecResult(items=items)
 
     def postprocess(self, plan: Plan | None, result: ExecResult | None) -> list[StepOutput]:

@@ -23,7 +23,7 @@ from meshlm.scheduler.engine.kv_cache import (
     long_tensor,
 )
 from meshlm.scheduler.engine.logprobs import chosen_and_top, log_softmax, of_token_ids, top
-from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch
+from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch, argmax_rows
 from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, Sequence
 from meshlm.scheduler.kernels.native import Kernels
 from meshlm.scheduler.models import llama_fused
@@ -80,16 +80,22 @@ class ModelRunner:
         # each prefill-only item that wants logprobs there, then prompt positions whose next
         # token's logprob is asked for.
         offsets = _offsets(items)
-        self._pool(items, offsets, hidden, results)
-        ends = [i for i, item in enumerate(items) if item.sample and item.seq.embed is None]
-        drawing = [i for i in ends if not items[i].seq.prefill_only]
-        peeking = [i for i in ends if items[i].seq.wants_next_logprobs]
+        peeking: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[tuple[int, int]] = []
+        if any(_asks_more(item.seq) for item in items):
+            self._pool(items, offsets, hidden, results)
+            ends = [i for i, item in enumerate(items) if item.sample and item.seq.embed is None]
+            drawing = [i for i in ends if not items[i].seq.prefill_only]
+            peeking = [i for i in ends if items[i].seq.wants_next_logprobs]
+            prompt_rows, prompt_targets = self._prompt_logprob_rows(items, offsets)
+            _first_prompt_position(items, results)
+        else:  # every item draws its next token and wants nothing else
+            drawing = [i for i, item in enumerate(items) if item.sample]
         last_rows = [offsets[i] + items[i].num_tokens - 1 for i in drawing + peeking]
-        prompt_rows, prompt_targets = self._prompt_logprob_rows(items, offsets)
-        _first_prompt_position(items, results)
         if not last_rows and not prompt_rows:
             return results
-        rows = torch.tensor(last_rows + prompt_rows, dtype=torch.long, device=self.device)
+        rows = long_tensor(last_rows + prompt_rows, self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         if prompt_rows:
             self._prompt_logprobs(items, logits[len(last_rows):], prompt_targets, results)
@@ -184,9 +190,8 @@ class ModelRunner:
                 results: list[ItemResult]) -> None:
         chosen = [items[i] for i in sampling]
         seqs = [item.seq for item in chosen]
-        if all(s.params.plain_greedy and s.num_completion_tokens >= s.params.min_new_tokens
-               for s in seqs):  # the common case: argmax, nothing else to build or track
-            for i, token in zip(sampling, logits.argmax(dim=-1).tolist(), strict=True):
+        if all(_plain(s) for s in seqs):  # the common case: argmax, nothing to build or track
+            for i, token in zip(sampling, argmax_rows(logits).tolist(), strict=True):
                 results[i].token = token
             return
         rows = torch.tensor([_row_of(item) for item in chosen], dtype=torch.long,
@@ -274,6 +279,21 @@ def _position_logprobs(seqs: list[Sequence], targets: list[int], logp: Tensor,
     values = of_token_ids(logp, asked, [seqs[j].params.token_ids_logprob for j in asked])
     for j, pairs in zip(asked, values, strict=True):
         results[targets[j]].token_ids_logprobs = pairs
+
+
+def _plain(seq: Sequence) -> bool:
+    """Its next token is the logits' argmax: greedy, no penalty, no logprobs, and no id
+    banned by min_new_tokens any more."""
+    params = seq.params
+    return params.plain_greedy and (
+        not params.min_new_tokens
+        or len(seq.token_ids) - seq.num_prompt_tokens >= params.min_new_tokens)
+
+
+def _asks_more(seq: Sequence) -> bool:
+    """Logprobs, an embedding or the prompt alone (max_new_tokens 0): more than a token."""
+    params = seq.params
+    return params.return_logprob or seq.embed is not None or params.max_new_tokens == 0
 
 
 def _offsets(items: list[ScheduledSeq]) -> list[int]:

@@ -7,6 +7,7 @@ Plain dataclasses without torch, shared by the policy (loop thread) and the mode
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
 from meshlm.scheduler.engine.block_manager import BlockTable
@@ -44,10 +45,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    @property
+    @functools.cached_property
     def plain_greedy(self) -> bool:
         """Greedy, without penalties or logprobs: the token is the raw logits' argmax (once
-        min_new_tokens allows every id), and the row's token statistics are never read."""
+        min_new_tokens allows every id), and the row's token statistics are never read.
+        Asked every step for every row, so kept (these fields do not change once queued)."""
         return (self.temperature < GREEDY_EPS and self.repetition_penalty == 1.0
                 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
                 and not self.return_logprob)

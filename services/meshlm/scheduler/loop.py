@@ -355,45 +355,60 @@ class EngineLoop:
         becomes the error its expiry or forfeit calls for)."""
         by_detokenizer: dict[str, list[detokenizer_pb2.TokenOutput | Plain]] = {}
         now = time.time()
+        tracked_of = self.tracked.get
         for out in outputs:
-            tracked = self.tracked.get(out.rid)
+            tracked = tracked_of(out.rid)
             if tracked is None:
                 continue
-            if out.new_token_ids and tracked.first_token_at is None:
-                tracked.first_token_at = now
-                tracked.span.add_event("first_token")
-                self.events.record("first", out.rid)
-            if out.finished and tracked.expired and out.finish_reason == "abort":
-                tracked.error_code = Code.DEADLINE_EXCEEDED
-                out = dataclasses.replace(out, finish_reason="error", error=(
-                    f"the client's deadline passed after {out.completion_tokens} tokens"))
-            elif tracked.forfeit and not out.finished:
-                continue  # nobody waits for its tokens: only its end is sent
-            elif tracked.forfeit and out.finish_reason == "abort":
-                tracked.error_code = Code.UNAVAILABLE
-                out = dataclasses.replace(out, finish_reason="error", error=tracked.forfeit)
-            elif tracked.cancelled and out.finish_reason == "abort":
-                # Still an "abort" finish; the status says why, for the gateway's gRPC
-                # streams to end CANCELLED (HTTP keeps the finish_reason).
-                tracked.error_code = Code.CANCELLED
-                out = dataclasses.replace(out, error=ABORTED_ALL)
-            if tracked.hold > 1:
-                due = pacing.release(tracked, out)
-                if due is None:
-                    continue  # held back, to leave with the next tokens
-                out = due
-            if out.finished:
-                self.events.record("finish", out.rid)
-                del self.tracked[out.rid]
-                tracked.span.set_attribute("meshlm.finish_reason", out.finish_reason or "")
-                tracked.span.set_attribute("meshlm.completion_tokens", out.completion_tokens)
-                tracked.span.end()
-                if tracked.silent:
+            if (not out.finished and tracked.header_sent and tracked.hold <= 1
+                    and not tracked.forfeit and not tracked.return_logprob
+                    and out.embedding is None):
+                item: detokenizer_pb2.TokenOutput | Plain = wire.plain_item(out)
+            else:  # its first output or its last, held, logprobs, an embedding, given up
+                other = self._item(out, tracked, now)
+                if other is None:
                     continue
-            by_detokenizer.setdefault(tracked.detokenizer, []).append(
-                wire.token_item(out, tracked))
+                item = other
+            by_detokenizer.setdefault(tracked.detokenizer, []).append(item)
         for address, items in by_detokenizer.items():
             await self.sink.get(address).put(items)
+
+    def _item(self, out: StepOutput, tracked: Tracked, now: float
+              ) -> detokenizer_pb2.TokenOutput | Plain | None:
+        """What `_emit` sends of any output but a running request's plain next tokens; None
+        when nothing leaves now (held back, given up, finished elsewhere)."""
+        if out.new_token_ids and tracked.first_token_at is None:
+            tracked.first_token_at = now
+            tracked.span.add_event("first_token")
+            self.events.record("first", out.rid)
+        if out.finished and tracked.expired and out.finish_reason == "abort":
+            tracked.error_code = Code.DEADLINE_EXCEEDED
+            out = dataclasses.replace(out, finish_reason="error", error=(
+                f"the client's deadline passed after {out.completion_tokens} tokens"))
+        elif tracked.forfeit and not out.finished:
+            return None  # nobody waits for its tokens: only its end is sent
+        elif tracked.forfeit and out.finish_reason == "abort":
+            tracked.error_code = Code.UNAVAILABLE
+            out = dataclasses.replace(out, finish_reason="error", error=tracked.forfeit)
+        elif tracked.cancelled and out.finish_reason == "abort":
+            # Still an "abort" finish; the status says why, for the gateway's gRPC
+            # streams to end CANCELLED (HTTP keeps the finish_reason).
+            tracked.error_code = Code.CANCELLED
+            out = dataclasses.replace(out, error=ABORTED_ALL)
+        if tracked.hold > 1:
+            due = pacing.release(tracked, out)
+            if due is None:
+                return None  # held back, to leave with the next tokens
+            out = due
+        if out.finished:
+            self.events.record("finish", out.rid)
+            del self.tracked[out.rid]
+            tracked.span.set_attribute("meshlm.finish_reason", out.finish_reason or "")
+            tracked.span.set_attribute("meshlm.completion_tokens", out.completion_tokens)
+            tracked.span.end()
+            if tracked.silent:
+                return None
+        return wire.token_item(out, tracked)
 
     def close(self) -> None:
         self.watchdog.close()

@@ -50,9 +50,14 @@ def token_item(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput
     embedding) as a whole TokenOutput."""
     if (tracked.header_sent and not out.finished and out.embedding is None
             and not tracked.return_logprob):
-        return (out.rid, out.new_token_ids, out.prompt_tokens, out.completion_tokens,
-                out.cached_tokens, "")
+        return plain_item(out)
     return token_output(out, tracked)
+
+
+def plain_item(out: StepOutput) -> Plain:
+    """A running request's new ids and counts, packed (its header gone, no logprobs)."""
+    return (out.rid, out.new_token_ids, out.prompt_tokens, out.completion_tokens,
+            out.cached_tokens, "")
 
 
 def token_output(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:

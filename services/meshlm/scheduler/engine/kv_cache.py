@@ -125,12 +125,14 @@ def build_attention_meta(items: list[StepItem], block_size: int, device: torch.d
     decodes: list[tuple[int, list[int], int]] = []  # (packed row, table, position)
     chunks: list[ChunkSpan] = []
     for item in items:
-        a, end = len(slots), item.start + item.num_tokens
+        a, start, end = len(slots), item.start, item.start + item.num_tokens
         blocks = item.blocks
-        slots += [blocks[p // bs] * bs + p % bs for p in range(item.start, end)]
-        if item.num_tokens == 1:
-            decodes.append((a, blocks[: item.start // bs + 1], item.start))
+        if item.num_tokens == 1:  # a decode: most items
+            block, offset = divmod(start, bs)
+            slots.append(blocks[block] * bs + offset)
+            decodes.append((a, blocks[: block + 1], start))
         else:
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
             table = long_tensor(blocks[: -(-end // bs)], device)
             chunks.append(ChunkSpan(a, len(slots), item.start, table))
     decodes.sort(key=lambda d: len(d[1]))

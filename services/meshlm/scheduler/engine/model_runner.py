@@ -133,8 +133,16 @@ class ModelRunner:
                     results[i].embedding = F.normalize(vector, dim=-1).tolist()
 
     def _prepare(self, items: list[ScheduledSeq]) -> tuple[Tensor, Tensor, AttentionMeta]:
-        ids = [t for item in items for t in item.seq.token_ids[item.start : item.end]]
-        pos = [p for item in items for p in range(item.start, item.end)]
+        ids: list[int] = []
+        pos: list[int] = []
+        for item in items:
+            start = item.start
+            if item.num_tokens == 1:  # a decode: most items
+                ids.append(item.seq.token_ids[start])
+                pos.append(start)
+            else:
+                ids += item.seq.token_ids[start : item.end]
+                pos += range(start, item.end)
         meta = build_attention_meta(
             [StepItem(item.seq.table.blocks, item.start, item.num_tokens) for item in items],
             self.block_size, self.device,

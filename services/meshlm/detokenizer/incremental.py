@@ -136,6 +136,25 @@ class DecodeStreamDetokenizer(IncrementalDetokenizer):
             skip_special_tokens=self._skip_special_tokens)
         self._decoded_upto = 0  # ids before this index are all in the text produced
 
+    def push(self, token_ids: Sequence[int]) -> str:
+        """One new id and no stop strings (a running request's every step, as a rule): the
+        stream's step alone, without the general path's chunk list and stop handling."""
+        if len(token_ids) != 1 or self._stops or self._stream is None or self._done:
+            return super().push(token_ids)
+        ids = self._ids
+        ids.append(token_ids[0])
+        try:
+            chunk = self._stream.step(self._tokenizer, token_ids[0])
+        except Exception:  # rejected ("invalid prefix"): the general path's fallback
+            self._stream = None
+            chunk = self._decode_by_full_text(0)
+        else:
+            if chunk is None:
+                return ""
+            self._decoded_upto = len(ids)
+        self._raw_len += len(chunk)
+        return chunk
+
     def _decode_new(self, start: int) -> str:
         if self._stream is None:
             return self._decode_by_full_text(0)

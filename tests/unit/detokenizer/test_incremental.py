@@ -268,20 +268,24 @@ def test_skip_special_tokens(factory: str) -> None:
     assert "".join(pushed) + tail == "<|begin_of_text|><|im_start|>assistant\nHi!"
 
 
-def test_decode_stream_failure_falls_back_exactly() -> None:
+@pytest.mark.parametrize(("stop", "expected"), [
+    (["sat"], "Tomas laughed 😀 and "),  # the general path
+    ([], "Tomas laughed 😀 and sat down."),  # one id a push and no stops: push's short path
+])
+def test_decode_stream_failure_falls_back_exactly(stop: list[str], expected: str) -> None:
     class Broken:
         def step(self, tokenizer: Tokenizer, token_id: int) -> str | None:
             raise RuntimeError("Invalid prefix encountered")
 
     tok = default_tokenizer()
     ids = tok.encode("Tomas laughed 😀 and sat down.", add_special_tokens=False).ids
-    det = make_detokenizer(tok, skip_special_tokens=True, stop=["sat"])
+    det = make_detokenizer(tok, skip_special_tokens=True, stop=stop)
     first = "".join(det.push([i]) for i in ids[:5])
     assert isinstance(det, DecodeStreamDetokenizer)
     det._stream = Broken()  # type: ignore[assignment]
     rest, tail = stream(det, ids[5:], [1])
-    assert first + "".join(rest) + tail == "Tomas laughed 😀 and "
-    assert det.matched_stop == "sat"
+    assert first + "".join(rest) + tail == expected
+    assert det.matched_stop == (stop[0] if stop else None)
 
 
 def test_empty_pushes_and_no_ids() -> None:

@@ -15,9 +15,11 @@ import grpc
 import httpx
 import openai
 import orjson
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshlm.common.default_model import BOS_TOKEN, IM_END_TOKEN, IM_START_TOKEN
+from meshlm.gateway.mesh.registry import key
 from meshlm.launch.mesh import Mesh, MeshOptions
 from meshlm.v1 import scheduler_pb2, scheduler_pb2_grpc
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -254,6 +256,13 @@ class Stream:
 
     def code(self) -> grpc.StatusCode | None:
         return self.error.code() if self.error is not None else None
+
+
+def routes(registry: redis.Redis, rid: str) -> dict[str, str]:
+    """`rid`'s record in the RID registry (where it runs), once it has one."""
+    wait_until(lambda: registry.hget(key(rid), "detokenizer") is not None,
+               what=f"{rid}'s record")
+    return registry.hgetall(key(rid))
 
 
 def end_spared(stub, streams: list[Stream]) -> None:

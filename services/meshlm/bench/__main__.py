@@ -51,6 +51,7 @@ from meshlm.bench.mesh_report import (
     placement_lines,
     report,
     rounds_line,
+    saturated_line,
 )
 from meshlm.bench.pinning import (
     CpuPlan,
@@ -61,6 +62,7 @@ from meshlm.bench.pinning import (
 )
 from meshlm.bench.proc_cpu import cpu_delta, snapshot
 from meshlm.bench.raw_http import SsePool
+from meshlm.bench.saturated import Arrivals
 from meshlm.bench.transport_floor import grpc_message_floor_us, http_event_floor_us
 from meshlm.bench.workload import output_lengths
 from meshlm.common.default_model import ensure_default_model
@@ -81,28 +83,37 @@ def prompt(i: int, length: int) -> str:
 
 @dataclass(frozen=True)
 class Saturation:
-    """The saturation phase: `requests` (prompt, output tokens) kept `concurrency` at a time
-    (in-process: the engine's running batch refills at once; in the mesh: each client starts
-    its next request when one ends)."""
+    """The saturation phase: `requests` (prompt, output tokens) run `concurrency` at a time
+    (the engine's max_running). In-process every request is queued at once, so the running
+    batch refills within the step that frees a slot; in the mesh the client keeps `in_flight`
+    requests going, starting the next when one ends: as many as the slots (the default), each
+    freed slot waits for the client's next request to cross the mesh; more, and the
+    scheduler's own queue refills it, as the in-process engine's does."""
 
     requests: tuple[tuple[str, int], ...]
     concurrency: int
+    in_flight: int
 
     @classmethod
-    def build(cls, n: int, concurrency: int, mean_tokens: int, fixed: bool) -> Saturation:
+    def build(cls, n: int, concurrency: int, mean_tokens: int, fixed: bool,
+              in_flight: int = 0) -> Saturation:
         """`n` requests of 16-word prompts; output lengths exponential with `mean_tokens`
-        (seeded, clipped to [1, 4 x mean]) or, `fixed`, all `mean_tokens`."""
+        (seeded, clipped to [1, 4 x mean]) or, `fixed`, all `mean_tokens`; `in_flight` 0:
+        `concurrency`."""
         lengths = ([mean_tokens] * n if fixed
                    else output_lengths(n, mean_tokens, 1, 4 * mean_tokens, seed=SEED))
-        return cls(tuple((prompt(i, 16), k) for i, k in enumerate(lengths)), concurrency)
+        return cls(tuple((prompt(i, 16), k) for i, k in enumerate(lengths)), concurrency,
+                   in_flight or concurrency)
 
     @property
     def tokens(self) -> int:
         return sum(k for _, k in self.requests)
 
     def describe(self) -> str:
+        kept = ("" if self.in_flight == self.concurrency
+                else f", the mesh's client keeping {self.in_flight} in flight")
         return (f"{len(self.requests)} requests ({self.tokens} output tokens) at concurrency "
-                f"{self.concurrency}")
+                f"{self.concurrency}{kept}")
 
 
 async def _limited(concurrency: int, calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
@@ -166,13 +177,23 @@ class InProcess:
         for i, (p, (_, new_tokens)) in enumerate(zip(ids, self.sat.requests, strict=True)):
             self._add(f"s{r}-{i}", p, new_tokens)
         tokens, longest, before = 0, 0.0, time.perf_counter()
+        arrivals = Arrivals()
         while engine.has_work():
-            tokens += sum(len(o.new_token_ids) for o in engine.step())
+            outputs = engine.step()
             after = time.perf_counter()
+            came = 0
+            for o in outputs:
+                n = len(o.new_token_ids)
+                came += n
+                if n and o.completion_tokens == n:
+                    arrivals.first(after)
+            tokens += came
+            arrivals.add(after, came)
             longest, before = max(longest, after - before), after
         return Result("in-process", ttft, tokens, time.perf_counter() - start,
                       cpu={"engine": time.process_time() - cpu_start}, spaced_ttft=spaced,
-                      steps=engine.stats()["steps_total"] - steps, longest_gap=longest)
+                      steps=engine.stats()["steps_total"] - steps, longest_gap=longest,
+                      saturated=arrivals.window(self.sat.concurrency))
 
 
 # -- mesh over gRPC ---------------------------------------------------------------------------
@@ -201,8 +222,8 @@ class Gaps:
         return now
 
 
-async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_tokens: int
-                    ) -> Streamed:
+async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_tokens: int,
+                    arrivals: Arrivals | None = None) -> Streamed:
     req = pb.TextGenerateRequest(text=text, stream=True, sampling_params=pb.SamplingParams(
         temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
     start = time.perf_counter()
@@ -213,6 +234,10 @@ async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_toke
         now = gaps.seen()
         if first is None:
             first = now - start
+            if arrivals is not None:
+                arrivals.first(now)
+        if arrivals is not None:
+            arrivals.add(now, len(msg.output_ids))
         if msg.finished:
             tokens = int(msg.meta_info["completion_tokens"])
     return Streamed(first or 0.0, tokens, gaps.longest)
@@ -233,29 +258,40 @@ async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
         ttft = [(await _grpc_one(stub, prompt(i, 16), 1)).ttft
                 for i in tqdm(range(n_ttft), desc="grpc ttft", leave=False)]
         steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
-        results = await _limited(sat.concurrency, [
-            functools.partial(_grpc_one, stub, text, k) for text, k in sat.requests])
+        arrivals = Arrivals()
+        results = await _limited(sat.in_flight, [
+            functools.partial(_grpc_one, stub, text, k, arrivals) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
         return Result("mesh gRPC", ttft, sum(r.tokens for r in results), seconds, cpu,
                       steps=steps() - steps_before,
-                      longest_gap=max(r.longest_gap for r in results))
+                      longest_gap=max(r.longest_gap for r in results),
+                      saturated=arrivals.window(sat.concurrency))
 
 
 # -- mesh over HTTP ---------------------------------------------------------------------------
 
-async def _http_one(pool: SsePool, text: str, new_tokens: int) -> Streamed:
+async def _http_one(pool: SsePool, text: str, new_tokens: int,
+                    arrivals: Arrivals | None = None) -> Streamed:
     body = orjson.dumps({"text": text, "stream": True, "sampling_params": {
         "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
     start = time.perf_counter()
     first = None
     last = b""
     gaps = Gaps()
+    came = 0  # tokens so far (each event's meta_info counts them all)
     async for event in pool.events("/generate", body):
         if not event.startswith(b"data: ") or event == b"data: [DONE]":
             continue
         now = gaps.seen()
         if first is None:
             first = now - start
+            if arrivals is not None:
+                arrivals.first(now)
+        if arrivals is not None:
+            at = event.rfind(b'"completion_tokens":') + len(b'"completion_tokens":')
+            so_far = int(event[at:event.find(b",", at)])
+            arrivals.add(now, so_far - came)
+            came = so_far
         last = event
     tokens = int(orjson.loads(last[6:])["meta_info"]["completion_tokens"]) if last else 0
     return Streamed(first or 0.0, tokens, gaps.longest)
@@ -271,12 +307,14 @@ async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
         ttft = [(await _http_one(pool, prompt(i, 16), 1)).ttft
                 for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
         steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
-        results = await _limited(sat.concurrency, [
-            functools.partial(_http_one, pool, text, k) for text, k in sat.requests])
+        arrivals = Arrivals()
+        results = await _limited(sat.in_flight, [
+            functools.partial(_http_one, pool, text, k, arrivals) for text, k in sat.requests])
         seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
         return Result("mesh HTTP", ttft, sum(r.tokens for r in results), seconds, cpu,
                       steps=steps() - steps_before,
-                      longest_gap=max(r.longest_gap for r in results))
+                      longest_gap=max(r.longest_gap for r in results),
+                      saturated=arrivals.window(sat.concurrency))
     finally:
         pool.close()
 
@@ -362,6 +400,10 @@ def _pin_all_but_schedulers(mesh: Mesh, cpus: frozenset[int]) -> None:
 @click.option("--saturation-requests", default=256, show_default=True)
 @click.option("--concurrency", default=64, show_default=True,
               help="requests in flight in the saturation phase (and the engine's max_running)")
+@click.option("--in-flight", default=0, show_default=True,
+              help="requests the mesh's client keeps in flight in the saturation phase (0: "
+                   "--concurrency; more keeps some waiting in the scheduler, as the in-process "
+                   "engine's queue holds every request from the start)")
 @click.option("--new-tokens", default=128, show_default=True,
               help="mean output tokens per request (exponential, seeded; see --fixed-tokens)")
 @click.option("--fixed-tokens", is_flag=True,
@@ -379,7 +421,7 @@ def _pin_all_but_schedulers(mesh: Mesh, cpus: frozenset[int]) -> None:
               help="rounds of in-process, gRPC and HTTP in turn; each path's figures are over "
                    "all its rounds")
 def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_requests: int,
-         concurrency: int, new_tokens: int, fixed_tokens: bool, engine_threads: int,
+         concurrency: int, in_flight: int, new_tokens: int, fixed_tokens: bool, engine_threads: int,
          pin: bool | None, engine_cpus: str, rounds: int) -> None:
     model_path = model_path or str(ensure_default_model())
     if pin is None:
@@ -391,9 +433,12 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
         except ValueError as e:
             raise click.UsageError(str(e)) from None
     threads = engine_threads or (len(plan.engine) if plan else 0)
-    sat = Saturation.build(saturation_requests, concurrency, new_tokens, fixed_tokens)
+    sat = Saturation.build(saturation_requests, concurrency, new_tokens, fixed_tokens,
+                           in_flight)
     if rounds < 1:
         raise click.UsageError("--rounds must be at least 1")
+    if in_flight < 0:
+        raise click.UsageError("--in-flight must be 0 (as many as --concurrency) or more")
     by_round, cpus = run_rounds(model_path, warmup_requests, ttft_requests, sat, threads, plan,
                                 rounds)
     engine, grpc_r, http_r = (Result.merged(rs) for rs in by_round.values())
@@ -415,6 +460,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     print()
     print(report([engine, grpc_r, http_r]))
     print(rounds_line(by_round))
+    print(saturated_line([engine, grpc_r, http_r], sat.concurrency))
     print(batching_line([engine, grpc_r, http_r]))
     print()
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):

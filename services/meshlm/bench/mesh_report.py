@@ -48,6 +48,8 @@ class Result:
     # seconds (the mesh: between two streamed messages, as its client sees them; in-process:
     # the longest engine step). A pause anywhere on the path (a collection, a stall) shows here.
     longest_gap: float = 0.0
+    # The phase's (tokens, seconds) while every slot was busy (saturated.py).
+    saturated: tuple[int, float] = (0, 0.0)
 
     @classmethod
     def merged(cls, rounds: list[Result]) -> Result:
@@ -59,7 +61,8 @@ class Result:
         return cls(rounds[0].name, [t for r in rounds for t in r.ttft],
                    sum(r.tokens for r in rounds), sum(r.seconds for r in rounds), dict(cpu),
                    [t for r in rounds for t in r.spaced_ttft], sum(r.steps for r in rounds),
-                   max(r.longest_gap for r in rounds))
+                   max(r.longest_gap for r in rounds),
+                   (sum(r.saturated[0] for r in rounds), sum(r.saturated[1] for r in rounds)))
 
     @property
     def p50(self) -> float:
@@ -119,6 +122,34 @@ def rounds_line(by_round: Mapping[str, list[Result]]) -> str:
                               for r, e in zip(rounds, engine, strict=True))
             parts.append(f"{name} {ratios}")
     return f"throughput / in-process by round: {'; '.join(parts)}"
+
+
+def saturated_line(results: list[Result], concurrency: int) -> str:
+    """Each path's throughput while every slot was busy (saturated.py), and the mesh's over
+    the in-process engine's: the whole phase's ratio less its ramp and its drain, where steps
+    of a few rows carry the mesh's per-step work over very few tokens."""
+    engine = results[0]
+    if not all(r.saturated[1] > 0 for r in results):
+        return "throughput while every slot was busy: no request waited for a slot"
+    inside = {r.name: r.saturated[0] / r.saturated[1] for r in results}
+    outside = {r.name: _outside(r) for r in results}
+    parts = [f"{engine.name} {inside[engine.name]:.1f} tok/s ({_share(engine):.0%} of its "
+             f"tokens; {outside[engine.name]:.1f} outside it)"]
+    parts += [f"{r.name} {inside[r.name]:.1f} ({inside[r.name] / inside[engine.name]:.2f}x; "
+              f"{_share(r):.0%}; outside it {outside[r.name] / outside[engine.name]:.2f}x)"
+              for r in results[1:]]
+    return (f"throughput while every slot was busy (from the {concurrency}th request's first "
+            f"token to the last request's): {', '.join(parts)}")
+
+
+def _share(r: Result) -> float:
+    return r.saturated[0] / r.tokens if r.tokens else 0.0
+
+
+def _outside(r: Result) -> float:
+    """Tokens per second in the ramp and the drain together."""
+    seconds = r.seconds - r.saturated[1]
+    return (r.tokens - r.saturated[0]) / seconds if seconds > 0 else 0.0
 
 
 def batching_line(results: list[Result]) -> str:

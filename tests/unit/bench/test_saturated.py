@@ -1,0 +1,43 @@
+"""saturated: the saturation phase's throughput while every slot is busy, without its ramp and
+its drain."""
+
+from __future__ import annotations
+
+from meshlm.bench.mesh_report import Result, saturated_line
+from meshlm.bench.saturated import Arrivals
+
+
+def test_the_window_runs_from_the_last_slot_filled_to_the_last_request_started() -> None:
+    arrivals = Arrivals()
+    for when in (0.0, 0.1, 0.2, 1.0, 2.0):  # two slots: the second is filled at 0.1
+        arrivals.first(when)
+    for when, tokens in ((0.05, 5), (0.1, 7), (0.5, 11), (2.0, 13), (2.5, 17)):
+        arrivals.add(when, tokens)
+    # Tokens after 0.1 up to 2.0: those of the ramp and the drain are left out.
+    assert arrivals.window(2) == (11 + 13, 2.0 - 0.1)
+
+
+def test_no_window_when_no_request_waited_for_a_slot() -> None:
+    arrivals = Arrivals()
+    arrivals.first(0.0)
+    arrivals.first(0.1)
+    arrivals.add(0.2, 3)
+    assert arrivals.window(2) == (0, 0.0)
+
+
+def test_the_line_gives_each_paths_rate_its_ratio_and_its_share_of_the_tokens() -> None:
+    engine = Result("in-process", [0.01], tokens=1000, seconds=1.0, saturated=(800, 0.5))
+    mesh = Result("mesh gRPC", [0.01], tokens=1000, seconds=1.2, saturated=(700, 0.5))
+    assert saturated_line([engine, mesh], 64) == (
+        "throughput while every slot was busy (from the 64th request's first token to the "
+        "last request's): in-process 1600.0 tok/s (80% of its tokens; 400.0 outside it), "
+        "mesh gRPC 1400.0 (0.88x; 70%; outside it 1.07x)")
+    unmeasured = Result("mesh HTTP", [0.01], tokens=10, seconds=1.0)
+    assert saturated_line([engine, unmeasured], 64) == (
+        "throughput while every slot was busy: no request waited for a slot")
+
+
+def test_merged_rounds_add_their_windows() -> None:
+    rounds = [Result("mesh gRPC", [0.01], tokens=10, seconds=1.0, saturated=(8, 0.5)),
+              Result("mesh gRPC", [0.01], tokens=20, seconds=2.0, saturated=(12, 1.5))]
+    assert Result.merged(rounds).saturated == (20, 2.0)

@@ -223,7 +223,8 @@ def mesh_redis(mesh: Mesh) -> Any:
 class Stream:
     """A streaming TextGenerate drained in a thread; records how and when it ended (long by
     default: 1900 tokens, ignore_eos). Made once its first message is in (it is being
-    generated), unless `wait_first` is False (a request that may be stuck on its way)."""
+    generated), unless `wait_first` is False: a request that may be stuck on its way, or one
+    of several started together (`streaming`)."""
 
     def __init__(self, stub, text: str, *, dp_rank: int | None = None,
                  max_new_tokens: int = 1900, wait_first: bool = True) -> None:
@@ -235,15 +236,27 @@ class Stream:
         self.messages = [next(self.call)] if wait_first else []
         self.error: grpc.RpcError | None = None
         self.ended_at = 0.0
+        self.first_in = threading.Event()  # its first message came, or it ended without one
+        if self.messages:
+            self.first_in.set()
         self.thread = threading.Thread(target=self._drain, daemon=True)
         self.thread.start()
 
     def _drain(self) -> None:
         try:
-            self.messages.extend(self.call)
+            for message in self.call:
+                self.messages.append(message)
+                self.first_in.set()
         except grpc.RpcError as e:
             self.error = e
         self.ended_at = time.monotonic()
+        self.first_in.set()
+
+    def started(self, timeout: float = 60) -> Stream:
+        """Wait for its first message (it is being generated)."""
+        assert self.first_in.wait(timeout), f"{self.rid}: no first message in {timeout} s"
+        assert self.messages, f"{self.rid}: ended before its first message: {self.error}"
+        return self
 
     def join(self, timeout: float = 60) -> Stream:
         self.thread.join(timeout)
@@ -256,6 +269,16 @@ class Stream:
 
     def code(self) -> grpc.StatusCode | None:
         return self.error.code() if self.error is not None else None
+
+
+def streaming(streams: list[Stream]) -> list[Stream]:
+    """`streams`, made with wait_first=False so that they start together, once each has its
+    first message: a fault that follows then meets every one mid-stream, however slow the
+    machine (made one after another, the first could finish while the last waits for its
+    first token)."""
+    for s in streams:
+        s.started()
+    return streams
 
 
 def routes(registry: redis.Redis, rid: str) -> dict[str, str]:

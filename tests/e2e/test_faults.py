@@ -21,6 +21,7 @@ from helpers import (
     scheduler_busy,
     server_info,
     serves,
+    streaming,
     text_request,
     wait_until,
 )
@@ -53,8 +54,10 @@ def assert_ended_unavailable(streams: list[Stream], killed_at: float) -> None:
 
 
 def test_scheduler_killed_mid_stream(mesh2, stub, registry):
-    doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0) for i in range(3)]
-    spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300) for i in range(2)]
+    doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0, wait_first=False) for i in range(3)]
+    spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300, wait_first=False)
+              for i in range(2)]
+    streaming(doomed + spared)
     killed_at = time.monotonic()
     mesh2.kill(replica(mesh2, "scheduler", 0))
     assert_ended_unavailable(doomed, killed_at)
@@ -79,7 +82,8 @@ def test_scheduler_killed_mid_stream(mesh2, stub, registry):
 
 
 def test_detokenizer_killed_mid_stream(mesh2, stub, registry):
-    streams = [Stream(stub, f"detok {i} {uuid.uuid4().hex}") for i in range(6)]
+    streams = streaming([Stream(stub, f"detok {i} {uuid.uuid4().hex}", wait_first=False)
+                         for i in range(6)])
     victim = mesh2.replicas("detokenizer")[0]
     # Killed as soon as they stream (their routes are read from the registry after), so none
     # can finish first, however slow the machine is between the steps of this test.

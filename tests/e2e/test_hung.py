@@ -24,6 +24,7 @@ from helpers import (
     routes,
     scheduler_busy,
     serves,
+    streaming,
     text_request,
     wait_until,
 )
@@ -60,9 +61,10 @@ def assert_ended_unavailable_in_time(streams: list[Stream], stopped_at: float,
 
 def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
     victim, other = mesh2.replicas("scheduler")
-    doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0) for i in range(3)]
-    spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300)
+    doomed = [Stream(stub, f"on rank 0 #{i}", dp_rank=0, wait_first=False) for i in range(3)]
+    spared = [Stream(stub, f"on rank 1 #{i}", dp_rank=1, max_new_tokens=300, wait_first=False)
               for i in range(2)]
+    streaming(doomed + spared)
     with stopped(mesh2, victim.name) as stopped_at:
         # The load and info calls answer within LOAD_TIMEOUT: the stopped one with its error.
         asked = time.monotonic()
@@ -103,7 +105,8 @@ def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
 
 
 def test_detokenizer_stopped_mid_stream(mesh2, stub, registry):
-    streams = [Stream(stub, f"detok {i} {uuid.uuid4().hex}") for i in range(6)]
+    streams = streaming([Stream(stub, f"detok {i} {uuid.uuid4().hex}", wait_first=False)
+                         for i in range(6)])
     victim = mesh2.replicas("detokenizer")[0]
     # Stopped as soon as they stream (their routes are read from the registry meanwhile), so
     # none can finish first, however slow the machine is between the steps of this test.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -60,7 +61,9 @@ def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_concurrent_builds_agree(tmp_path: Path) -> None:
-    with ProcessPoolExecutor(4) as pool:
+    # spawn, not fork: a fork taken while this process runs gRPC or torch threads (the e2e
+    # meshes share the pytest process in CI) can copy a held lock and hang the child.
+    with ProcessPoolExecutor(4, mp_context=multiprocessing.get_context("spawn")) as pool:
         paths = list(pool.map(dm.ensure_default_model, [str(tmp_path)] * 4))
     assert len(set(paths)) == 1
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["meshlm-tiny-v1"]

@@ -288,6 +288,20 @@ def routes(registry: redis.Redis, rid: str) -> dict[str, str]:
     return registry.hgetall(key(rid))
 
 
+def finished_in_full(streams: list[Stream], tokens: int) -> None:
+    """Streams a fault spared end as if nothing happened: finished, all `tokens` made."""
+    for s in streams:
+        assert s.join().finished, (s.rid, s.error)
+        assert s.messages[-1].meta_info["completion_tokens"] == str(tokens), s.rid
+
+
+def recorded_failed(registry: redis.Redis, streams: list[Stream]) -> None:
+    """Each of `streams` ends up recorded as failed in the RID registry."""
+    for s in streams:
+        wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "error",
+                   what=f"{s.rid} recorded as failed")
+
+
 def end_spared(stub, streams: list[Stream]) -> None:
     """Streams a fault spared end cleanly: each still streaming is aborted and ends with
     "abort"; one that ended meanwhile finished in full ("length": on a fast machine a long

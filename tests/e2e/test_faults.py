@@ -17,6 +17,8 @@ from helpers import (
     collect_text,
     dependencies,
     end_spared,
+    finished_in_full,
+    recorded_failed,
     routes,
     scheduler_busy,
     server_info,
@@ -61,12 +63,8 @@ def test_scheduler_killed_mid_stream(mesh2, stub, registry):
     killed_at = time.monotonic()
     mesh2.kill(replica(mesh2, "scheduler", 0))
     assert_ended_unavailable(doomed, killed_at)
-    for s in spared:
-        assert s.join().finished, (s.rid, s.error)
-        assert s.messages[-1].meta_info["completion_tokens"] == "300"
-    for s in doomed:
-        wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "error",
-                   what=f"{s.rid} recorded as failed")
+    finished_in_full(spared, 300)
+    recorded_failed(registry, doomed)
     # New requests go to the scheduler that is left, unless they insist on the dead one.
     for i in range(4):
         _, msgs = collect_text(stub, text_request(f"after the kill {i}", max_new_tokens=3))
@@ -97,9 +95,7 @@ def test_detokenizer_killed_mid_stream(mesh2, stub, registry):
     # The others keep streaming: abort them to end the test quickly, they end cleanly.
     end_spared(stub, spared)
     # The schedulers freed the doomed requests' slots (nobody is left to read them).
-    for s in doomed:
-        wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "error",
-                   what=f"{s.rid} recorded as failed")
+    recorded_failed(registry, doomed)
     wait_until(lambda: all(json_load.get("running") == 0 for json_load in loads(stub)),
                what="every scheduler to be idle")
     for i in range(4):

@@ -21,6 +21,8 @@ from helpers import (
     collect_text,
     dependencies,
     end_spared,
+    finished_in_full,
+    recorded_failed,
     routes,
     scheduler_busy,
     serves,
@@ -32,7 +34,6 @@ from two_of_each import mesh2, registry, stub  # noqa: F401 (fixtures)
 
 from meshlm.common.channels import DOWN_BOUND
 from meshlm.gateway.api.info import LOAD_TIMEOUT
-from meshlm.gateway.mesh.registry import key
 from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 
@@ -78,12 +79,8 @@ def test_scheduler_stopped_mid_stream(mesh2, stub, registry):
         assert info["max_total_num_tokens"] == (loads[1]["kv_blocks_total"]
                                                 * loads[1]["kv_block_size"])
         assert_ended_unavailable_in_time(doomed, stopped_at, "scheduler")
-        for s in spared:
-            assert s.join().finished, (s.rid, s.error)
-            assert s.messages[-1].meta_info["completion_tokens"] == "300"
-        for s in doomed:
-            wait_until(lambda s=s: registry.hget(key(s.rid), "state") == "error",
-                       what=f"{s.rid} recorded as failed")
+        finished_in_full(spared, 300)
+        recorded_failed(registry, doomed)
         # New requests go to the scheduler that answers, unless they insist on the stopped one.
         for i in range(4):
             rid = f"h-after-{uuid.uuid4().hex[:8]}"

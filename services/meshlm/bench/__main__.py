@@ -249,23 +249,30 @@ def engine_steps(stub: sglang_pb2_grpc.SglangServiceStub) -> int:
     return sum(int(load.get("steps_total", 0)) for load in loads)
 
 
+async def _drive(name: str, one: Callable[..., Awaitable[Streamed]], n_warm: int, n_ttft: int,
+                 sat: Saturation, measure: Callable[[], dict[str, float]],
+                 steps: Callable[[], int]) -> Result:
+    """One transport's round: `n_warm` requests, TTFT at concurrency 1, then the saturation
+    phase. `one(text, new_tokens, arrivals=None)` streams one request."""
+    for i in range(n_warm):
+        await one(prompt(i, 16), 2)
+    ttft = [(await one(prompt(i, 16), 1)).ttft
+            for i in tqdm(range(n_ttft), desc=f"{name.split()[-1].lower()} ttft", leave=False)]
+    steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
+    arrivals = Arrivals()
+    results = await _limited(sat.in_flight, [
+        functools.partial(one, text, k, arrivals) for text, k in sat.requests])
+    seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
+    return Result(name, ttft, sum(r.tokens for r in results), seconds, cpu,
+                  steps=steps() - steps_before, longest_gap=max(r.longest_gap for r in results),
+                  saturated=arrivals.window(sat.concurrency))
+
+
 async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
                      measure: Callable[[], dict[str, float]], steps: Callable[[], int]) -> Result:
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = sglang_pb2_grpc.SglangServiceStub(channel)
-        for i in range(n_warm):
-            await _grpc_one(stub, prompt(i, 16), 2)
-        ttft = [(await _grpc_one(stub, prompt(i, 16), 1)).ttft
-                for i in tqdm(range(n_ttft), desc="grpc ttft", leave=False)]
-        steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
-        arrivals = Arrivals()
-        results = await _limited(sat.in_flight, [
-            functools.partial(_grpc_one, stub, text, k, arrivals) for text, k in sat.requests])
-        seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
-        return Result("mesh gRPC", ttft, sum(r.tokens for r in results), seconds, cpu,
-                      steps=steps() - steps_before,
-                      longest_gap=max(r.longest_gap for r in results),
-                      saturated=arrivals.window(sat.concurrency))
+        one = functools.partial(_grpc_one, sglang_pb2_grpc.SglangServiceStub(channel))
+        return await _drive("mesh gRPC", one, n_warm, n_ttft, sat, measure, steps)
 
 
 # -- mesh over HTTP ---------------------------------------------------------------------------
@@ -302,19 +309,8 @@ async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
     url = httpx.URL(base)
     pool = SsePool(url.host, url.port or 80)
     try:
-        for i in range(n_warm):
-            await _http_one(pool, prompt(i, 16), 2)
-        ttft = [(await _http_one(pool, prompt(i, 16), 1)).ttft
-                for i in tqdm(range(n_ttft), desc="http ttft", leave=False)]
-        steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
-        arrivals = Arrivals()
-        results = await _limited(sat.in_flight, [
-            functools.partial(_http_one, pool, text, k, arrivals) for text, k in sat.requests])
-        seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
-        return Result("mesh HTTP", ttft, sum(r.tokens for r in results), seconds, cpu,
-                      steps=steps() - steps_before,
-                      longest_gap=max(r.longest_gap for r in results),
-                      saturated=arrivals.window(sat.concurrency))
+        one = functools.partial(_http_one, pool)
+        return await _drive("mesh HTTP", one, n_warm, n_ttft, sat, measure, steps)
     finally:
         pool.close()
 

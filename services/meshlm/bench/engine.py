@@ -281,6 +281,25 @@ def report_http(mesh: Result | None, serve: Result | None, concurrency: int) -> 
     return lines
 
 
+def run_each(runs: dict[str, Callable[[], Result]], skip: Sequence[str], failures: list[str],
+             label: str = "") -> dict[str, Result | None]:
+    """Run each of `runs` not in `skip`, one after another; a failure is appended to
+    `failures` ("<label><name> failed: ...") and leaves that result None."""
+    results: dict[str, Result | None] = dict.fromkeys(runs)
+    for name, run in runs.items():
+        if name in skip:
+            continue
+        try:
+            result = results[name] = run()
+        except Exception as e:  # noqa: BLE001 - report it, still measure the others
+            failures.append(f"{label}{name} failed: {type(e).__name__}: {e}")
+            tqdm.write(failures[-1])
+        else:
+            tqdm.write(f"{result.name}: {result.throughput:.1f} out tok/s")
+        gc.collect()
+    return results
+
+
 STAGES = ("engine", "batch1", "hf", "mesh", "serve")
 
 
@@ -330,19 +349,8 @@ def main(model_path: str, n_requests: int, seed: int, prompt_min: int, prompt_ma
         "serve": lambda: run_transformers_serve(model_path, requests, warmup, batch_size,
                                                 threads),
     }
-    results: dict[str, Result | None] = dict.fromkeys(STAGES)
-    failures = []
-    for stage, run in stages.items():
-        if stage in skip:
-            continue
-        try:
-            result = results[stage] = run()
-        except Exception as e:  # noqa: BLE001 - report it, still measure the other stages
-            failures.append(f"stage {stage} failed: {type(e).__name__}: {e}")
-            tqdm.write(failures[-1])
-        else:
-            tqdm.write(f"{result.name}: {result.throughput:.1f} out tok/s")
-        gc.collect()
+    failures: list[str] = []
+    results = run_each(stages, skip, failures, "stage ")
 
     print(f"\nmodel: {model_path} (Llama, float32, CPU)\n"
           f"workload: {n_requests} requests, seed {seed}; prompts {min(prompt_lens)}-"

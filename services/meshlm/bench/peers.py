@@ -20,7 +20,6 @@ two or more, `plots.py` draws throughput and TTFT p50 by concurrency into `--plo
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
 import tempfile
 import time
@@ -28,10 +27,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
-from tqdm import tqdm
 
 from meshlm.bench.checkpoint import MAX_POSITIONS, ensure_bench_model
-from meshlm.bench.engine import Result, run_http, run_mesh, run_transformers_serve
+from meshlm.bench.engine import (
+    Result,
+    run_each,
+    run_http,
+    run_mesh,
+    run_transformers_serve,
+)
 from meshlm.bench.llama_cpp import (
     LlamaCppServer,
     ensure_gguf,
@@ -152,25 +156,6 @@ def threads_said(threads: int, cpus: int) -> str:
             "engine's threads chosen at start-up, see its engine_threads log line)")
 
 
-def measure(runs: dict[str, Callable[[], Result]], skip: Sequence[str],
-            failures: list[str]) -> dict[str, Result | None]:
-    """Run each server not in `skip`, one after another; a failure is appended to `failures`
-    and leaves that server's result None."""
-    results: dict[str, Result | None] = dict.fromkeys(PEERS)
-    for peer, run in runs.items():
-        if peer in skip:
-            continue
-        try:
-            result = results[peer] = run()
-        except Exception as e:  # noqa: BLE001 - report it, still measure the other servers
-            failures.append(f"{peer} failed: {type(e).__name__}: {e}")
-            tqdm.write(failures[-1])
-        else:
-            tqdm.write(f"{result.name}: {result.throughput:.1f} out tok/s")
-        gc.collect()
-    return results
-
-
 def plot(results: dict[int, dict[str, Result | None]], plot_dir: Path, title: str,
          notes: list[str]) -> list[Path]:
     """Draw the charts of a sweep (`plots.py`) and return their paths; none with fewer than
@@ -225,7 +210,7 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
         failed: list[str] = []
         runs = servers(model_path, workload[:counts[c]], warmup, c, threads or cpus, threads,
                        weights)
-        results[c] = measure(runs, skip, failed)
+        results[c] = run_each(runs, skip, failed)
         failures += [f"concurrency {c}: {f}" for f in failed]
 
     tokens = {c: sum(r.max_new_tokens for r in workload[:n]) for c, n in counts.items()}

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from meshlm.bench import peers
-from meshlm.bench.engine import Result
+from meshlm.bench.engine import Result, run_each
 from meshlm.bench.workload import warmup_request
 
 
@@ -43,7 +43,7 @@ def test_requests_per_concurrency_are_at_least_four_waves() -> None:
     assert peers.requests_at(16, 4) == 16 and peers.requests_at(10, 4) == 16
 
 
-def test_measure_runs_in_order_skips_and_records_failures() -> None:
+def test_runs_in_order_skip_and_record_failures() -> None:
     order: list[str] = []
 
     def ok(name: str) -> Result:
@@ -56,11 +56,15 @@ def test_measure_runs_in_order_skips_and_records_failures() -> None:
 
     failures: list[str] = []
     runs = {"llama.cpp": lambda: ok("llama.cpp"), "serve": broken, "mesh": lambda: ok("mesh")}
-    results = peers.measure(runs, ("llama.cpp",), failures)
+    results = run_each(runs, ("llama.cpp",), failures)
     assert order == ["serve", "mesh"]
     assert results["llama.cpp"] is None and results["serve"] is None
     assert results["mesh"] is not None and results["mesh"].name == "mesh"
     assert failures == ["serve failed: RuntimeError: no port"]
+    assert list(results) == ["llama.cpp", "serve", "mesh"]
+    failures.clear()
+    run_each({"hf": broken}, (), failures, "stage ")
+    assert failures == ["stage hf failed: RuntimeError: no port"]
 
 
 def test_plot_needs_two_concurrencies_and_leaves_out_missing_servers(tmp_path: Path) -> None:

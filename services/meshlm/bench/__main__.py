@@ -200,21 +200,24 @@ class InProcess:
 
 class Streamed(NamedTuple):
     """One streamed request as its client saw it: seconds to its first message, its output
-    tokens, and the longest wait between two of its messages."""
+    tokens, the longest wait between two of its messages, and how many messages came."""
 
     ttft: float
     tokens: int
     longest_gap: float
+    messages: int
 
 
 class Gaps:
-    """The longest wait between two consecutive messages of a stream."""
+    """The longest wait between two consecutive messages of a stream, and their count."""
 
     def __init__(self) -> None:
         self.last: float | None = None
         self.longest = 0.0
+        self.count = 0
 
     def seen(self) -> float:
+        self.count += 1
         now = time.perf_counter()
         if self.last is not None:
             self.longest = max(self.longest, now - self.last)
@@ -240,7 +243,7 @@ async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_toke
             arrivals.add(now, len(msg.output_ids))
         if msg.finished:
             tokens = int(msg.meta_info["completion_tokens"])
-    return Streamed(first or 0.0, tokens, gaps.longest)
+    return Streamed(first or 0.0, tokens, gaps.longest, gaps.count)
 
 
 def engine_steps(stub: sglang_pb2_grpc.SglangServiceStub) -> int:
@@ -265,7 +268,8 @@ async def _drive(name: str, one: Callable[..., Awaitable[Streamed]], n_warm: int
     seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
     return Result(name, ttft, sum(r.tokens for r in results), seconds, cpu,
                   steps=steps() - steps_before, longest_gap=max(r.longest_gap for r in results),
-                  saturated=arrivals.window(sat.concurrency))
+                  saturated=arrivals.window(sat.concurrency),
+                  messages=sum(r.messages for r in results))
 
 
 async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
@@ -301,7 +305,7 @@ async def _http_one(pool: SsePool, text: str, new_tokens: int,
             came = so_far
         last = event
     tokens = int(orjson.loads(last[6:])["meta_info"]["completion_tokens"]) if last else 0
-    return Streamed(first or 0.0, tokens, gaps.longest)
+    return Streamed(first or 0.0, tokens, gaps.longest, gaps.count)
 
 
 async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,

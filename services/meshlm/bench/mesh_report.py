@@ -50,6 +50,7 @@ class Result:
     longest_gap: float = 0.0
     # The phase's (tokens, seconds) while every slot was busy (saturated.py).
     saturated: tuple[int, float] = (0, 0.0)
+    messages: int = 0  # the mesh: streamed messages its clients received in the phase
 
     @classmethod
     def merged(cls, rounds: list[Result]) -> Result:
@@ -62,7 +63,13 @@ class Result:
                    sum(r.tokens for r in rounds), sum(r.seconds for r in rounds), dict(cpu),
                    [t for r in rounds for t in r.spaced_ttft], sum(r.steps for r in rounds),
                    max(r.longest_gap for r in rounds),
-                   (sum(r.saturated[0] for r in rounds), sum(r.saturated[1] for r in rounds)))
+                   (sum(r.saturated[0] for r in rounds), sum(r.saturated[1] for r in rounds)),
+                   sum(r.messages for r in rounds))
+
+    @property
+    def messages_per_token(self) -> float:
+        """Streamed messages per output token in the saturation phase (0: not counted)."""
+        return self.messages / self.tokens if self.tokens else 0.0
 
     @property
     def p50(self) -> float:
@@ -192,28 +199,41 @@ def cpu_line(engine: Result, mesh: Result, transport: str) -> str:
 
 def floor_line(floors: Mapping[str, float], gateway: Mapping[str, Result], streams: int,
                plan: CpuPlan | None) -> str:
-    """The transports' own CPU per streamed message (`transport_floor.py`, by transport name)
-    and what the gateway spends per token above each (`gateway`: its run on that transport)."""
+    """The transports' own CPU per streamed message (`transport_floor.py`, by transport name),
+    the messages per token the gateway wrote (`gateway`: its run on that transport), and what
+    it spends per token above the floor those messages cost."""
     where = f", on {describe(plan.rest)} as the gateway" if plan else ""
-    above = _gateway_less(gateway, floors)
+    per_token = _floor_per_token(floors, gateway)
+    sent = ", ".join(f"{t} {gateway[t].messages_per_token:.2f}" for t in per_token)
     return (f"the transports' own cost of a streamed message (a bare server writing the "
             f"gateway's per-token message to {streams} streams at once{where}): gRPC (grpc.aio) "
-            f"{floors['gRPC']:.0f} µs, HTTP (uvicorn, SSE) {floors['HTTP']:.0f} µs; the gateway "
-            f"writes a message per token, so its CPU per token cannot go below these. What it "
-            f"spends above them (µs per token): {above}")
+            f"{floors['gRPC']:.0f} µs, HTTP (uvicorn, SSE) {floors['HTTP']:.0f} µs. Messages "
+            f"per output token at saturation (a stream's mailbox folds what arrives while its "
+            f"client is busy): {sent}; so the floor per token: "
+            + ", ".join(f"{t} {us:.0f} µs" for t, us in per_token.items())
+            + f". What the gateway spends above it (µs per token): "
+            f"{_gateway_less(gateway, per_token)}")
 
 
 def own_work_line(own: Mapping[str, float], floors: Mapping[str, float],
                   gateway: Mapping[str, Result]) -> str:
     """The gateway's own work per token without its transports (`gateway_path.py`, by
     transport name), and what is left of its figure in the mesh above that and the floor."""
-    rest = _gateway_less(gateway, {t: floors[t] + us for t, us in own.items()})
+    per_token = _floor_per_token(floors, gateway)
+    rest = _gateway_less(gateway, {t: per_token[t] + us for t, us in own.items()})
     return (f"the gateway's own work per token, without its transports (its api, fronts and "
             f"inbox in one process, fed one token per stream per step; `python -m "
             f"meshlm.bench.gateway_path`): gRPC {own['gRPC']:.1f} µs, HTTP {own['HTTP']:.1f} "
             f"µs. Left above that and the floor (µs per token): {rest}; its per-request work "
             f"over real connections, the inbox's stream, and sharing its CPU with the other "
             f"services and the load generator")
+
+
+def _floor_per_token(floors: Mapping[str, float], gateway: Mapping[str, Result]
+                     ) -> dict[str, float]:
+    """Each transport's floor per output token: its floor per message times the messages per
+    token the gateway wrote (one, where the run did not count them)."""
+    return {t: us * (gateway[t].messages_per_token or 1.0) for t, us in floors.items()}
 
 
 def _gateway_less(gateway: Mapping[str, Result], parts: Mapping[str, float]) -> str:

@@ -11,9 +11,10 @@ tick of a timer, as the gateway writes one message to each client per engine ste
   SGLang's /generate event (cumulative text, the same meta_info keys) as Server-Sent Events.
 
 Its CPU seconds per message are the transport's own cost of one public message, measured on this
-machine in this run: the gateway's µs per token cannot go below it while it sends a message per
-token. What the gateway spends above it is its own work (reading the detokenizer's stream,
-routing each update, building the message).
+machine in this run; times the messages per token the gateway wrote (fewer than one at
+saturation, where a stream's mailbox folds what arrives while its client is busy), it is the
+floor under the gateway's µs per token. What the gateway spends above it is its own work
+(reading the detokenizer's stream, routing each update, building the message).
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ ENGINE = Result("in-process", [0.010, 0.012, 0.011], tokens=1000, seconds=2.0,
                 cpu={"engine": 0.210})
 GRPC = Result("mesh gRPC", [0.0125, 0.013], tokens=1000, seconds=2.5,
               cpu={"scheduler": 0.46, "gateway": 0.119, "detokenizer": 0.030,
-                   "tokenizer": 0.010})
+                   "tokenizer": 0.010}, messages=500)
 HTTP = Result("mesh HTTP", [0.014, 0.014], tokens=500, seconds=1.25,
               cpu={"scheduler": 0.23, "gateway": 0.02, "detokenizer": 0.005,
-                   "tokenizer": 0.002})
+                   "tokenizer": 0.002}, messages=500)
 PLAN = CpuPlan(frozenset({0}), frozenset({1}))
 
 
@@ -107,16 +107,23 @@ def test_the_floor_line_says_where_the_bare_servers_ran_and_what_the_gateway_add
     assert floor_line({"gRPC": 26.4, "HTTP": 11.6}, {"gRPC": GRPC, "HTTP": HTTP}, 64, PLAN) == (
         "the transports' own cost of a streamed message (a bare server writing the gateway's "
         "per-token message to 64 streams at once, on CPU 1 as the gateway): gRPC (grpc.aio) "
-        "26 µs, HTTP (uvicorn, SSE) 12 µs; the gateway writes a message per token, so its CPU "
-        "per token cannot go below these. What it spends above them (µs per token): gRPC 93, "
-        "HTTP 28")
+        "26 µs, HTTP (uvicorn, SSE) 12 µs. Messages per output token at saturation (a "
+        "stream's mailbox folds what arrives while its client is busy): gRPC 0.50, HTTP 1.00; "
+        "so the floor per token: gRPC 13 µs, HTTP 12 µs. What the gateway spends above it (µs "
+        "per token): gRPC 106, HTTP 28")  # 119 - 26.4 x 0.5, 40 - 11.6 x 1
 
 
 def test_the_own_work_line_leaves_the_floor_and_the_own_work_out_of_the_rest() -> None:
     line = own_work_line({"gRPC": 10.0, "HTTP": 11.0}, {"gRPC": 26.4, "HTTP": 11.6},
                          {"gRPC": GRPC, "HTTP": HTTP})
     assert "gRPC 10.0 µs, HTTP 11.0 µs" in line
-    assert "(µs per token): gRPC 83, HTTP 17;" in line  # 119 - 26.4 - 10, 40 - 11.6 - 11
+    assert "(µs per token): gRPC 96, HTTP 17;" in line  # 119 - 26.4 x 0.5 - 10, 40 - 11.6 - 11
+
+
+def test_rounds_merge_their_message_counts() -> None:
+    merged = Result.merged([GRPC, GRPC])
+    assert merged.messages == 1000 and merged.messages_per_token == 0.5
+    assert Result("x", [], tokens=0, seconds=1.0).messages_per_token == 0.0
 
 
 @pytest.mark.parametrize(("transport", "smallest"), [("grpc", 60), ("http", 150),

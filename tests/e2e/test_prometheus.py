@@ -95,6 +95,11 @@ def test_counters_move_by_what_the_requests_returned(mesh, stub, urls):
     assert engine_delta("vllm:prefix_cache_hits_total") == cached
     assert engine_delta("meshlm:engine_generation_tokens_total") == completion
     assert engine_delta("meshlm:engine_finished_requests_total") == len(finals)
+    # Its forward passes took CPU, and no more than the whole scheduler process did.
+    forward = engine_delta("meshlm:engine_forward_cpu_seconds_total")
+    process = (total(engine_after, "process_cpu_seconds_total")
+               - total(engine_before, "process_cpu_seconds_total"))
+    assert 0 < forward <= process + 0.01  # the process figure has 10 ms steps
 
 
 def test_load_gauges_show_a_running_request_and_a_dropped_one_is_an_abort(mesh, stub, urls):

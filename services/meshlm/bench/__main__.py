@@ -46,6 +46,7 @@ from meshlm.bench.mesh_report import (
     batching_line,
     cpu_line,
     floor_line,
+    forward_line,
     own_work_line,
     pinned_line,
     placement_lines,
@@ -172,7 +173,7 @@ class InProcess:
             time.sleep(SPACED_GAP_S)  # the workload: the engine idle before the request comes
             spaced.append(self._first_token(f"g{r}-{i}", i))
         ids = [self.tok.encode(text) for text, _ in self.sat.requests]
-        steps = engine.stats()["steps_total"]
+        totals = engine.stats()
         start, cpu_start = time.perf_counter(), time.process_time()
         for i, (p, (_, new_tokens)) in enumerate(zip(ids, self.sat.requests, strict=True)):
             self._add(f"s{r}-{i}", p, new_tokens)
@@ -190,9 +191,12 @@ class InProcess:
             tokens += came
             arrivals.add(after, came)
             longest, before = max(longest, after - before), after
-        return Result("in-process", ttft, tokens, time.perf_counter() - start,
-                      cpu={"engine": time.process_time() - cpu_start}, spaced_ttft=spaced,
-                      steps=engine.stats()["steps_total"] - steps, longest_gap=longest,
+        seconds, cpu, now = (time.perf_counter() - start, time.process_time() - cpu_start,
+                             engine.stats())
+        return Result("in-process", ttft, tokens, seconds, cpu={"engine": cpu},
+                      spaced_ttft=spaced, steps=now["steps_total"] - totals["steps_total"],
+                      longest_gap=longest, forward=now["forward_cpu_seconds_total"]
+                      - totals["forward_cpu_seconds_total"],
                       saturated=arrivals.window(self.sat.concurrency))
 
 
@@ -246,37 +250,42 @@ async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_toke
     return Streamed(first or 0.0, tokens, gaps.longest, gaps.count)
 
 
-def engine_steps(stub: sglang_pb2_grpc.SglangServiceStub) -> int:
-    """Engine steps so far, every scheduler's (GetLoad's steps_total)."""
+def engine_totals(stub: sglang_pb2_grpc.SglangServiceStub) -> tuple[int, float]:
+    """Engine steps and their forward passes' CPU seconds so far, every scheduler's (GetLoad's
+    steps_total and forward_cpu_seconds_total)."""
     loads = orjson.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)
-    return sum(int(load.get("steps_total", 0)) for load in loads)
+    return (sum(int(load.get("steps_total", 0)) for load in loads),
+            sum(float(load.get("forward_cpu_seconds_total", 0.0)) for load in loads))
 
 
 async def _drive(name: str, one: Callable[..., Awaitable[Streamed]], n_warm: int, n_ttft: int,
                  sat: Saturation, measure: Callable[[], dict[str, float]],
-                 steps: Callable[[], int]) -> Result:
+                 totals: Callable[[], tuple[int, float]]) -> Result:
     """One transport's round: `n_warm` requests, TTFT at concurrency 1, then the saturation
     phase. `one(text, new_tokens, arrivals=None)` streams one request."""
     for i in range(n_warm):
         await one(prompt(i, 16), 2)
     ttft = [(await one(prompt(i, 16), 1)).ttft
             for i in tqdm(range(n_ttft), desc=f"{name.split()[-1].lower()} ttft", leave=False)]
-    steps_before, cpu_before, start = steps(), measure(), time.perf_counter()
+    totals_before, cpu_before, start = totals(), measure(), time.perf_counter()
     arrivals = Arrivals()
     results = await _limited(sat.in_flight, [
         functools.partial(one, text, k, arrivals) for text, k in sat.requests])
     seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
-    return Result(name, ttft, sum(r.tokens for r in results), seconds, cpu,
-                  steps=steps() - steps_before, longest_gap=max(r.longest_gap for r in results),
+    steps, forward = (after - before for after, before in zip(totals(), totals_before,
+                                                               strict=True))
+    return Result(name, ttft, sum(r.tokens for r in results), seconds, cpu, steps=int(steps),
+                  longest_gap=max(r.longest_gap for r in results),
                   saturated=arrivals.window(sat.concurrency),
-                  messages=sum(r.messages for r in results))
+                  messages=sum(r.messages for r in results), forward=forward)
 
 
 async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
-                     measure: Callable[[], dict[str, float]], steps: Callable[[], int]) -> Result:
+                     measure: Callable[[], dict[str, float]],
+                     totals: Callable[[], tuple[int, float]]) -> Result:
     async with grpc.aio.insecure_channel(address) as channel:
         one = functools.partial(_grpc_one, sglang_pb2_grpc.SglangServiceStub(channel))
-        return await _drive("mesh gRPC", one, n_warm, n_ttft, sat, measure, steps)
+        return await _drive("mesh gRPC", one, n_warm, n_ttft, sat, measure, totals)
 
 
 # -- mesh over HTTP ---------------------------------------------------------------------------
@@ -309,12 +318,13 @@ async def _http_one(pool: SsePool, text: str, new_tokens: int,
 
 
 async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
-                     measure: Callable[[], dict[str, float]], steps: Callable[[], int]) -> Result:
+                     measure: Callable[[], dict[str, float]],
+                     totals: Callable[[], tuple[int, float]]) -> Result:
     url = httpx.URL(base)
     pool = SsePool(url.host, url.port or 80)
     try:
         one = functools.partial(_http_one, pool)
-        return await _drive("mesh HTTP", one, n_warm, n_ttft, sat, measure, steps)
+        return await _drive("mesh HTTP", one, n_warm, n_ttft, sat, measure, totals)
     finally:
         pool.close()
 
@@ -364,7 +374,8 @@ def run_rounds(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threa
                 return {**snapshot(parts, engine_thread), LOAD_GENERATOR_PART: time.process_time()}
 
             with grpc.insecure_channel(mesh.addresses.gateway_grpc) as channel:
-                steps = functools.partial(engine_steps, sglang_pb2_grpc.SglangServiceStub(channel))
+                totals = functools.partial(engine_totals,
+                                           sglang_pb2_grpc.SglangServiceStub(channel))
                 # As every service does once started: the in-process engine is then not stopped
                 # by full collections over this process's start-up objects (one took 198 ms).
                 freeze_startup_objects()
@@ -373,12 +384,12 @@ def run_rounds(model_path: str, n_warm: int, n_ttft: int, sat: Saturation, threa
                     with on_engine_cpus(plan):
                         results["in-process"].append(engine.round(n_ttft))
                     results["mesh gRPC"].append(asyncio.run(bench_grpc(
-                        mesh.addresses.gateway_grpc, warm, n_ttft, sat, measure, steps)))
+                        mesh.addresses.gateway_grpc, warm, n_ttft, sat, measure, totals)))
                     if not cpus:
                         cpus = {name: thread_cpus(p.pid)
                                 for name, p in mesh.services.items() if p.pid}
                     results["mesh HTTP"].append(asyncio.run(bench_http(
-                        mesh.addresses.gateway_http, warm, n_ttft, sat, measure, steps)))
+                        mesh.addresses.gateway_http, warm, n_ttft, sat, measure, totals)))
     return results, cpus
 
 
@@ -462,6 +473,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     print(rounds_line(by_round))
     print(saturated_line([engine, grpc_r, http_r], sat.concurrency))
     print(batching_line([engine, grpc_r, http_r]))
+    print(forward_line([engine, grpc_r, http_r]))
     print()
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
         print(cpu_line(engine, r, transport))

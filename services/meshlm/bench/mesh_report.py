@@ -51,6 +51,7 @@ class Result:
     # The phase's (tokens, seconds) while every slot was busy (saturated.py).
     saturated: tuple[int, float] = (0, 0.0)
     messages: int = 0  # the mesh: streamed messages its clients received in the phase
+    forward: float = 0.0  # CPU seconds of the engine's forward passes in the phase
 
     @classmethod
     def merged(cls, rounds: list[Result]) -> Result:
@@ -64,7 +65,7 @@ class Result:
                    [t for r in rounds for t in r.spaced_ttft], sum(r.steps for r in rounds),
                    max(r.longest_gap for r in rounds),
                    (sum(r.saturated[0] for r in rounds), sum(r.saturated[1] for r in rounds)),
-                   sum(r.messages for r in rounds))
+                   sum(r.messages for r in rounds), sum(r.forward for r in rounds))
 
     @property
     def messages_per_token(self) -> float:
@@ -165,6 +166,32 @@ def batching_line(results: list[Result]) -> str:
     with its fixed cost, for the same tokens)."""
     parts = ", ".join(f"{r.name} {r.tokens / r.steps:.1f}" for r in results if r.steps)
     return f"output tokens per engine step at saturation: {parts}"
+
+
+def forward_line(results: list[Result]) -> str:
+    """The engine's CPU per output token split in two on each path: its forward passes (the
+    engine's own count, whichever thread ran them) and the rest of the process (in-process:
+    the engine's planning and this loop; the mesh: the scheduler service's work). The forward
+    is the same code on the same CPU on every path: where it costs more in the mesh, the
+    services on the other CPUs slowed it through what the CPUs share (last-level cache,
+    memory bandwidth), or its steps carried fewer tokens."""
+    part = {r.name: "engine" if r.name == "in-process" else "scheduler" for r in results}
+    counted = [r for r in results if r.forward > 0 and part[r.name] in r.cpu]
+    if not counted:
+        return "forward passes: not counted (the engine reported no forward_cpu_seconds_total)"
+    base = counted[0]
+    base_us = base.forward / max(1, base.tokens) * 1e6
+
+    def one(r: Result) -> str:
+        forward = r.forward / max(1, r.tokens) * 1e6
+        rest = r.cpu_us_per_token(part[r.name]) - forward
+        ratio = f" ({forward / base_us:.2f}x)" if r is not base else ""
+        return f"{r.name} {forward:.0f}{ratio} + {rest:.0f}"
+
+    return ("CPU per output token, the forward passes + the rest of the engine's process "
+            f"(µs): {', '.join(one(r) for r in counted)}; the forward is the same code on the "
+            "same CPU: in the mesh the services on the other CPUs share its last-level cache "
+            "and memory bandwidth")
 
 
 def cpu_line(engine: Result, mesh: Result, transport: str) -> str:

@@ -46,6 +46,9 @@ ENGINE_COUNTERS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] 
      "included.", lambda s: s["finished_total"]),
     ("meshlm:engine_aborted_requests", "Requests the engine ended by abort.",
      lambda s: s["aborted_total"]),
+    ("meshlm:engine_forward_cpu_seconds", "CPU seconds of the engine's forward passes, "
+     "sampling included (the rest of the scheduler's CPU is its service's own work).",
+     lambda s: s["forward_cpu_seconds_total"]),
 )
 
 

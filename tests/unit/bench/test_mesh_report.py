@@ -14,6 +14,7 @@ from meshlm.bench.mesh_report import (
     batching_line,
     cpu_line,
     floor_line,
+    forward_line,
     own_work_line,
     pinned_line,
     placement_lines,
@@ -44,6 +45,19 @@ def test_the_batching_line_gives_tokens_per_step_of_each_path_that_counted_them(
                Result("mesh gRPC", [0.01], tokens=1000, seconds=1.0, steps=40), HTTP]
     assert batching_line(counted) == ("output tokens per engine step at saturation: "
                                       "in-process 40.0, mesh gRPC 25.0")
+
+
+def test_the_forward_line_splits_each_paths_cpu_into_forward_passes_and_the_rest() -> None:
+    engine = Result("in-process", [0.01], tokens=1000, seconds=2.0, cpu={"engine": 0.066},
+                    forward=0.060)
+    grpc = Result("mesh gRPC", [0.01], tokens=1000, seconds=2.5,
+                  cpu={"scheduler": 0.080, "gateway": 0.035}, forward=0.0663)
+    uncounted = Result("mesh HTTP", [0.01], tokens=500, seconds=1.0, cpu={"scheduler": 0.04})
+    line = forward_line([engine, grpc, uncounted])
+    assert line.startswith("CPU per output token, the forward passes + the rest of the "
+                           "engine's process (µs): in-process 60 + 6, mesh gRPC 66 (1.10x) + 14;")
+    assert "mesh HTTP" not in line
+    assert "not counted" in forward_line([HTTP])
 
 
 def test_cpu_line_grpc() -> None:

@@ -133,8 +133,9 @@ def test_every_instance_has_its_own_registry():
 
 
 def _stats(**overrides: Any) -> dict[str, Any]:
-    stats = BatchPlanner(max_running=4, max_model_len=64, num_blocks=8).stats()  # the real keys
-    return {**stats, **overrides}
+    # The real keys: the planner's, and the one the engine adds (its forward passes' CPU).
+    stats = BatchPlanner(max_running=4, max_model_len=64, num_blocks=8).stats()
+    return {**stats, "forward_cpu_seconds_total": 0.0, **overrides}
 
 
 def test_every_engine_figure_reads_the_real_engine_stats():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import platform
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -254,6 +255,23 @@ def test_dtypes(tmp_path: Path, make_engine: EngineFactory) -> None:
     auto.add_request("r", [5, 6, 7], greedy(4))
     out = run_all(auto)["r"]
     assert len(tokens_of(out)) == 4 and all(0 <= t < auto.vocab_size for t in tokens_of(out))
+
+
+def test_forward_cpu_is_counted_on_whichever_thread_runs_it(make_engine: EngineFactory) -> None:
+    engine = make_engine(max_running=2)
+    assert engine.stats()["forward_cpu_seconds_total"] == 0.0
+    engine.add_request("a", [5] * 8, greedy(4))
+    plan = engine.schedule()
+    assert plan is not None
+    start = time.thread_time()
+    engine.postprocess(plan, engine.execute(plan))  # on this thread
+    here = engine.stats()["forward_cpu_seconds_total"]
+    assert 0 < here <= time.thread_time() - start
+    with ThreadPoolExecutor(1) as pool:  # as on the engine thread
+        while engine.has_work():
+            plan = engine.schedule()
+            engine.postprocess(plan, pool.submit(engine.execute, plan).result())
+    assert engine.stats()["forward_cpu_seconds_total"] > here
 
 
 def test_execute_failure_finishes_the_plan_with_error(

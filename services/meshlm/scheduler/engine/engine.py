@@ -165,6 +165,9 @@ class Engine:
             can_generate=mc.has_lm_head,
         )
         self.attention_backend = "torch" if kernels is None else "native"
+        # CPU seconds of the thread running each forward pass (with sampling), whichever it is:
+        # beside the process's CPU, how much of it the model took (the rest is the service's).
+        self.forward_cpu_seconds = 0.0
         self.runner = ModelRunner(
             self.model, config.max_running, num_blocks, config.block_size,
             tuple(sorted(self.eos_token_ids)), dev, kernels, kv_dtype,
@@ -255,12 +258,14 @@ class Engine:
         """Forward pass + sampling for `plan` (any one thread). Touches the KV cache and the
         plan's sequences only. A failure is returned, not raised: its requests then finish
         with "error"."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             items = self.runner.run(plan)
         except Exception as e:  # noqa: BLE001 - one bad batch must not kill the service
             log.exception("execute_failed", seqs=len(plan.items), tokens=plan.num_tokens)
             return ExecResult(error=f"{type(e).__name__}: {e}")
+        finally:
+            self.forward_cpu_seconds += time.thread_time() - cpu
         if log.debugging():  # its fields cost a pass over the plan: not for nothing
             log.debug(
                 "executed", seqs=len(plan.items), tokens=plan.num_tokens,
@@ -306,10 +311,11 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         """Load figures (running, waiting, ...), totals (finished, aborted, preempted,
-        retracted, generated, prompt and cached tokens, chunked prefills), `paused` (the pause
+        retracted, generated, prompt and cached tokens, chunked prefills; the forward passes'
+        CPU seconds), `paused` (the pause
         mode or None) and the KV cache's blocks (kv_block_size, kv_blocks_total/used/cached,
         kv_tokens_used; token_usage is the fraction of blocks in use)."""
-        return self.planner.stats()
+        return {**self.planner.stats(), "forward_cpu_seconds_total": self.forward_cpu_seconds}
 
     # -- new weights (weights.py) ------------------------------------------------------------
 

@@ -99,7 +99,8 @@ def test_counters_move_by_what_the_requests_returned(mesh, stub, urls):
     forward = engine_delta("meshlm:engine_forward_cpu_seconds_total")
     process = (total(engine_after, "process_cpu_seconds_total")
                - total(engine_before, "process_cpu_seconds_total"))
-    assert 0 < forward <= process + 0.01  # the process figure has 10 ms steps
+    # The process figure counts user and system time apart, each in 10 ms ticks.
+    assert 0 < forward <= process + 0.02
 
 
 def test_load_gauges_show_a_running_request_and_a_dropped_one_is_an_abort(mesh, stub, urls):

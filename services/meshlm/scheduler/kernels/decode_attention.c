@@ -66,6 +66,9 @@ typedef int32_t m16 __attribute__((vector_size(64)));
         (out) = y + __builtin_shuffle(y, swap1);                                              \
     } while (0)
 
+/* MESHLM_PART picks one kernel's type to build (1 float32, 2 bfloat16, 3 float16): native.py
+ * compiles the three parts at once, as three objects; without it the file builds them all. */
+#if !defined(MESHLM_PART) || MESHLM_PART == 1
 #define KV float
 #define WIDEN(x) (x)
 #define KVEC(i) (*(const v16f *)(k + (i)))
@@ -75,7 +78,9 @@ typedef int32_t m16 __attribute__((vector_size(64)));
 #undef WIDEN
 #undef KVEC
 #undef NAME
+#endif
 
+#if !defined(MESHLM_PART) || MESHLM_PART == 2
 #define KV uint16_t
 #define WIDEN(x) widen_bf16(x)
 #define KVEC(i) ((v16f)(__builtin_convertvector(*(const h16 *)(k + (i)), w16) << 16))
@@ -85,7 +90,9 @@ typedef int32_t m16 __attribute__((vector_size(64)));
 #undef WIDEN
 #undef KVEC
 #undef NAME
+#endif
 
+#if !defined(MESHLM_PART) || MESHLM_PART == 3
 /* A float16 bit pattern as float32, in integer operations any x86-64 vectorizes (converting a
  * _Float16 needs F16C, which the portable build may not assume): a normal number's exponent
  * is rebiased, a subnormal's mantissa scaled, an infinity's or NaN's exponent kept all ones. */
@@ -153,4 +160,5 @@ decode_attention_f16 meshlm_decode_attention_f16
 #else
 __typeof__(meshlm_decode_attention_f16_portable) meshlm_decode_attention_f16
     __attribute__((alias("meshlm_decode_attention_f16_portable")));
+#endif
 #endif

@@ -140,8 +140,10 @@ class InProcess:
 
         self.sat = sat
         self.tok = TextTokenizer.from_pretrained(model_path)
+        # On a GPU this engine shares the card with the mesh's scheduler, which takes its
+        # default share (0.85) less what this one holds: 0.4 leaves it as much.
         self.engine = Engine(EngineConfig(model_path=model_path, max_running=sat.concurrency,
-                                          num_threads=threads or None))
+                                          num_threads=threads or None, mem_fraction=0.4))
         self.rounds = 0
         for i in range(n_warm):
             self._add(f"w{i}", self.tok.encode(prompt(i, 16)), 2)

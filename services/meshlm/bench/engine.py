@@ -86,7 +86,8 @@ def _expect(result: Result, requests: Sequence[BenchRequest], got: Sequence[int]
 # -- in-process -------------------------------------------------------------------------------
 
 def run_engine(model_path: str, requests: Sequence[BenchRequest], warmup: BenchRequest,
-               max_running: int, name: str, waste: WasteMeter | None = None) -> Result:
+               max_running: int, name: str, waste: WasteMeter | None = None,
+               device: str = "cpu") -> Result:
     """All `requests` submitted at once to an Engine with `max_running` slots; steps until done,
     reading stats() after every step into `waste`."""
     from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
@@ -94,7 +95,7 @@ def run_engine(model_path: str, requests: Sequence[BenchRequest], warmup: BenchR
     def params(r: BenchRequest) -> SamplingParams:
         return SamplingParams(temperature=0.0, max_new_tokens=r.max_new_tokens, ignore_eos=True)
 
-    engine = Engine(EngineConfig(model_path=model_path, device="cpu", dtype="float32",
+    engine = Engine(EngineConfig(model_path=model_path, device=device, dtype="float32",
                                  max_running=max_running))
     engine.add_request(warmup.rid, list(warmup.prompt_ids), params(warmup))
     while engine.has_work():
@@ -126,13 +127,14 @@ def run_engine(model_path: str, requests: Sequence[BenchRequest], warmup: BenchR
 
 
 def run_hf_generate(model_path: str, requests: Sequence[BenchRequest], warmup: BenchRequest,
-                    batch_size: int) -> Result:
+                    batch_size: int, device: str = "cpu") -> Result:
     """HF `generate`, static batches of `batch_size`, left-padded, greedy, EOS disabled; each
     batch decodes max(max_new_tokens) steps for every row."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model.to(torch.device(device))
     pad_id = model.generation_config.pad_token_id or model.config.pad_token_id or 0
     model.generation_config.eos_token_id = None  # with eos_token_id=None below: never stop early
 
@@ -145,7 +147,8 @@ def run_hf_generate(model_path: str, requests: Sequence[BenchRequest], warmup: B
             mask[i, width - len(r.prompt_ids):] = 1
         steps = static_steps(batch)
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=steps,
                                  do_sample=False, eos_token_id=None, pad_token_id=pad_id)
         return int(out.shape[1]) - width
 
@@ -186,14 +189,14 @@ async def run_http(name: str, stream: StreamFn, requests: Sequence[BenchRequest]
 
 def run_mesh(model_path: str, requests: Sequence[BenchRequest], warmup: BenchRequest,
              concurrency: int, threads: int, packed_weight_dtype: str = "auto",
-             kv_cache_dtype: str = "auto") -> Result:
+             kv_cache_dtype: str = "auto", device: str = "cpu") -> Result:
     """The whole mesh (Redis + four services) on loopback, driven over HTTP /generate;
     `threads` 0: the scheduler chooses its engine's threads (as `make run`)."""
     from meshlm.launch.mesh import Mesh, MeshOptions
 
     env = {"MESHLM_MAX_RUNNING": str(concurrency), "MESHLM_LOG_LEVEL": "info",
            "MESHLM_PACKED_WEIGHT_DTYPE": packed_weight_dtype,
-           "MESHLM_KV_CACHE_DTYPE": kv_cache_dtype}
+           "MESHLM_KV_CACHE_DTYPE": kv_cache_dtype, "MESHLM_DEVICE": device}
     if threads:
         env["MESHLM_NUM_THREADS"] = str(threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -297,7 +300,17 @@ def run_each(runs: dict[str, Callable[[], Result]], skip: Sequence[str], failure
         else:
             tqdm.write(f"{result.name}: {result.throughput:.1f} out tok/s")
         gc.collect()
+        _release_gpu_cache()
     return results
+
+
+def _release_gpu_cache() -> None:
+    """Give the GPU memory a finished stage's allocator still caches back to the driver, so the
+    next stage (the mesh's scheduler is another process) may have it."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 STAGES = ("engine", "batch1", "hf", "mesh", "serve")
@@ -314,9 +327,12 @@ STAGES = ("engine", "batch1", "hf", "mesh", "serve")
 @click.option("--threads", default=0, show_default=True,
               help="torch threads for every system (0 = CPUs - 1, at least 1)")
 @click.option("--skip", multiple=True, type=click.Choice(STAGES), help="leave a stage out")
+@click.option("--device", default="cpu", show_default=True,
+              help="where the engine, HF generate and the mesh's scheduler compute (cpu, cuda, "
+                   "cuda:N); transformers serve stays on the CPU")
 def main(model_path: str, n_requests: int, seed: int, prompt_min: int, prompt_max: int,
          output_mean: float, output_max: int, batch_size: int, batch1_requests: int,
-         threads: int, skip: tuple[str, ...]) -> None:
+         threads: int, skip: tuple[str, ...], device: str) -> None:
     for key, value in OFFLINE_ENV.items():  # before transformers is imported: local files only
         os.environ.setdefault(key, value)
     import torch
@@ -341,18 +357,21 @@ def main(model_path: str, n_requests: int, seed: int, prompt_min: int, prompt_ma
     subset = requests[:batch1_requests]
     stages: dict[str, Callable[[], Result]] = {
         "engine": lambda: run_engine(model_path, requests, warmup, batch_size,
-                                     f"meshlm engine, max_running {batch_size}", waste),
+                                     f"meshlm engine, max_running {batch_size}", waste, device),
         "batch1": lambda: run_engine(model_path, subset, warmup, 1,
-                                     f"meshlm engine, batch 1 ({len(subset)} requests)"),
-        "hf": lambda: run_hf_generate(model_path, requests, warmup, batch_size),
-        "mesh": lambda: run_mesh(model_path, requests, warmup, batch_size, threads),
+                                     f"meshlm engine, batch 1 ({len(subset)} requests)",
+                                     device=device),
+        "hf": lambda: run_hf_generate(model_path, requests, warmup, batch_size, device),
+        "mesh": lambda: run_mesh(model_path, requests, warmup, batch_size, threads,
+                                 device=device),
         "serve": lambda: run_transformers_serve(model_path, requests, warmup, batch_size,
                                                 threads),
     }
     failures: list[str] = []
     results = run_each(stages, skip, failures, "stage ")
 
-    print(f"\nmodel: {model_path} (Llama, float32, CPU)\n"
+    where = "CPU" if device == "cpu" else f"{device}: {torch.cuda.get_device_name(device)}"
+    print(f"\nmodel: {model_path} (Llama, float32, {where})\n"
           f"workload: {n_requests} requests, seed {seed}; prompts {min(prompt_lens)}-"
           f"{max(prompt_lens)} tokens (mean {sum(prompt_lens) / len(prompt_lens):.0f}); "
           f"outputs exponential mean {output_mean:g} clipped to [1, {output_max}] (mean "

@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scheduler_helpers import EngineFactory, Outputs, make_servicer, write_checkpoint
+from scheduler_helpers import (
+    GPU_TEST_KV_BYTES,
+    TEST_DEVICE,
+    EngineFactory,
+    Outputs,
+    make_servicer,
+    write_checkpoint,
+)
 
 from meshlm.scheduler.engine.engine import Engine, EngineConfig
 from meshlm.scheduler.server import SchedulerServicer
@@ -29,7 +36,8 @@ def mha_tied_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def gqa_engine(gqa_model: Path) -> Engine:
     """Shared engine; tests must leave it idle (every request finished)."""
-    return Engine(EngineConfig(str(gqa_model), device="cpu", max_running=64))
+    return Engine(EngineConfig(str(gqa_model), device=TEST_DEVICE, max_running=64,
+                               kv_cache_bytes=GPU_TEST_KV_BYTES))
 
 
 
@@ -37,7 +45,9 @@ def gqa_engine(gqa_model: Path) -> Engine:
 @pytest.fixture
 def make_engine(gqa_model: Path) -> EngineFactory:
     def make(path: Path | None = None, **kw: Any) -> Engine:
-        kw.setdefault("device", "cpu")
+        kw.setdefault("device", TEST_DEVICE)
+        if not {"num_kv_blocks", "kv_cache_bytes"} & kw.keys():
+            kw["kv_cache_bytes"] = GPU_TEST_KV_BYTES
         return Engine(EngineConfig(str(path or gqa_model), **kw))
 
     return make

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,14 @@ from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT
 from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 EOS = 2
+# The engines' device: cpu here and in CI. MESHLM_TEST_DEVICE=cuda runs the engine fixtures'
+# tests on a GPU where one is at hand; DEVICES is what device-parametrised tests run on.
+TEST_DEVICE = os.environ.get("MESHLM_TEST_DEVICE", "cpu")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# On a GPU the engines' default KV budget is a share of the card less what is in use: the
+# tests' engines live side by side, so each gets a small fixed budget there (0: the CPU's
+# default, room for max_running full sequences).
+GPU_TEST_KV_BYTES = 0 if TEST_DEVICE == "cpu" else 64 << 20
 
 EngineFactory = Callable[..., Engine]  # the make_engine fixture
 
@@ -113,12 +122,12 @@ def greedy(max_new_tokens: int = 16, **kw: Any) -> SamplingParams:
 @torch.inference_mode()
 def reference_greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
     """Token-by-token greedy decoding by full recompute (no KV cache)."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=engine.device)
     out: list[int] = []
     for _ in range(n):
         token = int(engine.model.forward_full(ids)[0, -1].argmax())
         out.append(token)
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        ids = torch.cat([ids, torch.tensor([[token]], device=engine.device)], dim=1)
     return out
 
 

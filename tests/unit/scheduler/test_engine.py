@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from scheduler_helpers import (
+    TEST_DEVICE,
     EngineFactory,
     greedy,
     reference_greedy,
@@ -250,7 +251,7 @@ def test_plain_greedy_rows_beside_and_before_penalised_ones(make_engine: EngineF
 def test_dtypes(tmp_path: Path, make_engine: EngineFactory) -> None:
     path = write_checkpoint(tmp_path / "bf16", torch_dtype="bfloat16", layers=1)
     auto = make_engine(path, max_running=2)
-    assert auto.dtype == "bfloat16" and auto.device == "cpu"
+    assert auto.dtype == "bfloat16" and auto.device.split(":")[0] == TEST_DEVICE
     assert make_engine(path, dtype="float32", max_running=2).dtype == "float32"
     auto.add_request("r", [5, 6, 7], greedy(4))
     out = run_all(auto)["r"]
@@ -362,7 +363,8 @@ def test_overload_completes_everything_within_the_cache(make_engine: EngineFacto
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
-def test_a_cpu_engine_keeps_freed_memory_mapped(gqa_engine: Engine) -> None:
+def test_a_cpu_engine_keeps_freed_memory_mapped(make_engine: EngineFactory) -> None:
     # see tests/unit/common/test_memory_retained.py for what that saves
-    assert gqa_engine.device == "cpu"
-    assert gqa_engine.retained_memory
+    engine = make_engine(device="cpu", max_running=2)
+    assert engine.device == "cpu"
+    assert engine.retained_memory

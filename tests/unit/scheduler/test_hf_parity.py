@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from scheduler_helpers import greedy, tokens_of
+from scheduler_helpers import DEVICES, greedy, tokens_of
 
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams, StepOutput
 from meshlm.scheduler.models.loader import load_model
@@ -107,17 +107,25 @@ def random_ids(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(n)]
 
 
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """Where our side runs: the CPU, and CUDA where a GPU is at hand (HF stays on the CPU)."""
+    return str(request.param)
+
+
 @torch.inference_mode()
-def test_forward_full_matches_hf_logits(hf_checkpoint: tuple[Any, Path, Case]) -> None:
+def test_forward_full_matches_hf_logits(hf_checkpoint: tuple[Any, Path, Case],
+                                        device: str) -> None:
     hf, path, case = hf_checkpoint
-    ours, config = load_model(path)
+    ours, config = load_model(path, device)
     assert config.architecture == type(hf).__name__
     assert config.tie_word_embeddings == bool(case.kwargs.get("tie_word_embeddings", False))
     rng = random.Random(1)
     for n in case.lengths + (case.hf5_lengths if HF5 else ()):
         ids = torch.tensor([random_ids(rng, n), random_ids(rng, n)])
         expected = hf(input_ids=ids, use_cache=False).logits.float()
-        torch.testing.assert_close(ours.forward_full(ids), expected, atol=1e-4, rtol=0, msg=str(n))
+        got = ours.forward_full(ids.to(device)).cpu()
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0, msg=str(n))
 
 
 def parity_prompts(rng: random.Random, longest: int) -> list[list[int]]:
@@ -131,13 +139,14 @@ def parity_prompts(rng: random.Random, longest: int) -> list[list[int]]:
     return prompts
 
 
-def test_batched_engine_greedy_matches_hf_generate(hf_checkpoint: tuple[Any, Path, Case]) -> None:
+def test_batched_engine_greedy_matches_hf_generate(hf_checkpoint: tuple[Any, Path, Case],
+                                                   device: str) -> None:
     """Greedy tokens and logprobs of a concurrently submitted set, under continuous batching
     with chunked prefill, prefix sharing and preemption (all checked to have happened), are
     those of HF generate run on each prompt alone."""
     hf, path, _ = hf_checkpoint
     engine = Engine(EngineConfig(
-        str(path), device="cpu", dtype="float32", max_running=8, max_batched_tokens=32,
+        str(path), device=device, dtype="float32", max_running=8, max_batched_tokens=32,
         block_size=4, num_kv_blocks=80,
     ))
     rng = random.Random(2)

@@ -200,7 +200,10 @@ class Engine:
             blocks = cfg.kv_cache_bytes // block_bytes
         elif dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
-            used_by_others = total - free
+            # what this process's allocator caches but no tensor holds (an engine gone before
+            # this one) is ours to reuse, not another's
+            cached = torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+            used_by_others = total - free - cached
             blocks = int(total * cfg.mem_fraction - used_by_others) // block_bytes
         else:
             blocks = min(cfg.max_running * per_seq, CPU_KV_BYTES_CAP // block_bytes)

@@ -45,6 +45,7 @@ from meshlm.bench.mesh_report import (
     Result,
     batching_line,
     cpu_line,
+    fill_line,
     floor_line,
     forward_line,
     own_work_line,
@@ -199,7 +200,8 @@ class InProcess:
                       spaced_ttft=spaced, steps=now["steps_total"] - totals["steps_total"],
                       longest_gap=longest, forward=now["forward_cpu_seconds_total"]
                       - totals["forward_cpu_seconds_total"],
-                      saturated=arrivals.window(self.sat.concurrency))
+                      saturated=arrivals.window(self.sat.concurrency),
+                      fills=(arrivals.fill_seconds(self.sat.concurrency, start),))
 
 
 # -- mesh over gRPC ---------------------------------------------------------------------------
@@ -279,7 +281,8 @@ async def _drive(name: str, one: Callable[..., Awaitable[Streamed]], n_warm: int
     return Result(name, ttft, sum(r.tokens for r in results), seconds, cpu, steps=int(steps),
                   longest_gap=max(r.longest_gap for r in results),
                   saturated=arrivals.window(sat.concurrency),
-                  messages=sum(r.messages for r in results), forward=forward)
+                  messages=sum(r.messages for r in results), forward=forward,
+                  fills=(arrivals.fill_seconds(sat.concurrency, start),))
 
 
 async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
@@ -474,6 +477,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     print(report([engine, grpc_r, http_r]))
     print(rounds_line(by_round))
     print(saturated_line([engine, grpc_r, http_r], sat.concurrency))
+    print(fill_line([engine, grpc_r, http_r], sat.concurrency))
     print(batching_line([engine, grpc_r, http_r]))
     print(forward_line([engine, grpc_r, http_r]))
     print()

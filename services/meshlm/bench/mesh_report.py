@@ -52,6 +52,7 @@ class Result:
     saturated: tuple[int, float] = (0, 0.0)
     messages: int = 0  # the mesh: streamed messages its clients received in the phase
     forward: float = 0.0  # CPU seconds of the engine's forward passes in the phase
+    fills: tuple[float, ...] = ()  # each round's seconds to fill every slot (saturated.py)
 
     @classmethod
     def merged(cls, rounds: list[Result]) -> Result:
@@ -65,7 +66,8 @@ class Result:
                    [t for r in rounds for t in r.spaced_ttft], sum(r.steps for r in rounds),
                    max(r.longest_gap for r in rounds),
                    (sum(r.saturated[0] for r in rounds), sum(r.saturated[1] for r in rounds)),
-                   sum(r.messages for r in rounds), sum(r.forward for r in rounds))
+                   sum(r.messages for r in rounds), sum(r.forward for r in rounds),
+                   tuple(f for r in rounds for f in r.fills))
 
     @property
     def messages_per_token(self) -> float:
@@ -148,6 +150,19 @@ def saturated_line(results: list[Result], concurrency: int) -> str:
               for r in results[1:]]
     return (f"throughput while every slot was busy (from the {concurrency}th request's first "
             f"token to the last request's): {', '.join(parts)}")
+
+
+def fill_line(results: list[Result], concurrency: int) -> str:
+    """How long each path took to fill its slots at the phase's start, mean of its rounds: the
+    engine alone has every request queued before its first step; the mesh's first requests
+    cross the load generator, gateway and tokenizer, which share their CPU(s) with the streams
+    of those already running."""
+    if not all(r.fills for r in results):
+        return "time to fill every slot: not measured"
+    parts = [f"{r.name} {1e3 * sum(r.fills) / len(r.fills):.1f} ms "
+             f"({sum(r.fills) / r.seconds:.1%} of the phase)" for r in results]
+    return (f"time to fill the {concurrency} slots (the phase's start to the {concurrency}th "
+            f"request's first token), mean of the rounds: {', '.join(parts)}")
 
 
 def _share(r: Result) -> float:

@@ -32,3 +32,9 @@ class Arrivals:
             return 0, 0.0
         start, end = firsts[concurrency - 1], firsts[-1]
         return sum(n for when, n in self.tokens if start < when <= end), end - start
+
+    def fill_seconds(self, concurrency: int, start: float) -> float:
+        """Seconds from the phase's `start` to the `concurrency`-th request's first token (to
+        the last's, where fewer came): how long filling every slot took."""
+        firsts = sorted(self.firsts)
+        return firsts[min(concurrency, len(firsts)) - 1] - start if firsts else 0.0

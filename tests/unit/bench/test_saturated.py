@@ -3,7 +3,7 @@ its drain."""
 
 from __future__ import annotations
 
-from meshlm.bench.mesh_report import Result, saturated_line
+from meshlm.bench.mesh_report import Result, fill_line, saturated_line
 from meshlm.bench.saturated import Arrivals
 
 
@@ -41,3 +41,24 @@ def test_merged_rounds_add_their_windows() -> None:
     rounds = [Result("mesh gRPC", [0.01], tokens=10, seconds=1.0, saturated=(8, 0.5)),
               Result("mesh gRPC", [0.01], tokens=20, seconds=2.0, saturated=(12, 1.5))]
     assert Result.merged(rounds).saturated == (20, 2.0)
+
+
+def test_filling_runs_from_the_start_to_the_last_slots_first_token() -> None:
+    arrivals = Arrivals()
+    for when in (10.3, 10.1, 10.2, 11.0):  # out of order, as concurrent streams see them
+        arrivals.first(when)
+    assert abs(arrivals.fill_seconds(3, 10.0) - 0.3) < 1e-9
+    assert abs(arrivals.fill_seconds(8, 10.0) - 1.0) < 1e-9  # fewer requests than slots
+    assert Arrivals().fill_seconds(3, 10.0) == 0.0
+
+
+def test_the_fill_line_gives_each_paths_mean_over_its_rounds_and_its_share() -> None:
+    engine = Result("in-process", [0.01], tokens=10, seconds=2.0, fills=(0.002,))
+    mesh = Result.merged([Result("mesh gRPC", [0.01], tokens=5, seconds=1.0, fills=(0.05,)),
+                          Result("mesh gRPC", [0.01], tokens=5, seconds=1.0, fills=(0.07,))])
+    assert fill_line([engine, mesh], 64) == (
+        "time to fill the 64 slots (the phase's start to the 64th request's first token), "
+        "mean of the rounds: in-process 2.0 ms (0.1% of the phase), mesh gRPC 60.0 ms "
+        "(6.0% of the phase)")
+    assert fill_line([engine, Result("mesh HTTP", [0.01], tokens=1, seconds=1.0)], 64) == (
+        "time to fill every slot: not measured")

@@ -146,7 +146,9 @@ async def _drain_http(port: int, streams: int) -> int:
     pool = SsePool("127.0.0.1", port)
 
     async def one() -> int:
-        return len([e async for e in pool.events("/generate", b"{}") if e != b"data: [DONE]"])
+        events: list[bytes] = []
+        await pool.stream("/generate", b"{}", events.append)
+        return len([e for e in events if e != b"data: [DONE]"])
 
     try:
         await one()  # a connection and the server's first call, not measured

@@ -235,25 +235,44 @@ class Gaps:
         return now
 
 
+class _Watch:
+    """One streamed TextGenerate call as its client sees it, message by message."""
+
+    def __init__(self, arrivals: Arrivals | None) -> None:
+        self.arrivals = arrivals
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.tokens = 0
+        self.gaps = Gaps()
+
+    def message(self, msg: pb.TextGenerateResponse) -> bool:
+        """Count one message; whether it is the call's last."""
+        now = self.gaps.seen()
+        if self.first is None:
+            self.first = now - self.start
+            if self.arrivals is not None:
+                self.arrivals.first(now)
+        if self.arrivals is not None:
+            self.arrivals.add(now, len(msg.output_ids))
+        if msg.finished:
+            self.tokens = int(msg.meta_info["completion_tokens"])
+        return msg.finished
+
+    def streamed(self) -> Streamed:
+        return Streamed(self.first or 0.0, self.tokens, self.gaps.longest, self.gaps.count)
+
+
+def _text_generate(text: str, new_tokens: int) -> pb.TextGenerateRequest:
+    return pb.TextGenerateRequest(text=text, stream=True, sampling_params=pb.SamplingParams(
+        temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
+
+
 async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_tokens: int,
                     arrivals: Arrivals | None = None) -> Streamed:
-    req = pb.TextGenerateRequest(text=text, stream=True, sampling_params=pb.SamplingParams(
-        temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
-    start = time.perf_counter()
-    first = None
-    tokens = 0
-    gaps = Gaps()
-    async for msg in stub.TextGenerate(req):
-        now = gaps.seen()
-        if first is None:
-            first = now - start
-            if arrivals is not None:
-                arrivals.first(now)
-        if arrivals is not None:
-            arrivals.add(now, len(msg.output_ids))
-        if msg.finished:
-            tokens = int(msg.meta_info["completion_tokens"])
-    return Streamed(first or 0.0, tokens, gaps.longest, gaps.count)
+    watch = _Watch(arrivals)
+    async for msg in stub.TextGenerate(_text_generate(text, new_tokens)):
+        watch.message(msg)
+    return watch.streamed()
 
 
 def engine_totals(stub: sglang_pb2_grpc.SglangServiceStub) -> tuple[int, float]:
@@ -293,30 +312,11 @@ _TEXT_GENERATE = "/sglang.runtime.v1.SglangService/TextGenerate"
 async def _raw_grpc_one(conn: GrpcConnection, text: str, new_tokens: int,
                         arrivals: Arrivals | None = None) -> Streamed:
     """_grpc_one over the lean client: each message is read where it arrives (raw_grpc.py)."""
-    req = pb.TextGenerateRequest(text=text, stream=True, sampling_params=pb.SamplingParams(
-        temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)).SerializeToString()
-    start = time.perf_counter()
-    first: list[float] = []
-    tokens = 0
-    gaps = Gaps()
+    watch = _Watch(arrivals)
     parse = pb.TextGenerateResponse.FromString
-
-    def on_message(data: bytes) -> bool:
-        nonlocal tokens
-        now = gaps.seen()
-        msg = parse(data)
-        if not first:
-            first.append(now - start)
-            if arrivals is not None:
-                arrivals.first(now)
-        if arrivals is not None:
-            arrivals.add(now, len(msg.output_ids))
-        if msg.finished:
-            tokens = int(msg.meta_info["completion_tokens"])
-        return msg.finished
-
-    await conn.call(_TEXT_GENERATE, req, on_message)
-    return Streamed(first[0] if first else 0.0, tokens, gaps.longest, gaps.count)
+    await conn.call(_TEXT_GENERATE, _text_generate(text, new_tokens).SerializeToString(),
+                    lambda data: watch.message(parse(data)))
+    return watch.streamed()
 
 
 async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,

@@ -258,7 +258,8 @@ def test_float16_rounding_matches_torch_bit_for_bit() -> None:
                                                  (1025, 40)])
 def test_linear_matches_torch_linear(path: str, weight_dtype: torch.dtype, inputs: int,
                                      outputs: int) -> None:
-    """Every row count up to two tiles and beyond, inputs over several of the kernel's chunks
+    """Every row count up to two tiles and beyond, rows over blocks of 128 (129: two blocks of
+    65 and 64; 300: three, staging bfloat16 weights in each), inputs over several of the kernel's chunks
     (1100 > 2 x 512) and odd ones (a zero input pads the bfloat16 pairs), outputs not a whole
     block, with and without a bias, rows strided; bfloat16 weights against torch's float32
     linear over the same weights rounded, and where the kernel rounds the activations too
@@ -278,7 +279,7 @@ def test_linear_matches_torch_linear(path: str, weight_dtype: torch.dtype, input
                             else (blocks, -(-inputs // 2), 16, 2))
     assert packed.dtype == weight_dtype
     served = weight.to(weight_dtype).float()
-    for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64):
+    for rows in (1, 2, 3, 5, 8, 9, 13, 16, 17, 64, 129, 300):
         x = torch.randn(rows, inputs + 7)[:, 3:3 + inputs]  # rows inputs + 7 floats apart
         seen = x.bfloat16().float() if rounds else x
         for b in (None, bias):

@@ -259,11 +259,11 @@ def test_float16_rounding_matches_torch_bit_for_bit() -> None:
 def test_linear_matches_torch_linear(path: str, weight_dtype: torch.dtype, inputs: int,
                                      outputs: int) -> None:
     """Every row count up to two tiles and beyond, rows over blocks of 128 (129: two blocks of
-    65 and 64; 300: three, staging bfloat16 weights in each), inputs over several of the kernel's chunks
-    (1100 > 2 x 512) and odd ones (a zero input pads the bfloat16 pairs), outputs not a whole
-    block, with and without a bias, rows strided; bfloat16 weights against torch's float32
-    linear over the same weights rounded, and where the kernel rounds the activations too
-    (AVX512_BF16), over the activations rounded."""
+    65 and 64; 300: three, staging bfloat16 weights in each), inputs over several of the
+    kernel's chunks (1100 > 2 x 512) and odd ones (a zero input pads the bfloat16 pairs),
+    outputs not a whole block, with and without a bias, rows strided; bfloat16 weights against
+    torch's float32 linear over the same weights rounded, and where the kernel rounds the
+    activations too (AVX512_BF16), over the activations rounded."""
     kernels = _kernels()
     if path and f"meshlm_linear_{'bf16' if path == '_dot' else 'f32'}{path}" not in kernels.fns:
         pytest.skip(f"no {path} kernel on this architecture")

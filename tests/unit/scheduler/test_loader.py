@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,17 @@ def test_sliding_window_applies_past_the_window(
     prompt = list(range(5, 35))
     engine.add_request("w", prompt, greedy(6))
     assert tokens_of(run_all(engine)["w"]) == reference_greedy(engine, prompt, 6)
+
+
+def test_loading_imports_neither_dynamo_nor_sympy(gqa_model: Path) -> None:
+    """Building the model on the meta device and giving it memory goes around torch's
+    reference ops, whose first use imports torch._dynamo and sympy: 2-3 s of every scheduler
+    start (a restarted one's included) on a 2-core machine. In a fresh interpreter, since this
+    one may have imported them already."""
+    code = ("import sys\nfrom meshlm.scheduler.models.loader import load_model\n"
+            f"model, _ = load_model({str(gqa_model)!r})\n"
+            "assert next(model.parameters()).device.type == 'cpu'\n"
+            "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -203,7 +203,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Its weight given, not drawn: nn.Embedding's random init on the meta device
+        # (load_model) imports torch._dynamo, 2.2 s of a scheduler's start.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size,
+                                                             config.hidden_size))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i) for i in range(config.num_layers)
         )

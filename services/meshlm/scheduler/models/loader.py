@@ -60,7 +60,7 @@ def load_model(
     config = ModelConfig.from_dir(root)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(dtype)
-    model.to_empty(device=device)  # no random init of weights that are about to be replaced
+    materialize(model, device)  # no random init of weights that are about to be replaced
     model.tie_weights()
     if load_format == "dummy":
         init_dummy_weights(model, DUMMY_SEED)
@@ -69,6 +69,17 @@ def load_model(
     model.eval()
     model.requires_grad_(False)
     return model, config
+
+
+def materialize(model: torch.nn.Module, device: str | torch.device) -> None:
+    """Give each of `model`'s meta parameters uninitialised memory on `device`. What
+    `Module.to_empty` does, without its route through torch's reference ops, which imports
+    sympy (about 1 s of a scheduler's start, more on a busy machine)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            module.register_parameter(name, torch.nn.Parameter(
+                torch.empty(param.shape, dtype=param.dtype, device=device),
+                requires_grad=param.requires_grad))
 
 
 def load_weights(model: LlamaForCausalLM, root: Path) -> None:

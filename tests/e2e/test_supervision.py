@@ -1,8 +1,9 @@
-"""The launcher (`make run`, python -m meshlm.launch) as a supervisor, run as a real process with
-2 tokenizers, 2 schedulers and 2 detokenizers: kill -9 of each non-gateway service mid-stream
-ends only the requests it held (UNAVAILABLE within 2 s), every other stream finishes whole, new
-requests succeed throughout, and the service is restarted on its address and used again within
-10 s; a crash loop stops the mesh with a message naming the service and its last log lines."""
+"""The launcher (`make run`, python -m meshlm.launch) as a supervisor, run as a real process with 2
+tokenizers, 2 schedulers and 2 detokenizers: kill -9 of each non-gateway service mid-stream ends
+only the requests it held (UNAVAILABLE within 2 s), every other stream finishes whole, new
+requests succeed throughout, and the service is restarted on its address (from the standby the
+launcher keeps of each service) and used again within 10 s; a crash loop stops the mesh with a
+message naming the service and its last log lines."""
 
 from __future__ import annotations
 
@@ -129,6 +130,8 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
                    "--schedulers", "2", "--detokenizers", "2")
     try:
         run.event("supervising", timeout=180)
+        # Each service's standby has imported its code: a restart starts from it.
+        run.event("standbys_ready", timeout=300)
         yield run
     finally:
         assert run.stop() == 0
@@ -224,6 +227,12 @@ def test_a_killed_service_is_restarted_while_the_others_serve(
     assert len(failed) <= 2, failed  # probes go one at a time
     assert len([r for t, r in probes if t >= killed_at]) >= 3, len(probes)
     assert used_at - killed_at <= BACK_BOUND, used_at - killed_at
+    # It came back from its standby: that copy's line, then its start-up.
+    events = [json.loads(line)["event"] for line in
+              (launcher.workdir / "logs" / f"{victim}.log").read_text().splitlines()
+              if line.startswith("{")]
+    assert events.count("standby_ready") == 1 and events.count("starting") == 2, events
+    assert events.index("standby_ready") > events.index("listening"), events
     metrics = httpx.get(launcher.event("supervising")["metrics"], timeout=10).text
     assert f'meshlm:service_restarts_total{{role="{role}",service="{victim}"}} 1.0' in metrics
     assert f'meshlm:service_up{{role="{role}",service="{victim}"}} 1.0' in metrics

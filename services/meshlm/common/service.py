@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import sys
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -59,10 +61,18 @@ class ServiceConfig:
 C = TypeVar("C", bound=ServiceConfig)
 T = TypeVar("T")
 
+# Set by the launcher on a standby copy of a service (launch/process.py): the process imports
+# its code, parses its flags, then waits for "start" on stdin before it runs.
+START_GATE_ENV = "MESHLM_START_GATE"
+STANDBY_READY = "standby_ready"  # the event a standby logs once it waits
+
 
 def run(role: str, config: C, main: Callable[[C], Coroutine[Any, Any, None]]) -> None:
-    """Set up logging and tracing, log the configuration, run `main` until it returns."""
+    """Set up logging and tracing, log the configuration, run `main` until it returns. A
+    standby copy waits for its launcher's word first, and ends quietly without it."""
     setup_logging(role, config.log_level)
+    if not _started_by_launcher():
+        return
     setup_tracing(role)
     log.info("starting", config=cfg.as_dict(config))
     try:
@@ -72,6 +82,17 @@ def run(role: str, config: C, main: Callable[[C], Coroutine[Any, Any, None]]) ->
     finally:
         shutdown_tracing()
         log.info("stopped")
+
+
+def _started_by_launcher() -> bool:
+    """True at once unless this is a standby copy (START_GATE_ENV): then it says so in its
+    log ("standby_ready", what the launcher waits for) and blocks until the launcher writes
+    "start" to its stdin (True) or closes it (False: not needed after all). The variable is
+    dropped, so nothing this service starts inherits it."""
+    if os.environ.pop(START_GATE_ENV, "") != "stdin":
+        return True
+    log.info(STANDBY_READY)
+    return sys.stdin.readline().strip() == "start"
 
 
 def advertised(config: ServiceConfig, bound: str) -> str:

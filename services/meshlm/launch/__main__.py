@@ -64,6 +64,9 @@ class LaunchConfig:
     max_restarts: int = cfg.field(5, "restarts of one service allowed within --restart-window; "
                                      "one more exit stops the mesh (crash loop)")
     restart_window: float = cfg.field(60.0, "seconds over which restarts are counted")
+    standby: bool = cfg.field(True, "keep a copy of each service started ahead, its code "
+                                    "imported, for its next restart (seconds faster; about "
+                                    "160 MiB of memory for a scheduler, 40 for the others)")
     launcher_metrics_port: int = cfg.field(0, "Prometheus port of the launcher itself "
                                               "(meshlm:service_restarts_total, "
                                               "meshlm:service_up); 0 = a free port, shown at "
@@ -114,7 +117,7 @@ def run(config: LaunchConfig) -> int:
         metrics_server, _ = start_http_server(config.launcher_metrics_port, addr=config.host,
                                               registry=metrics.registry)
         metrics_at = _http_address(config.host, metrics_server.server_port)
-        supervisor = Supervisor(mesh, policy, metrics)
+        supervisor = Supervisor(mesh, policy, metrics, standby=config.standby)
         log.info("supervising", metrics=metrics_at, backoff=policy.backoff,
                  max_restarts=policy.max_restarts, window=policy.window)
         print(banner(mesh, metrics_at), flush=True)

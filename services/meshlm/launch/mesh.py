@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from meshlm.common.logs import get_logger
+from meshlm.common.service import START_GATE_ENV
 from meshlm.launch.addresses import WILDCARD_HOSTS, free_port
 from meshlm.launch.certs import DevCerts, ensure_dev_certs
 from meshlm.launch.mesh_secrets import ensure_redis_password
@@ -184,6 +185,7 @@ class Mesh:
         backends = [p for p in self.services.values() if p not in gateways]
         for stage in (gateways, backends):
             for p in stage:
+                p.discard_standby()
                 p.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + timeout
             for p in stage:
@@ -275,6 +277,7 @@ class Mesh:
 
     def _add(self, name: str, flags: dict[str, str], role: str = "") -> ServiceProcess:
         env = {**os.environ, **self.options.env, "PYTHONUNBUFFERED": "1"}
+        env.pop(START_GATE_ENV, None)  # set on standbys only (process.py)
         # API keys (options, else an inherited MESHLM_API_KEY) go to gateways only, and by
         # environment: argv is readable by every user (ps).
         keys = ",".join(self.options.api_keys) or env.pop(API_KEY_ENV, "")

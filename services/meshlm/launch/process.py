@@ -3,10 +3,17 @@
 ServiceProcess starts a meshlm service with spawn() (it dies with the launcher), copies its
 output to <workdir>/logs/<name>.log and reports the addresses its "listening" line names. Used
 by mesh.py; readiness.py says when it answers grpc.health.v1.
+
+A restart can start from a standby (`prepare_standby`): a copy of the service started ahead,
+on the same command line and ports, that has imported its code and parsed its flags and waits
+for "start" on its stdin (common/service.py). Its imports are most of a start: a scheduler's
+(torch) take 2-3 s of CPU, and on a 2-core machine busy serving a restarted scheduler spent 5-9
+s in them before its first log line.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -18,10 +25,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from meshlm.common.logs import get_logger
+from meshlm.common.service import STANDBY_READY, START_GATE_ENV
 from meshlm.launch.addresses import connectable
 from meshlm.launch.spawn import exit_status, kill_group, spawn, terminate
 
 log = get_logger(__name__)
+
+STANDBY_WAIT = 60.0  # seconds a start waits for a standby still importing, then starts afresh
 
 
 class ServiceProcess:
@@ -47,6 +57,12 @@ class ServiceProcess:
         self.listening: dict[str, Any] | None = None
         self.started_at = 0.0
         self._reader: threading.Thread | None = None
+        self._standby: subprocess.Popen[bytes] | None = None
+        self._standby_for: tuple[list[str], dict[str, str]] | None = None  # its args and env
+        # Reads the standby's output up to its "standby_ready" line (kept for the log).
+        self._standby_watch: threading.Thread | None = None
+        self._standby_said: list[bytes] = []
+        self._standby_ready = threading.Event()
 
     @property
     def args(self) -> list[str]:
@@ -94,8 +110,13 @@ class ServiceProcess:
         self.listening = None
         out = open(self.log_path, "ab" if append_log else "wb")  # noqa: SIM115 - reader closes
         try:
-            self.proc = spawn(self.args, env=self.env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+            self.proc = self._take_standby()
+            if self.proc is not None:  # its lines so far (standby_ready) go to the log first
+                out.writelines(self._standby_said)
+                out.flush()
+            else:
+                self.proc = spawn(self.args, env=self.env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT)
         except BaseException:
             out.close()
             raise
@@ -104,6 +125,76 @@ class ServiceProcess:
             target=self._read, args=(self.proc, out), name=f"meshlm-log-{self.name}", daemon=True
         )
         self._reader.start()
+
+    def prepare_standby(self) -> None:
+        """Start a standby copy of this service (on the ports it has now) for its next start
+        to use; replaces one already waiting."""
+        self.discard_standby()
+        self.pin_ports()
+        self._standby_for = (self.args, dict(self.env))
+        self._standby_said, self._standby_ready = [], threading.Event()
+        self._standby = spawn(self.args, env={**self.env, START_GATE_ENV: "stdin"},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
+        self._standby_watch = threading.Thread(
+            target=self._watch_standby, args=(self._standby, self._standby_said,
+                                              self._standby_ready),
+            name=f"meshlm-standby-{self.name}", daemon=True)
+        self._standby_watch.start()
+
+    def wait_standby(self, timeout: float) -> bool:
+        """Whether the standby waits (has logged standby_ready) within `timeout` seconds."""
+        return self._standby is not None and self._standby_ready.wait(timeout)
+
+    @staticmethod
+    def _watch_standby(standby: subprocess.Popen[bytes], said: list[bytes],
+                       ready: threading.Event) -> None:
+        """Keep the standby's lines up to its standby_ready event (or its end)."""
+        assert standby.stdout is not None
+        with contextlib.suppress(OSError, ValueError):  # closed by discard_standby
+            for line in standby.stdout:
+                said.append(line)
+                if STANDBY_READY.encode() in line:
+                    ready.set()
+                    return
+
+    def discard_standby(self) -> None:
+        """Kill a standby and reap it: it has bound no port and written nothing yet."""
+        standby, self._standby = self._standby, None
+        if standby is None:
+            return
+        kill_group(standby)
+        standby.wait()
+        if self._standby_watch is not None:
+            self._standby_watch.join(2.0)  # its pipe ends with the process
+        for pipe in (standby.stdin, standby.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+
+    def _take_standby(self) -> subprocess.Popen[bytes] | None:
+        """The standby, told to start, if one waits for this command line and environment;
+        else None (none, or it died, or the service changed: it is discarded)."""
+        standby = self._standby
+        if standby is None:
+            return None
+        if exit_status(standby) is None and self._standby_for == (self.args, self.env):
+            try:
+                assert standby.stdin is not None
+                standby.stdin.write(b"start\n")
+                standby.stdin.close()
+            except OSError:
+                pass  # it died meanwhile
+            else:
+                # Still importing, its watcher holds the pipe until standby_ready: one reader
+                # at a time (the service's own starts after this).
+                if self._standby_watch is not None:
+                    self._standby_watch.join(STANDBY_WAIT)
+                if self._standby_watch is None or not self._standby_watch.is_alive():
+                    self._standby = None
+                    return standby
+        self.discard_standby()
+        return None
 
     def send_signal(self, sig: int) -> None:
         if self.running:

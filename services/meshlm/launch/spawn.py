@@ -82,6 +82,7 @@ def spawn(
     cwd: str | Path | None = None,
     stdout: int | IO[Any] | None = None,
     stderr: int | IO[Any] | None = None,
+    stdin: int = subprocess.DEVNULL,
 ) -> subprocess.Popen[bytes]:
     """Start a child in its own session (Ctrl-C at the terminal reaches only the launcher, which
     stops children in order) that dies with the launcher (PR_SET_PDEATHSIG on Linux).
@@ -90,7 +91,7 @@ def spawn(
     if _LINUX:
         args = [sys.executable, "-S", "-c", _SHIM, str(os.getpid()), *args]
     return _spawner.popen(
-        args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+        args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr,
         start_new_session=True,
     )
 

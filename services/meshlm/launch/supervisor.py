@@ -1,7 +1,9 @@
 """Restarts for the launcher's services, as an orchestrator's restart policy would do them.
 
 A service (or the mesh's own redis) that exits while the mesh runs is started again on the same
-address after a backoff (0.5 s, doubling, at most 10 s), while the others keep serving. A crash
+address after a backoff (0.5 s, doubling, at most 10 s), while the others keep serving; from a
+standby (launch/process.py) where one waits: started after the mesh is up, one service at a
+time, and again after each restart. A crash
 loop (more than `max_restarts` exits within `window` seconds) ends the supervision: the launcher
 stops the mesh and names the service with the last lines of its log.
 
@@ -23,6 +25,8 @@ from meshlm.launch.mesh import Mesh
 from meshlm.launch.readiness import MeshStartError
 
 log = get_logger(__name__)
+
+STANDBY_TIMEOUT = 120.0  # seconds a standby may take to import before the next is started
 
 
 @dataclass(frozen=True)
@@ -78,16 +82,20 @@ class Supervisor:
     """Restarts what exits; call check() from one thread (the launcher's main loop)."""
 
     def __init__(self, mesh: Mesh, policy: RestartPolicy,
-                 metrics: LauncherMetrics | None = None) -> None:
+                 metrics: LauncherMetrics | None = None, standby: bool = False) -> None:
         self.mesh = mesh
         self.policy = policy
         self.metrics = metrics
+        self.standby = standby  # keep a standby of each service for its restart (process.py)
         self.history = CrashHistory(policy)
         self._stopping = threading.Event()
         self._lock = threading.Lock()  # no respawn once stop() has begun
         self._restarting: dict[str, threading.Thread] = {}
         for name in self._names():
             self._set_up(name, True)
+        if standby:
+            threading.Thread(target=self._prepare_standbys, name="meshlm-standbys",
+                             daemon=True).start()
 
     def check(self) -> CrashLoop | None:
         """Schedule a restart of every service that exited since the last check; a CrashLoop
@@ -136,12 +144,31 @@ class Supervisor:
             self._restarted(name, pid)
             if name != "redis":
                 self.mesh.wait_ready(self.mesh.service(name), cancel=self._stopping)
+                if self.standby:
+                    with self._lock:
+                        if not self._stopping.is_set():
+                            self.mesh.service(name).prepare_standby()
         except (MeshStartError, RuntimeError, OSError) as e:
             # It exited again (the next check() counts it) or shutdown cancelled the wait.
             if not self._stopping.is_set():
                 log.warning("restart_failed", name=name, error=str(e).splitlines()[0])
             return
         log.info("service_back", name=name, seconds=round(time.monotonic() - began, 3))
+
+    def _prepare_standbys(self) -> None:
+        """A standby for every service, one after another (each imports for seconds of CPU:
+        all at once would crowd a small machine's serving), then the standbys_ready line."""
+        began = time.monotonic()
+        for name in self.mesh.services:
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                proc = self.mesh.service(name)
+                proc.prepare_standby()
+            if not proc.wait_standby(STANDBY_TIMEOUT) and not self._stopping.is_set():
+                log.warning("standby_failed", name=name, timeout=STANDBY_TIMEOUT)
+        log.info("standbys_ready", services=len(self.mesh.services),
+                 seconds=round(time.monotonic() - began, 3))
 
     def _restarted(self, name: str, pid: int | None) -> None:
         """The one log line and the metric of a restart."""

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 
+from meshlm.bench.raw_http import SsePool
 from meshlm.bench.serving import ServerProcess, StreamStats, completions_stream
 from meshlm.bench.workload import BenchRequest
 from meshlm.common.default_model import build_once, default_cache_dir
@@ -205,11 +206,9 @@ class LlamaCppServer(ServerProcess):
         return mismatches
 
 
-async def llama_cpp_stream(client: httpx.AsyncClient, base_url: str, request: BenchRequest
-                           ) -> StreamStats:
+async def llama_cpp_stream(client: SsePool, request: BenchRequest) -> StreamStats:
     """One streamed /v1/completions request to llama-server, greedy, EOS ignored."""
-    return await completions_stream(client, base_url, request,
-                                    {"ignore_eos": True, "temperature": 0})
+    return await completions_stream(client, request, {"ignore_eos": True, "temperature": 0})
 
 
 def _download_sdist(dest: Path) -> Path:

@@ -19,7 +19,6 @@ two or more, `plots.py` draws throughput and TTFT p50 by concurrency into `--plo
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
 import time
@@ -72,11 +71,9 @@ def run_llama_cpp(model_path: Path, requests: Sequence[BenchRequest], warmup: Be
             MAX_POSITIONS) as server:
         texts = [*TOKENIZER_PROBES, *(r.text for r in requests[:8])]
         mismatches = server.check_tokenizer(model_path / "tokenizer.json", texts)
-        base = server.base_url
-        result = asyncio.run(run_http(
-            f"llama.cpp llama-server, -np {concurrency}, HTTP /v1/completions",
-            lambda c, r: llama_cpp_stream(c, base, r), requests, warmup, concurrency,
-            keepalive=False))
+        result = run_http(f"llama.cpp llama-server, -np {concurrency}, HTTP /v1/completions",
+                          server.base_url, llama_cpp_stream, requests, warmup, concurrency,
+                          keepalive=False)
     result.notes.append(f"token ids equal to the tokenizer's for {len(texts) - len(mismatches)}"
                         f" of {len(texts)} texts" + "".join(f"; {m}" for m in mismatches[:3]))
     result.notes.append("KV cache float16 (llama-server's default: no --cache-type-k/v given)")

@@ -105,12 +105,14 @@ class _Connection(asyncio.Protocol):
 
 
 class SsePool:
-    """Kept-alive connections to `host:port`, one per request in flight."""
+    """Kept-alive connections to `host:port`, one per request in flight; with `keepalive`
+    False, a connection per request (`Connection: close`)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, keepalive: bool = True) -> None:
         self.host = host
         self.port = port
         self._idle: list[_Connection] = []
+        self._close = b"" if keepalive else b"Connection: close\r\n"
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -124,13 +126,14 @@ class SsePool:
         try:
             await conn.send(
                 b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                b"Content-Length: %d\r\n\r\n%s"
-                % (path.encode(), self.host.encode(), self.port, len(body), body), on_event)
+                b"%sContent-Length: %d\r\n\r\n%s"
+                % (path.encode(), self.host.encode(), self.port, self._close, len(body), body),
+                on_event)
         except BaseException:
             assert conn.transport is not None
             conn.transport.close()
             raise
-        if conn.keep:
+        if conn.keep and not self._close:
             self._idle.append(conn)
         else:
             assert conn.transport is not None

@@ -134,11 +134,12 @@ async def test_drive_keeps_at_most_concurrency_streams_and_runs_each_once() -> N
 
 
 def test_sse_data_lines() -> None:
-    assert serving._data('data: {"a": 1}') == {"a": 1}
-    assert serving._data("data: [DONE]") is None
-    assert serving._data(": keep-alive") is None and serving._data("") is None
+    assert serving._data(b'data: {"a": 1}') == {"a": 1}
+    assert serving._data(b'event: x\r\ndata:{"a": 2}\r') == {"a": 2}
+    assert serving._data(b"data: [DONE]") is None
+    assert serving._data(b": keep-alive") is None and serving._data(b"") is None
     with pytest.raises(serving.StreamError, match="boom"):
-        serving._data('data: {"error": {"message": "boom"}}')
+        serving._data(b'data: {"error": {"message": "boom"}}')
 
 
 def test_the_schedulers_start_up_choices_become_notes(tmp_path: Path) -> None:

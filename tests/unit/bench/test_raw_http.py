@@ -20,6 +20,7 @@ from starlette.routing import Route
 from meshlm.bench.raw_http import HttpError, SsePool
 
 Run = Callable[[Coroutine[Any, Any, None]], None]
+CONNECTION_HEADERS: list[str] = []  # each request's Connection header, as the server saw it
 
 
 @pytest.fixture(params=["asyncio", "uvloop"])
@@ -29,6 +30,7 @@ def run(request: pytest.FixtureRequest) -> Run:
 
 async def _events(request: Request) -> Response:
     """Body "<count> <size>": count events of size bytes each, sent one chunk apiece."""
+    CONNECTION_HEADERS.append(request.headers.get("connection", ""))
     count, size = (int(x) for x in (await request.body()).split())
     if count < 0:
         return PlainTextResponse("bad count", status_code=400)
@@ -42,7 +44,7 @@ async def _events(request: Request) -> Response:
 
 
 @contextlib.asynccontextmanager
-async def _serving() -> AsyncIterator[SsePool]:
+async def _serving(keepalive: bool = True) -> AsyncIterator[SsePool]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)  # connections wait in the backlog until the server takes them
@@ -50,7 +52,7 @@ async def _serving() -> AsyncIterator[SsePool]:
         Starlette(routes=[Route("/events", _events, methods=["POST"])]), log_config=None,
         access_log=False, lifespan="off", http="httptools", loop="none"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
-    pool = SsePool("127.0.0.1", sock.getsockname()[1])
+    pool = SsePool("127.0.0.1", sock.getsockname()[1], keepalive)
     try:
         yield pool
     finally:
@@ -93,5 +95,18 @@ def test_a_reply_other_than_200_fails_the_request(run: Run) -> None:
             with pytest.raises(HttpError, match="400"):
                 await _stream(pool, b"-1 1")
             assert await _stream(pool, b"1 1") == [b"data: 0", b"data: [DONE]"]
+
+    run(scenario())
+
+
+def test_without_keepalive_each_request_asks_to_close_and_keeps_no_connection(run: Run) -> None:
+    async def scenario() -> None:
+        async with _serving(keepalive=False) as pool:
+            CONNECTION_HEADERS.clear()
+            results = await asyncio.gather(*(_stream(pool, b"%d 2" % n) for n in (1, 2, 3)))
+            assert [len(got) for got in results] == [2, 3, 4]
+            assert await _stream(pool, b"1 1") == [b"data: 0", b"data: [DONE]"]
+            assert pool._idle == []
+        assert CONNECTION_HEADERS == ["close"] * 4
 
     run(scenario())

@@ -73,6 +73,15 @@ class Result:
     def itl_ms(self, q: float) -> float | None:
         return percentile(self.itl, q) * 1000 if self.itl else None
 
+    @classmethod
+    def merged(cls, results: Sequence[Result]) -> Result:
+        """One server's rounds as one result: tokens and seconds summed (throughput over all
+        of them), every request's TTFT and ITL, each note once; named as the first."""
+        notes = list(dict.fromkeys(n for r in results for n in r.notes))
+        return cls(results[0].name, sum(r.tokens for r in results),
+                   sum(r.seconds for r in results), [t for r in results for t in r.ttft],
+                   [t for r in results for t in r.itl], notes)
+
 
 def _expect(result: Result, requests: Sequence[BenchRequest], got: Sequence[int]) -> None:
     """Note requests that did not produce exactly the tokens they asked for."""

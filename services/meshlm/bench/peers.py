@@ -15,6 +15,13 @@ first. A concurrency `c` runs the first max(--requests, 4 x c) requests of one s
 (`requests_at`), so every run has at least four waves of streams and the smaller runs are a
 prefix of the larger. The report has the table and meshlm's ratios at every concurrency; with
 two or more, `plots.py` draws throughput and TTFT p50 by concurrency into `--plot-dir`.
+
+`--rounds n` measures the three servers n times over at each concurrency, in turn (llama.cpp,
+transformers serve, meshlm, then again), each started afresh: a shared machine's quiet and busy
+spells then fall on every server, not on whichever ran during them. Each server's figures are
+over all its rounds (tokens over seconds summed, TTFT and ITL p50 over every request), and the
+report adds each round's throughputs and meshlm's ratios round by round, the spread the noise
+leaves.
 """
 
 from __future__ import annotations
@@ -80,7 +87,39 @@ def run_llama_cpp(model_path: Path, requests: Sequence[BenchRequest], warmup: Be
     return result
 
 
-def report_peers(results: dict[str, Result | None], concurrency: int) -> list[str]:
+def merge_rounds(rounds: Sequence[dict[str, Result | None]]) -> dict[str, Result | None]:
+    """Each server's results over `rounds` (run_each's, in order) as one (`Result.merged`);
+    None for a server that has no round."""
+    merged: dict[str, Result | None] = {}
+    for key in rounds[0]:
+        done = [r for by_peer in rounds if (r := by_peer[key]) is not None]
+        merged[key] = Result.merged(done) if done else None
+    return merged
+
+
+def report_rounds(rounds: Sequence[dict[str, Result | None]]) -> list[str]:
+    """Each round's throughputs and meshlm's throughput ratios to each peer by round (nothing
+    for a single round)."""
+    if len(rounds) < 2:
+        return []
+    labels = " / ".join(LABELS[key] for key in rounds[0])
+    lines = [f"out tok/s by round ({labels}): " + "; ".join(
+        " / ".join(fmt(r.throughput if r else None, ".1f") for r in by_peer.values())
+        for by_peer in rounds)]
+    for key in ("llama.cpp", "serve"):
+        ratios: list[float | None] = []
+        for by_peer in rounds:
+            mesh, peer = by_peer.get("mesh"), by_peer.get(key)
+            ratios.append(ratio(mesh.throughput, peer.throughput) if mesh and peer else None)
+        lines.append(f"meshlm / {LABELS[key]} throughput by round: "
+                     + " ".join(fmt(x, ".2f", "x") for x in ratios))
+    return lines
+
+
+def report_peers(results: dict[str, Result | None], concurrency: int,
+                 rounds: Sequence[dict[str, Result | None]] = ()) -> list[str]:
+    """The table at one concurrency (figures over every round), meshlm's ratios to each peer,
+    and with several `rounds`, their figures round by round."""
     rows = [r for r in results.values() if r is not None]
     lines = [f"{f'HTTP, {concurrency} concurrent streams':<64} {'out tok/s':>10} "
              f"{'TTFT p50 ms':>12} {'ITL p50 ms':>11} {'tokens':>7}"]
@@ -93,7 +132,7 @@ def report_peers(results: dict[str, Result | None], concurrency: int) -> list[st
             lambda r: r.throughput, lambda r: r.ttft_ms(50), lambda r: r.itl_ms(50)))
         lines.append(f"meshlm / {label}: throughput {fmt(tp, '.2f', 'x')}, TTFT p50 "
                      f"{fmt(ttft, '.2f', 'x')}, ITL p50 {fmt(itl, '.2f', 'x')}")
-    return lines
+    return lines + report_rounds(rounds)
 
 
 def parse_concurrencies(values: Sequence[str], sweep: bool) -> list[int]:
@@ -153,6 +192,14 @@ def threads_said(threads: int, cpus: int) -> str:
             "engine's threads chosen at start-up, see its engine_threads log line)")
 
 
+def rounds_said(rounds: int) -> str:
+    """How the servers took turns, in words ("" for one round)."""
+    if rounds < 2:
+        return ""
+    return (f"{rounds} rounds of the servers in turn at each concurrency, each figure over "
+            "all of a server's rounds; ")
+
+
 def plot(results: dict[int, dict[str, Result | None]], plot_dir: Path, title: str,
          notes: list[str]) -> list[Path]:
     """Draw the charts of a sweep (`plots.py`) and return their paths; none with fewer than
@@ -182,12 +229,15 @@ def plot(results: dict[int, dict[str, Result | None]], plot_dir: Path, title: st
 @click.option("--weights", default="f32", show_default=True, type=click.Choice(list(WEIGHTS)),
               help="the weights' type in every server: f32, or bf16 (llama.cpp a bf16 GGUF, "
                    "transformers serve bfloat16, meshlm --packed-weight-dtype bfloat16)")
+@click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
+              help="measure the servers this many times over at each concurrency, in turn, "
+                   "each started afresh; figures over all rounds, ratios also by round")
 @click.option("--plot-dir", default="bench-results", show_default=True,
               type=click.Path(file_okay=False, path_type=Path),
               help="where the PNG plots go (with two or more concurrencies)")
 def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_mean: float,
          output_max: int, concurrency_values: tuple[str, ...], sweep: bool, threads: int,
-         skip: tuple[str, ...], weights: str, plot_dir: Path) -> None:
+         skip: tuple[str, ...], weights: str, rounds: int, plot_dir: Path) -> None:
     concurrencies = parse_concurrencies(concurrency_values, sweep)
     for key, value in OFFLINE_ENV.items():  # before transformers is imported: local files only
         os.environ.setdefault(key, value)
@@ -202,12 +252,15 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
     warmup = warmup_request(tok.encode)
     started = time.perf_counter()
     results: dict[int, dict[str, Result | None]] = {}
+    by_round: dict[int, list[dict[str, Result | None]]] = {}
     failures: list[str] = []
-    for c in concurrencies:  # each concurrency: the three servers one after another
+    for c in concurrencies:  # each concurrency: the three servers one after another, per round
         failed: list[str] = []
         runs = servers(model_path, workload[:counts[c]], warmup, c, threads or cpus, threads,
                        weights)
-        results[c] = run_each(runs, skip, failed)
+        by_round[c] = [run_each(runs, skip, failed, f"round {r + 1}: " if rounds > 1 else "")
+                       for r in range(rounds)]
+        results[c] = merge_rounds(by_round[c])
         failures += [f"concurrency {c}: {f}" for f in failed]
 
     tokens = {c: sum(r.max_new_tokens for r in workload[:n]) for c, n in counts.items()}
@@ -218,11 +271,11 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
           f"tokens, outputs exponential mean {output_mean:g} clipped to [1, {output_max}], EOS "
           f"ignored; the first max({n_requests}, {WAVES} x concurrency) requests of one "
           f"list\n{sizes}\n"
-          f"{cpus} CPUs; {threads_said(threads, cpus)}; whole run "
+          f"{cpus} CPUs; {threads_said(threads, cpus)}; {rounds_said(rounds)}whole run "
           f"{time.perf_counter() - started:.0f} s\n")
     lines: list[str] = []
     for c in concurrencies:
-        lines += report_peers(results[c], c) + [""]
+        lines += report_peers(results[c], c, by_round[c]) + [""]
     notes = [f"concurrency {c}, {r.name}: {n}" for c, by_peer in results.items()
              for r in by_peer.values() if r is not None for n in r.notes]
     title = (f"{model_path.name} (Llama {weights}, CPU), {cpus} CPUs, "

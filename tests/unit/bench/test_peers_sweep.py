@@ -94,3 +94,44 @@ def test_bf16_runs_meshlm_on_bfloat16_weights_and_kv_cache(monkeypatch: pytest.M
         runs["mesh"]()
         runs["serve"]()
         assert seen == {"mesh": mesh, "serve": serve}
+
+
+def test_a_servers_rounds_merge_into_one_result() -> None:
+    a = Result("mesh", 100, 2.0, [0.1, 0.3], [0.02], ["kernels: native", "chose 2 threads"])
+    b = Result("mesh (again)", 300, 2.0, [0.2], [0.04, 0.06], ["kernels: native"])
+    merged = Result.merged([a, b])
+    assert merged.name == "mesh" and merged.tokens == 400 and merged.seconds == 4.0
+    assert merged.throughput == 100.0
+    assert merged.ttft == [0.1, 0.3, 0.2] and merged.ttft_ms(50) == pytest.approx(200.0)
+    assert merged.itl == [0.02, 0.04, 0.06]
+    assert merged.notes == ["kernels: native", "chose 2 threads"]
+
+
+def test_rounds_merge_per_server_and_a_failed_round_is_left_out() -> None:
+    first = {"llama.cpp": Result("l", 50, 1.0), "serve": None, "mesh": Result("m", 150, 1.0)}
+    second = {"llama.cpp": Result("l", 70, 1.0), "serve": None, "mesh": None}
+    merged = peers.merge_rounds([first, second])
+    assert list(merged) == ["llama.cpp", "serve", "mesh"]
+    assert merged["llama.cpp"] is not None and merged["llama.cpp"].throughput == 60.0
+    assert merged["serve"] is None
+    assert merged["mesh"] is not None and merged["mesh"].tokens == 150
+
+
+def test_the_report_gives_each_rounds_throughputs_and_ratios() -> None:
+    rounds = [{"llama.cpp": Result("l", 100, 1.0), "serve": Result("s", 50, 1.0),
+               "mesh": Result("m", 150, 1.0)},
+              {"llama.cpp": Result("l", 120, 1.0), "serve": None,
+               "mesh": Result("m", 180, 1.0)}]
+    lines = peers.report_peers(peers.merge_rounds(rounds), 16, rounds)
+    assert ("out tok/s by round (llama.cpp / transformers serve / meshlm): "
+            "100.0 / 50.0 / 150.0; 120.0 / n/a / 180.0") in lines
+    assert "meshlm / llama.cpp throughput by round: 1.50x 1.50x" in lines
+    assert "meshlm / transformers serve throughput by round: 3.00x n/a" in lines
+    assert "meshlm / transformers serve: throughput 3.30x, TTFT p50 n/a, ITL p50 n/a" in lines
+    single = peers.report_peers(rounds[0], 16, rounds[:1])
+    assert not any("by round" in line for line in single)
+
+
+def test_rounds_below_one_stop_the_command_before_any_work() -> None:
+    out = CliRunner().invoke(peers.main, ["--rounds", "0"])
+    assert out.exit_code == 2 and "--rounds" in out.output

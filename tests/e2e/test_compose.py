@@ -109,6 +109,7 @@ def stack(meshlm_image: str) -> Iterator[Stack]:
 
 
 STREAMED = 1900  # tokens of the streaming checks
+DRAINED_TOKENS = 600  # tokens of the request in flight at `compose down`
 
 
 def _generate(text: str, n: int, **extra) -> pb.TextGenerateRequest:
@@ -298,12 +299,18 @@ def test_profiles_render_with_gpu_reservation_and_observability(stack: Stack) ->
 
 def test_down_drains_a_request_in_flight_and_leaves_nothing(stack: Stack) -> None:
     stub = stack.stub()
-    follower = Follower(stub, _generate("a long story", 1200)).start()
+    # 600 tokens stream for about 4.5 s here (c=1, through the published port): long enough to be
+    # in flight when the gateway gets SIGTERM, short enough to end within its 20 s grace on a
+    # host a few times slower (1,200 did not, on a loaded CI host).
+    follower = Follower(stub, _generate("a long story", DRAINED_TOKENS)).start()
     wait_until(lambda: bool(follower.messages), 60, "the stream to start")
+    began, tokens_then = time.monotonic(), follower.tokens
     down = stack.compose("down", "-v", "--remove-orphans", "-t", "30", timeout=180)
     follower.join(60)
+    print(f"\ndown began after {tokens_then} tokens; the stream ended "
+          f"{follower.ended_at - began:.1f} s later with {follower.tokens}")
     assert follower.error is None, follower.error
-    assert follower.tokens == 1200 and follower.finish_reason == "length"
+    assert follower.tokens == DRAINED_TOKENS and follower.finish_reason == "length"
     assert "gateway" in down.stderr
     assert stack.leftovers() == []
     with pytest.raises(httpx.TransportError):

@@ -28,7 +28,11 @@ CONTEXT = 2048  # the default model's
 LIMIT = f"at most {CONTEXT * PROMPT_CHARS_PER_TOKEN} (--max-prompt-chars)"
 ROLES = ("gateway", "tokenizer", "scheduler", "detokenizer")
 RSS_SLACK_MB = 100
-LATENCY_FLOOR = 0.25  # seconds a loaded 2-core machine may add whatever the ratio
+# Seconds the barrage may add whatever the ratio. Two clients sending 10 MB prompts back to back
+# keep a 2-core machine's CPUs busy (each refusal costs the gateway 15-35 ms of its loop), so
+# every hop of the small request waits its turn: 0.06 s added on a quiet machine, 0.4 s on a
+# loaded CI host. A mesh that tokenized the prompts, or stalled behind them, adds seconds.
+LATENCY_FLOOR = 1.0
 
 
 def _http_refusals(base: str) -> Iterator[tuple[str, httpx.Response]]:

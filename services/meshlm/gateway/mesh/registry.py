@@ -40,6 +40,7 @@ RETRY_AFTER = 2.0  # seconds without Redis after a failure
 PROBE_EVERY = 1.0  # seconds between checks that Redis is there and is the same server
 MAX_UNSENT = 100_000  # final states kept for Redis while it is away (oldest dropped)
 FLUSH_INTERVAL = 0.01  # seconds from the first background write queued to its round
+FIND_RETRIES = (0.03, 0.07, 0.15, 0.25)  # seconds between lookups of a rid not yet found
 
 # A queued write: (rid, fields to set, the record's new TTL: None for the live TTL, a final
 # state has one). A fresh rid's whole record is written so too: it cannot clash.
@@ -265,11 +266,14 @@ class RidRegistry:
 
     async def find(self, rid: str) -> dict[str, str] | None:
         """A record another gateway may have just queued: any gateway's writer sends a fresh
-        rid's record up to `FLUSH_INTERVAL` after the request left, so a rid not found is
-        looked up once more after that (and the round trip) has passed."""
+        rid's record about `FLUSH_INTERVAL` after the request left, later on a busy host, so
+        a rid not found is looked up again at growing intervals (`FIND_RETRIES`, about half a
+        second in all) before it is taken as unknown."""
         record = await self.get(rid)
-        if record is None and not self.degraded:
-            await asyncio.sleep(3 * FLUSH_INTERVAL)  # one writer's round, not synchronisation
+        for delay in FIND_RETRIES:
+            if record is not None or self.degraded:
+                break
+            await asyncio.sleep(delay)  # a writer's round on a loaded host, not synchronisation
             record = await self.get(rid)
         return record
 

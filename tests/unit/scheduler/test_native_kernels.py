@@ -19,6 +19,14 @@ from meshlm.scheduler.models.cpu_linear import NativePacking, PackedLinear, nati
 from meshlm.scheduler.models.llama import RMSNorm, RotaryEmbedding, apply_rotary
 
 
+def _cpu_has(*flags: str) -> bool:
+    """Whether this CPU has all of `flags` (Linux's names in /proc/cpuinfo)."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(flags) <= set(line.split(":", 1)[1].split())
+    return False
+
+
 def _kernels() -> native.Kernels:
     kernels = native.load()
     assert not isinstance(kernels, native.BuildError), kernels
@@ -139,8 +147,9 @@ def test_native_and_torch_engines_draw_the_same_tokens(gqa_model: Path, kv_dtype
         engine = Engine(EngineConfig(model_path=str(gqa_model), block_size=4, max_running=4,
                                      attention_backend=backend, kv_cache_dtype=kv_dtype))
         assert engine.attention_backend == backend
-        wide = _kernels().linear_wide  # meshlm's linears where AVX-512 makes them the faster
-        assert engine.linear_kernel == ("native" if backend == "native" and wide else "onednn")
+        vector = _kernels().linear_vector  # meshlm's linears where AVX-512 or AVX2 make them
+        assert engine.linear_kernel == ("native" if backend == "native" and vector  # faster
+                                        else "onednn")
         assert engine.runner.kv.k.dtype == (torch.float32 if kv_dtype == "auto"
                                             else getattr(torch, kv_dtype))
         assert (engine.runner.fused is not None) == (backend == "native")  # all in C
@@ -252,7 +261,7 @@ def test_float16_rounding_matches_torch_bit_for_bit() -> None:
 
 # The kernel chosen here, and each by name (the AVX512_BF16 one reads bfloat16 weights only).
 @pytest.mark.parametrize(("path", "weight_dtype"), [
-    (path, dtype) for path in ("", "_portable", "_wide", "_dot")
+    (path, dtype) for path in ("", "_portable", "_wide", "_avx2", "_dot")
     for dtype in (torch.float32, torch.bfloat16) if path != "_dot" or dtype == torch.bfloat16])
 @pytest.mark.parametrize(("inputs", "outputs"), [(512, 1024), (1100, 37), (3, 5), (64, 96),
                                                  (1025, 40)])
@@ -269,6 +278,10 @@ def test_linear_matches_torch_linear(path: str, weight_dtype: torch.dtype, input
         pytest.skip(f"no {path} kernel on this architecture")
     if path == "_dot" and not kernels.linear_bf16_rounds:
         pytest.skip("no AVX512_BF16 on this CPU")
+    if path == "_wide" and not kernels.linear_wide:
+        pytest.skip("no AVX-512 on this CPU")
+    if path == "_avx2" and not _cpu_has("avx2", "fma"):
+        pytest.skip("no AVX2 with FMA on this CPU")
     rounds = weight_dtype == torch.bfloat16 and (
         path == "_dot" or (path == "" and kernels.linear_bf16_rounds))
     torch.manual_seed(5)
@@ -338,4 +351,4 @@ def test_a_natively_packed_linear_serves_and_repacks_like_nn_linear() -> None:
     assert native_packing(None, cpu, torch.float32) is None
     assert native_packing(_kernels(), cpu, torch.bfloat16) is None
     assert native_packing(_kernels(), cpu, torch.float32, "bfloat16").dtype == torch.bfloat16  # type: ignore[union-attr]
-    assert (native_packing(_kernels(), cpu, torch.float32) is None) != _kernels().linear_wide
+    assert (native_packing(_kernels(), cpu, torch.float32) is None) != _kernels().linear_vector

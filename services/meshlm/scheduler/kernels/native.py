@@ -69,13 +69,15 @@ _SIGNATURES: dict[str, list[Any]] = {
     **{f"meshlm_linear_{suffix}{path}": [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
        for suffix in ("f32", "bf16") for path in ("", "_portable")},
     "meshlm_linear_wide": [],
+    "meshlm_linear_vector": [],
     "meshlm_linear_bf16_rounds": [],
 }
 # Kernels of one instruction set, called by name where the CPU has it (tests; x86-64 only).
 _OPTIONAL: dict[str, list[Any]] = {
     f"meshlm_linear_{name}": _SIGNATURES["meshlm_linear_f32"]
-    for name in ("f32_wide", "bf16_wide", "bf16_dot")}
-_RESULTS: dict[str, Any] = {"meshlm_linear_wide": _INT, "meshlm_linear_bf16_rounds": _INT}
+    for name in ("f32_wide", "bf16_wide", "bf16_dot", "f32_avx2", "bf16_avx2")}
+_RESULTS: dict[str, Any] = {"meshlm_linear_wide": _INT, "meshlm_linear_vector": _INT,
+                            "meshlm_linear_bf16_rounds": _INT}
 
 
 class BuildError(RuntimeError):
@@ -150,6 +152,12 @@ class Kernels:
         return bool(self.fns["meshlm_linear_wide"]())
 
     @property
+    def linear_vector(self) -> bool:
+        """Whether `linear` runs a vector kernel here: AVX-512, or AVX2 with FMA (else the
+        portable one, four lanes wide)."""
+        return bool(self.fns["meshlm_linear_vector"]())
+
+    @property
     def linear_bf16_rounds(self) -> bool:
         """Whether `linear` over bfloat16 weights rounds the activations to bfloat16 here (the
         AVX512_BF16 kernel: vdpbf16ps); elsewhere they stay float32."""
@@ -161,8 +169,8 @@ class Kernels:
         contiguous), W packed in 16-column blocks, [ceil(O / 32) * 2, I, 16] float32 or
         [ceil(O / 32) * 2, ceil(I / 2), 16, 2] bfloat16 (contiguous, `cpu_linear.NativePacking`),
         bias [O] or None. `path` runs one kernel by name, to test it where another is chosen:
-        "_portable", or on x86-64 "_wide" (AVX-512) and, bfloat16 only, "_dot" (AVX512_BF16;
-        call it only where `linear_bf16_rounds`)."""
+        "_portable", or on x86-64 "_wide" (AVX-512), "_avx2" (AVX2 with FMA) and, bfloat16 only,
+        "_dot" (AVX512_BF16; call it only where `linear_bf16_rounds`)."""
         rows, inputs = x.shape
         suffix = "bf16" if packed.dtype == torch.bfloat16 else "f32"
         self.fns[f"meshlm_linear_{suffix}{path}"](

@@ -163,7 +163,8 @@ WEIGHT_DTYPES = ("auto", "bfloat16")  # --packed-weight-dtype
 def native_packing(kernels: Kernels | None, device: torch.device, dtype: torch.dtype,
                    weight_dtype: str = "auto") -> NativePacking | None:
     """meshlm's own packing where it is the faster one here: kernels loaded, a float32 model
-    on the CPU, a CPU with AVX-512 (oneDNN stays faster than the portable kernel); or where
+    on the CPU, a CPU with AVX-512 or AVX2 and FMA (oneDNN stays faster than the portable
+    kernel); or where
     `weight_dtype` asks for bfloat16 weights, which only meshlm's kernel reads (a ValueError
     where it cannot serve)."""
     if weight_dtype not in WEIGHT_DTYPES:
@@ -177,7 +178,7 @@ def native_packing(kernels: Kernels | None, device: torch.device, dtype: torch.d
                              f"on the CPU, not {dtype} on {device}")
         assert kernels is not None
         return NativePacking(kernels, torch.bfloat16)
-    return NativePacking(kernels) if usable and kernels is not None and kernels.linear_wide \
+    return NativePacking(kernels) if usable and kernels is not None and kernels.linear_vector \
         else None
 
 

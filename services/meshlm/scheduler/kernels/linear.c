@@ -12,12 +12,12 @@
  * project's 2-core AVX-512 machine that reads the bench model's weights at 49 GB/s at one
  * row, where oneDNN's packed kernels read them at 29 (2.1 ms a pass against 3.5), and keeps
  * level with them from 64 rows to prompt chunks of 2048 (both at 220 GFLOP/s). Where the CPU
- * has AVX2 and FMA but not AVX-512 (a 2-core AMD EPYC VM, 2026-11-29), 8-wide tiles of up to 6
- * rows serve instead of the portable ones: against oneDNN's packed kernels, 2 threads, every
- * projection and the head once, the tiny default model 83 against 227 us at one row, 247
- * against 613 at 16 and 3.6 against 4.6 ms at 256; the bench model 3.2 against 2.8 ms at one
- * row, level at 4, 6.9 against 7.1 ms at 16, 16.4 against 18.4 at 64 and 58 against 63 at 256
- * (the portable kernel: 2-3x slower than these from 4 rows).
+ * has AVX2 and FMA but not AVX-512 (a 2-core AMD EPYC VM, 2026-11-29), 8-wide tiles serve
+ * instead of the portable ones (which are 2-3x slower from 4 rows): against oneDNN's packed
+ * kernels, 2 threads, every projection and the head once, the bench model took 2.4 against
+ * 2.7 ms at one row, 2.8 against 3.3 at 4, 5.2 against 6.1 at 16, 14.8 against 17.5 at 64
+ * and 56 against 62 at 256; the tiny default model 96 against 320 us at one row, 306 against
+ * 453 at 16 and 3.8 against 4.2 ms at 256 (oneDNN's call costs tens of microseconds).
  *
  * bfloat16 weights: where the CPU has AVX512_BF16 (meshlm_linear_bf16_dot), the activations
  * are rounded to bfloat16 too (to nearest even) and each pair of products is summed into
@@ -233,27 +233,24 @@ TILES8(PAIR_TILE, wide_bf16, v16, u16, 16, 2)
 WIDE_TARGET LINEAR(meshlm_linear_f32_wide, f32, (2 * BLOCK), 8, WIDE, wide_f32, wide_f32)
 WIDE_TARGET LINEAR(meshlm_linear_bf16_wide, bf16, (2 * BLOCK), 8, WIDE, wide_bf16, wide_f32)
 
-/* AVX2 with FMA (x86-64-v3, where AVX-512 is missing): one block (two 8-wide vectors) by up to
- * 6 rows, 12 accumulators of the 16 registers. */
+/* AVX2 with FMA (x86-64-v3, where AVX-512 is missing): two blocks (four 8-wide vectors) by up to
+ * 3 rows, 12 accumulators of the 16 registers. Against one block by up to 6 rows (the same
+ * accumulators), the bench model's projections and head took 2.4 against 3.1 ms at one row,
+ * 5.2 against 5.9 at 16 and 56 against 59 at 256: two weight streams per group keep more
+ * loads in flight; the tiny model's were within 8% either way. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef uint32_t u8 __attribute__((vector_size(32), aligned(4)));
 #define MID(TILES, mt, ...)                                                                   \
     switch (mt) {                                                                             \
     case 1: TILES##_1(__VA_ARGS__); break;                                                    \
     case 2: TILES##_2(__VA_ARGS__); break;                                                    \
-    case 3: TILES##_3(__VA_ARGS__); break;                                                    \
-    case 4: TILES##_4(__VA_ARGS__); break;                                                    \
-    case 5: TILES##_5(__VA_ARGS__); break;                                                    \
-    default: TILES##_6(__VA_ARGS__); break;                                                   \
+    default: TILES##_3(__VA_ARGS__); break;                                                   \
     }
-#define TILES6(T, NAME, ...)                                                                  \
-    T(NAME, __VA_ARGS__, 1) T(NAME, __VA_ARGS__, 2) T(NAME, __VA_ARGS__, 3)                   \
-    T(NAME, __VA_ARGS__, 4) T(NAME, __VA_ARGS__, 5) T(NAME, __VA_ARGS__, 6)
 #define MID_TARGET __attribute__((target("arch=x86-64-v3")))
-TILES6(TILE, mid_f32, v8, 8, 2)
-TILES6(PAIR_TILE, mid_bf16, v8, u8, 8, 2)
-MID_TARGET LINEAR(meshlm_linear_f32_avx2, f32, BLOCK, 6, MID, mid_f32, mid_f32)
-MID_TARGET LINEAR(meshlm_linear_bf16_avx2, bf16, BLOCK, 6, MID, mid_bf16, mid_f32)
+TILES3(TILE, mid_f32, v8, 8, 4)
+TILES3(PAIR_TILE, mid_bf16, v8, u8, 8, 4)
+MID_TARGET LINEAR(meshlm_linear_f32_avx2, f32, (2 * BLOCK), 3, MID, mid_f32, mid_f32)
+MID_TARGET LINEAR(meshlm_linear_bf16_avx2, bf16, (2 * BLOCK), 3, MID, mid_bf16, mid_f32)
 
 /* AVX512_BF16: the rows' activations rounded to bfloat16 pairs once per call (xb: each row's
  * K/2 pairs, a pair one 32-bit word, as the weights' pairs), then tiles of up to 8 rows by two

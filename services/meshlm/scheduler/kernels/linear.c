@@ -14,10 +14,11 @@
  * level with them from 64 rows to prompt chunks of 2048 (both at 220 GFLOP/s). Where the CPU
  * has AVX2 and FMA but not AVX-512 (a 2-core AMD EPYC VM, 2026-11-29), 8-wide tiles serve
  * instead of the portable ones (which are 2-3x slower from 4 rows): against oneDNN's packed
- * kernels, 2 threads, every projection and the head once, the bench model took 2.4 against
- * 2.7 ms at one row, 2.8 against 3.3 at 4, 5.2 against 6.1 at 16, 14.8 against 17.5 at 64
- * and 56 against 62 at 256; the tiny default model 96 against 320 us at one row, 306 against
- * 453 at 16 and 3.8 against 4.2 ms at 256 (oneDNN's call costs tens of microseconds).
+ * kernels, 2 threads, a pass over all of the bench model's projections and its head (105 MB)
+ * took 3.1 against 4.5 ms at one row (34 GB/s), 4.1 against 6.1 at 4, 7.9 against 10.4 at
+ * 16, 21.6 against 27.6 at 64 and 80 against 91 at 256; the tiny default model's 0.19
+ * against 0.69 ms at one row, 0.70 against 1.34 at 16 and 8.3 against 9.4 at 256 (oneDNN's
+ * call costs tens of microseconds).
  *
  * bfloat16 weights: where the CPU has AVX512_BF16 (meshlm_linear_bf16_dot), the activations
  * are rounded to bfloat16 too (to nearest even) and each pair of products is summed into
@@ -235,9 +236,9 @@ WIDE_TARGET LINEAR(meshlm_linear_bf16_wide, bf16, (2 * BLOCK), 8, WIDE, wide_bf1
 
 /* AVX2 with FMA (x86-64-v3, where AVX-512 is missing): two blocks (four 8-wide vectors) by up to
  * 3 rows, 12 accumulators of the 16 registers. Against one block by up to 6 rows (the same
- * accumulators), the bench model's projections and head took 2.4 against 3.1 ms at one row,
- * 5.2 against 5.9 at 16 and 56 against 59 at 256: two weight streams per group keep more
- * loads in flight; the tiny model's were within 8% either way. */
+ * accumulators), one hidden-512 layer's projections and a 32k-vocabulary head took 2.4
+ * against 3.1 ms at one row, 5.2 against 5.9 at 16 and 56 against 59 at 256: two weight
+ * streams per group keep more loads in flight; the tiny model's were within 8% either way. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef uint32_t u8 __attribute__((vector_size(32), aligned(4)));
 #define MID(TILES, mt, ...)                                                                   \

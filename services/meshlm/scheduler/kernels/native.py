@@ -148,7 +148,7 @@ class Kernels:
 
     @property
     def linear_wide(self) -> bool:
-        """Whether `linear` runs the AVX-512 kernel here (else the portable one)."""
+        """Whether `linear` runs the AVX-512 kernel here (else the AVX2 or portable one)."""
         return bool(self.fns["meshlm_linear_wide"]())
 
     @property

@@ -6,12 +6,14 @@ lays a weight out once for its kernel and multiplies by it:
 
 - `NativePacking`: meshlm's own kernel (`kernels/linear.c`), 16-column blocks read once per
   step while every row of the step is multiplied against them. Chosen where the kernels are
-  loaded, the model is float32 and the CPU has AVX-512: on this project's 2-core machine it
-  reads the bench model's weights at 1.4-1.8x oneDNN's speed up to 8 rows, 1.2x at 16, and
-  keeps level from 64 rows to 2048-token prompt chunks. `--packed-weight-dtype bfloat16`
-  keeps its weights in bfloat16: half the memory, and 1.3-1.7x faster again up to 4 rows
-  (bound by reading them), 0.8-0.9x from 16 rows (the widening then costs more than the
-  bytes saved).
+  loaded, the model is float32 and the CPU has AVX-512 or AVX2 with FMA: on this project's
+  2-core AVX-512 machine it reads the bench model's weights at 1.4-1.8x oneDNN's speed up to
+  8 rows, 1.2x at 16, and keeps level from 64 rows to 2048-token prompt chunks; on a 2-core
+  AVX2 one (AMD EPYC) 1.5x at one row, 1.3x at 16 to 64 and 1.15x at 256, and 3.7x at one
+  row of the tiny default model, where oneDNN's per-call cost dominates.
+  `--packed-weight-dtype bfloat16` keeps its weights in bfloat16: half the memory, and
+  1.3-1.7x faster again up to 4 rows (bound by reading them), 0.8-0.9x from 16 rows (the
+  widening then costs more than the bytes saved).
 - `OneDNNPacking`: oneDNN's blocked layout (the op PyTorch's own compiler, inductor, emits for
   CPU linears); measured here on one core, the decoder projections of a hidden-512 model take
   ~40% less time at 16 rows than torch's linear and ~12% less at 2048.

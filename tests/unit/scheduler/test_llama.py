@@ -23,7 +23,7 @@ from meshlm.scheduler.kernels import native
 from meshlm.scheduler.kernels.native import Kernels
 from meshlm.scheduler.models import llama_fused
 from meshlm.scheduler.models.config import ModelConfig
-from meshlm.scheduler.models.cpu_linear import pack_linears
+from meshlm.scheduler.models.cpu_linear import NativePacking, pack_linears
 from meshlm.scheduler.models.llama import LlamaForCausalLM, rope_inv_freq
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
 
@@ -187,6 +187,66 @@ def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: in
                             kernel, fused)
         assert torch.allclose(step[0], model.forward_full(torch.tensor([a]))[0, -1], atol=1e-4)
         assert torch.allclose(step[1], model.forward_full(torch.tensor([b]))[0, -1], atol=1e-4)
+
+
+def _paged(cache: KVCache, windows: list[int | None], kernel: Kernels,
+           items: list[tuple[list[int], list[int], int, int]]
+           ) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
+    """input_ids, positions and the native attention of one packed step of (tokens, block
+    table, start, n) items."""
+    ids = [t for tokens, _, start, n in items for t in tokens[start : start + n]]
+    pos = [p for _, _, start, n in items for p in range(start, start + n)]
+    meta = build_attention_meta([StepItem(table, start, n) for _, table, start, n in items],
+                                cache.block_size, "cpu", max_groups=1)
+    return torch.tensor(ids), torch.tensor(pos), PagedAttention(cache, meta, windows, kernel)
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 6])
+@torch.inference_mode()
+def test_a_decode_step_in_one_call_equals_the_layer_by_layer_forward(
+        gqa_model: Path, weights: torch.dtype, kv: torch.dtype, window: int | None) -> None:
+    """A step of decodes over meshlm's packing runs all its layers in one call into the C
+    kernels (decode_layers.c): the same kernels in the same order as the forward that calls
+    them layer by layer from Python, so the same hidden states to the bit, for float32 and
+    bfloat16 weights, every KV cache type and a sliding window; rows of three lengths, so
+    that the decode group's order (by table width) is not the packed order. A step with a
+    prompt chunk, or over oneDNN's packing, keeps the layer-by-layer forward."""
+    kernel = native.load()
+    assert not isinstance(kernel, native.BuildError), kernel
+    model, cfg = load_model(gqa_model)
+    pack_linears(model, NativePacking(kernel, weights))
+    fused = llama_fused.fuse(model)
+    assert fused is not None
+    cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, kv, "cpu")
+    windows = [window] * cfg.num_layers
+    seqs = [[5, 9, 13, 200, 7, 8, 100, 31, 77, 12, 3], [44, 3], [18, 90, 91, 92, 17, 6]]
+    tables = [[9, 2, 14, 3], [0, 11], [5, 6, 12]]
+    prompts = [(tokens, table, 0, len(tokens)) for tokens, table in zip(seqs, tables, strict=True)]
+    ids, pos, attention = _paged(cache, windows, kernel, prompts)
+    assert llama_fused.native_layers(fused, attention) is None  # prompt chunks
+    llama_fused.fused_forward(fused, kernel, ids, pos, attention)
+    for step in range(3):
+        for i, tokens in enumerate(seqs):
+            tokens.append((len(tokens) * 7 + i) % 500)
+        items = [(tokens, table, len(tokens) - 1, 1) for tokens, table in zip(seqs, tables,
+                                                                             strict=True)]
+        ids, pos, attention = _paged(cache, windows, kernel, items)
+        assert attention.meta.decodes[0].rows.tolist() != [0, 1, 2]
+        assert llama_fused.native_layers(fused, attention) is not None
+        by_layer = llama_fused.layer_by_layer(fused, kernel, ids, pos, attention)
+        in_one_call = llama_fused.fused_forward(fused, kernel, ids, pos, attention)
+        assert torch.equal(in_one_call, by_layer), f"step {step}"
+    if weights == torch.float32 and kv == torch.float32 and window is None:
+        logits = model.compute_logits(in_one_call)
+        for row, tokens in enumerate(seqs):
+            full = model.forward_full(torch.tensor([tokens]))[0, -1]
+            assert torch.allclose(logits[row], full, atol=1e-4)
+    onednn, _ = load_model(gqa_model)
+    pack_linears(onednn)
+    other = llama_fused.fuse(onednn)
+    assert other is not None and llama_fused.native_layers(other, attention) is None
 
 
 def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:

@@ -1,4 +1,5 @@
-"""meshlm's own CPU kernels, in C (`decode_attention.c`, `layer_ops.c`, `linear.c`):
+"""meshlm's own CPU kernels, in C (`decode_attention.c`, `layer_ops.c`, `linear.c`, and
+`decode_layers.c`, which runs a decode step's layers through the others):
 compiled into one library with the machine's C compiler the first time a scheduler needs
 them, kept under the cache directory (`$MESHLM_CACHE_DIR/kernels/`, one file per sources and
 flags), loaded with ctypes. The library carries a version of each function per instruction
@@ -35,13 +36,14 @@ from torch import Tensor
 from meshlm.common.default_model import default_cache_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c",
-                                                             "layer_ops.c", "linear.c"))
+                                                             "layer_ops.c", "linear.c",
+                                                             "decode_layers.c"))
 # The objects, each a source and its defines, compiled all at once: decode_attention.c, the
 # slowest by far (a kernel per KV type, a clone of each per instruction set), in one part per
 # KV type. Each part takes under half of the whole file's time: 5-8 s against 19 s on the
 # 2-core development VM (gcc 12); the first scheduler start waits on the slowest.
 UNITS = (*((SOURCES[0], (f"-DMESHLM_PART={part}",)) for part in (1, 2, 3)),
-         (SOURCES[1], ()), (SOURCES[2], ()))
+         (SOURCES[1], ()), (SOURCES[2], ()), (SOURCES[3], ()))
 # Read by decode_attention.c, once per KV cache element type.
 INCLUDES = (Path(__file__).with_name("decode_attention.inc"),)
 # KV cache element types the kernels read and write: (function suffix, store_kv's kind).
@@ -68,6 +70,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "meshlm_silu_mul_f32": [_P, _P, _I, _I, _INT],
     **{f"meshlm_linear_{suffix}{path}": [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
        for suffix in ("f32", "bf16") for path in ("", "_portable")},
+    "meshlm_decode_layers": [_P, _P, _I, _P, _P, _F, _P, _INT],
     "meshlm_linear_wide": [],
     "meshlm_linear_vector": [],
     "meshlm_linear_bf16_rounds": [],
@@ -78,6 +81,29 @@ _OPTIONAL: dict[str, list[Any]] = {
     for name in ("f32_wide", "bf16_wide", "bf16_dot", "f32_avx2", "bf16_avx2")}
 _RESULTS: dict[str, Any] = {"meshlm_linear_wide": _INT, "meshlm_linear_vector": _INT,
                             "meshlm_linear_bf16_rounds": _INT}
+
+
+class LayerWeights(ctypes.Structure):
+    """decode_layers.c's `struct meshlm_layer`: one layer's packed projections, biases (None:
+    none), norm weights and epsilons, and the first position each decode row attends to."""
+
+    _fields_ = [(name, _P) for name in ("qkv", "o", "gate_up", "down", "qkv_bias", "o_bias",
+                                        "gate_up_bias", "down_bias", "input_norm", "post_norm",
+                                        "first")] + [("input_eps", _F), ("post_eps", _F)]
+
+
+class DecodeStep(ctypes.Structure):
+    """decode_layers.c's `struct meshlm_decode_step`: the model's shapes and the arrays of
+    one decode step that every layer reads."""
+
+    _fields_ = [*((name, _I) for name in ("rows", "hidden", "heads", "kv_heads", "head_dim",
+                                           "inter")),
+                ("weight_kind", _INT), ("kv_kind", _INT),
+                *((name, _P) for name in ("cos", "signed_sin", "slots", "attention_rows",
+                                          "tables", "last")),
+                ("table_width", _I), ("k_cache", _P), ("v_cache", _P),
+                *((name, _I) for name in ("layer_elements", "num_blocks", "block_size")),
+                ("scale", _F), ("scratch", _P), ("scratch_per_thread", _I), ("work", _P)]
 
 
 class BuildError(RuntimeError):
@@ -115,6 +141,15 @@ class Kernels:
     def scratch_size(num_heads: int, num_kv_heads: int, max_keys: int) -> int:
         """Scratch floats for steps whose rows attend over at most `max_keys` positions."""
         return torch.get_num_threads() * (num_heads // num_kv_heads) * max_keys
+
+    def decode_layers(self, step: DecodeStep, layers: ctypes.Array[LayerWeights], x: Tensor,
+                      final_norm: Tensor, final_eps: float, out: Tensor) -> None:
+        """Every decoder layer of a step whose rows are all decodes, then the final norm:
+        x [N, H] the residual stream (updated in place), out [N, H] the normed hidden
+        states (decode_layers.c gives the layouts)."""
+        self.fns["meshlm_decode_layers"](
+            ctypes.addressof(step), ctypes.addressof(layers), len(layers), x.data_ptr(),
+            final_norm.data_ptr(), final_eps, out.data_ptr(), torch.get_num_threads())
 
     def add_rmsnorm(self, x: Tensor, add: Tensor | None, weight: Tensor, eps: float,
                     out: Tensor) -> None:

@@ -1,0 +1,148 @@
+/* A decode step's whole decoder stack in one call: every layer of a Llama-family model, for
+ * rows that are each one new token, through the other kernels of this library in the order
+ * `fused_forward` (models/llama_fused.py) calls them from Python:
+ *
+ *     add + RMSNorm -> qkv matmul -> RoPE in place -> KV write -> decode attention
+ *     -> o matmul -> add + RMSNorm -> gate_up matmul -> SiLU * up -> down matmul
+ *
+ * and the final add + RMSNorm. The same calls on the same arrays, so the same results to the
+ * bit. What it saves is Python's share of a step: about ten ctypes calls and a dozen torch
+ * ops a layer, each several microseconds (measured on the bench model at one row, 2 threads:
+ * 3.7 ms a step, 2.6 of it in the kernels, about 1 ms outside them), and, in the scheduler
+ * service, the engine thread's every return to the GIL while the event loop sends the last
+ * step's outputs (the call holds no GIL from the first layer to the last).
+ *
+ * Layouts: x, the residual stream, [rows, hidden] (updated in place); the projections packed
+ * by `NativePacking` (float32 or bfloat16, `weight_kind` 0 or 1); the caches as
+ * decode_attention.c reads them, layer l's at k_cache + l * layer_elements (of `kv_kind`,
+ * store_kv's kinds); cos and signed_sin [rows, head_dim]; slots [rows], the cache slot of
+ * each row's token; tables [rows, table_width] the block tables, in the order of the packed
+ * rows `attention_rows` [rows] (build_attention_meta's one decode group), and first and last
+ * [rows] in that order too, first per layer (a sliding window's differs). `work` holds the
+ * activations: rows * (hidden + qkv + heads * head_dim + hidden + 2 * inter + inter) floats.
+ * Built with the other kernels by kernels/native.py. */
+#include <stddef.h>
+#include <stdint.h>
+
+/* The kernels called, from layer_ops.c, linear.c and decode_attention.c. */
+void meshlm_add_rmsnorm_f32(float *x, const float *add, const float *weight, float *out,
+                            int64_t rows, int64_t hidden, float eps, int threads);
+void meshlm_rope_f32(float *x, int64_t rows, int64_t stride, int64_t heads, int64_t head_dim,
+                     const float *cos, const float *signed_sin, int threads);
+void meshlm_store_kv(const float *k, int64_t k_stride, int64_t k_head_stride,
+                     const float *v, int64_t v_stride, int64_t v_head_stride,
+                     int64_t rows, int64_t heads, int64_t head_dim, const int64_t *slots,
+                     void *k_cache, void *v_cache, int64_t head_slots, int kind);
+void meshlm_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
+                         int threads);
+void meshlm_linear_f32(const float *x, int64_t ldx, int64_t rows, int64_t in,
+                       const float *packed, const float *bias, float *y, int64_t out,
+                       int threads);
+void meshlm_linear_bf16(const float *x, int64_t ldx, int64_t rows, int64_t in,
+                        const uint16_t *packed, const float *bias, float *y, int64_t out,
+                        int threads);
+#define DECODE_ATTENTION(suffix, KV)                                                          \
+    void meshlm_decode_attention_##suffix(                                                    \
+        const float *q, int64_t q_head_stride, int64_t q_row_stride, float *out,              \
+        int64_t out_head_stride, int64_t out_row_stride, const int64_t *rows,                 \
+        const int64_t *tables, int64_t table_width, const int64_t *first,                     \
+        const int64_t *last, const KV *k_cache, const KV *v_cache, int64_t num_blocks,        \
+        int64_t block_size, int64_t num_rows, int64_t num_heads, int64_t num_kv_heads,        \
+        int64_t head_dim, float scale, float *scratch, int64_t scratch_per_thread,            \
+        int threads);
+DECODE_ATTENTION(f32, float)
+DECODE_ATTENTION(bf16, uint16_t)
+DECODE_ATTENTION(f16, uint16_t)
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };  /* as layer_ops.c's */
+
+/* One layer's weights: the four packed projections with their biases (NULL: none), the two
+ * norms' weights and epsilons, and where its attention starts per row (`first`). */
+struct meshlm_layer {
+    const void *qkv, *o, *gate_up, *down;
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    const float *input_norm, *post_norm;
+    const int64_t *first;
+    float input_eps, post_eps;
+};
+
+/* The model's shapes and the step's arrays that every layer shares. */
+struct meshlm_decode_step {
+    int64_t rows, hidden, heads, kv_heads, head_dim, inter;
+    int weight_kind, kv_kind;
+    const float *cos, *signed_sin;
+    const int64_t *slots, *attention_rows, *tables, *last;
+    int64_t table_width;
+    void *k_cache, *v_cache;  /* layer 0's; layer l's at + l * layer_elements */
+    int64_t layer_elements, num_blocks, block_size;
+    float scale;
+    float *scratch;
+    int64_t scratch_per_thread;
+    float *work;
+};
+
+static void linear(const struct meshlm_decode_step *s, const float *x, int64_t in,
+                   const void *packed, const float *bias, float *y, int64_t out, int threads)
+{
+    if (s->weight_kind == 0)
+        meshlm_linear_f32(x, in, s->rows, in, packed, bias, y, out, threads);
+    else
+        meshlm_linear_bf16(x, in, s->rows, in, packed, bias, y, out, threads);
+}
+
+static void attend(const struct meshlm_decode_step *s, const float *q, int64_t q_row_stride,
+                   float *out, const int64_t *first, const void *kc, const void *vc,
+                   int threads)
+{
+    const int64_t d = s->head_dim;
+#define ATTEND(suffix, KV)                                                                    \
+    meshlm_decode_attention_##suffix(q, d, q_row_stride, out, d, s->heads * d,                \
+                                     s->attention_rows, s->tables, s->table_width, first,     \
+                                     s->last, (const KV *)kc, (const KV *)vc, s->num_blocks,  \
+                                     s->block_size, s->rows, s->heads, s->kv_heads, d,        \
+                                     s->scale, s->scratch, s->scratch_per_thread, threads)
+    if (s->kv_kind == KV_F32)
+        ATTEND(f32, float);
+    else if (s->kv_kind == KV_BF16)
+        ATTEND(bf16, uint16_t);
+    else
+        ATTEND(f16, uint16_t);
+#undef ATTEND
+}
+
+/* x [rows, hidden] through `num_layers` layers, then the final norm into `hidden_out`. */
+void meshlm_decode_layers(const struct meshlm_decode_step *s, const struct meshlm_layer *layers,
+                          int64_t num_layers, float *x, const float *final_norm,
+                          float final_eps, float *hidden_out, int threads)
+{
+    const int64_t n = s->rows, h = s->hidden, d = s->head_dim;
+    const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * d, attn_width = s->heads * d;
+    const int64_t kv_element = s->kv_kind == KV_F32 ? 4 : 2;
+    float *normed = s->work;
+    float *qkv = normed + n * h;
+    float *attn = qkv + n * qkv_width;
+    float *pending = attn + n * attn_width;  /* o's output, then down's (the MLP's) */
+    float *gate_up = pending + n * h;
+    float *act = gate_up + n * 2 * s->inter;
+    const float *add = NULL;  /* the last layer's MLP output, not yet added to x */
+    for (int64_t l = 0; l < num_layers; l++) {
+        const struct meshlm_layer *w = &layers[l];
+        char *kc = (char *)s->k_cache + l * s->layer_elements * kv_element;
+        char *vc = (char *)s->v_cache + l * s->layer_elements * kv_element;
+        meshlm_add_rmsnorm_f32(x, add, w->input_norm, normed, n, h, w->input_eps, threads);
+        linear(s, normed, h, w->qkv, w->qkv_bias, qkv, qkv_width, threads);
+        meshlm_rope_f32(qkv, n, qkv_width, s->heads + s->kv_heads, d, s->cos, s->signed_sin,
+                        threads);
+        const float *k = qkv + s->heads * d, *v = k + s->kv_heads * d;
+        meshlm_store_kv(k, qkv_width, d, v, qkv_width, d, n, s->kv_heads, d, s->slots, kc, vc,
+                        s->num_blocks * s->block_size, s->kv_kind);
+        attend(s, qkv, qkv_width, attn, w->first, kc, vc, threads);
+        linear(s, attn, attn_width, w->o, w->o_bias, pending, h, threads);
+        meshlm_add_rmsnorm_f32(x, pending, w->post_norm, normed, n, h, w->post_eps, threads);
+        linear(s, normed, h, w->gate_up, w->gate_up_bias, gate_up, 2 * s->inter, threads);
+        meshlm_silu_mul_f32(gate_up, act, n, s->inter, threads);
+        linear(s, act, s->inter, w->down, w->down_bias, pending, h, threads);
+        add = pending;
+    }
+    meshlm_add_rmsnorm_f32(x, add, final_norm, hidden_out, n, h, final_eps, threads);
+}

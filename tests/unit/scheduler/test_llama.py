@@ -205,14 +205,18 @@ def _paged(cache: KVCache, windows: list[int | None], kernel: Kernels,
 @pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window", [None, 6])
 @torch.inference_mode()
-def test_a_decode_step_in_one_call_equals_the_layer_by_layer_forward(
-        gqa_model: Path, weights: torch.dtype, kv: torch.dtype, window: int | None) -> None:
-    """A step of decodes over meshlm's packing runs all its layers in one call into the C
-    kernels (decode_layers.c): the same kernels in the same order as the forward that calls
-    them layer by layer from Python, so the same hidden states to the bit, for float32 and
-    bfloat16 weights, every KV cache type and a sliding window; rows of three lengths, so
-    that the decode group's order (by table width) is not the packed order. A step with a
-    prompt chunk, or over oneDNN's packing, keeps the layer-by-layer forward."""
+def test_a_step_in_one_call_equals_the_layer_by_layer_forward(
+        gqa_model: Path, weights: torch.dtype, kv: torch.dtype, window: int | None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step over meshlm's packing runs all its layers in one call into the C kernels
+    (decode_layers.c): the same kernels in the same order as the forward that calls them
+    layer by layer from Python, so for a step of decodes the same hidden states to the bit,
+    for float32 and bfloat16 weights, every KV cache type and a sliding window; rows of three
+    lengths, so that the decode group's order (by table width) is not the packed order.
+    Prompt chunks (from position 0, then after their cached context, beside a decode) attend
+    through the decode kernel there, SDPA layer by layer: the same within rounding. A chunk
+    too long for the kernel (CHUNK_PAIRS), or oneDNN's packing, keeps the layer-by-layer
+    forward."""
     kernel = native.load()
     assert not isinstance(kernel, native.BuildError), kernel
     model, cfg = load_model(gqa_model)
@@ -221,12 +225,25 @@ def test_a_decode_step_in_one_call_equals_the_layer_by_layer_forward(
     assert fused is not None
     cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, kv, "cpu")
     windows = [window] * cfg.num_layers
-    seqs = [[5, 9, 13, 200, 7, 8, 100, 31, 77, 12, 3], [44, 3], [18, 90, 91, 92, 17, 6]]
+    seqs = [[5, 9, 13, 200, 7, 8, 100, 31, 77, 12, 3], [44, 3, 18, 90, 91],
+            [18, 90, 91, 92, 17, 6]]
     tables = [[9, 2, 14, 3], [0, 11], [5, 6, 12]]
-    prompts = [(tokens, table, 0, len(tokens)) for tokens, table in zip(seqs, tables, strict=True)]
-    ids, pos, attention = _paged(cache, windows, kernel, prompts)
-    assert llama_fused.native_layers(fused, attention) is None  # prompt chunks
-    llama_fused.fused_forward(fused, kernel, ids, pos, attention)
+    # float32 keys: the chunk's attention sees the same keys either way; narrower ones are
+    # rounded in the cache, which the decode kernel reads and SDPA (from position 0) does not
+    tolerance = 1e-4 if kv == torch.float32 else 5e-2
+    for chunk in ((0, 4), (4, None)):
+        items = [(tokens, table, chunk[0], (chunk[1] or len(tokens)) - chunk[0])
+                 for tokens, table in zip(seqs, tables, strict=True)]
+        ids, pos, attention = _paged(cache, windows, kernel, items)
+        assert attention.meta.chunks
+        assert llama_fused.native_layers(fused, attention) is not None
+        by_layer = llama_fused.layer_by_layer(fused, kernel, ids, pos, attention)
+        in_one_call = llama_fused.fused_forward(fused, kernel, ids, pos, attention)
+        assert torch.allclose(in_one_call, by_layer, atol=tolerance), f"chunk {chunk}"
+    with monkeypatch.context() as patch:
+        patch.setattr(llama_fused, "CHUNK_PAIRS", 4 * 4 - 1)
+        assert llama_fused.native_layers(fused, _paged(cache, windows, kernel, [
+            (seqs[0], tables[0], 0, 4)])[2]) is None
     for step in range(3):
         for i, tokens in enumerate(seqs):
             tokens.append((len(tokens) * 7 + i) % 500)

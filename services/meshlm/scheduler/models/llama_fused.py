@@ -14,15 +14,16 @@ are built per row count, `cpu_linear.row_bucket`; meshlm's own take any count), 
 pads or slices its input; the padding rows are never written to the KV cache nor attended
 to, and are dropped at the end.
 
-A step of decodes alone over meshlm's own packing (the usual step on a CPU with AVX2 or
-AVX-512) does even those calls in C: `decode_forward` hands every layer to
-kernels/decode_layers.c in one call, which calls the same kernels in the same order (the same
-hidden states to the bit) without coming back to Python between them. Python's share of the
-step was about 1 ms of the bench model's 3.7 at one row (2 threads; 0.5 of the tiny model's
-1.1), 125 us a layer; the step now takes 2.6-2.8 ms against 3.6-3.8. In the scheduler
-service the engine thread also holds no GIL for the whole pass, so the event loop sends the
-last step's outputs meanwhile without stalling it. Prompt chunks (SDPA) and oneDNN's packing
-keep the layer-by-layer forward (`layer_by_layer`).
+Over meshlm's own packing (the usual case on a CPU with AVX2 or AVX-512) a step does even
+those calls in C: `decode_forward` hands every layer to kernels/decode_layers.c in one call,
+which calls the same kernels in the same order without coming back to Python between them
+(a step of decodes: the same hidden states to the bit). Python's share of a decode step was
+about 1 ms of the bench model's 3.7 at one row (2 threads; 0.5 of the tiny model's 1.1), 125
+us a layer; the step now takes 2.6-2.8 ms against 3.6-3.8. In the scheduler service the
+engine thread also holds no GIL for the whole pass, so the event loop sends the last step's
+outputs meanwhile without stalling it. A short prompt chunk goes the same way, its tokens
+attending as decode rows over the cache (`_attention_rows`); a long one (CHUNK_PAIRS), and
+oneDNN's packing, keep the layer-by-layer forward (`layer_by_layer`), SDPA for the chunk.
 
 Serves a model whose projections `pack_linears` fused (q/k/v and gate/up) and packed, in
 float32 (`fuse`).
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshlm.scheduler.engine.kv_cache import PagedAttention
+from meshlm.scheduler.engine.kv_cache import AttentionMeta, PagedAttention
 from meshlm.scheduler.kernels.native import KV_DTYPES, DecodeStep, Kernels, LayerWeights
 from meshlm.scheduler.models.cpu_linear import PackedLinear
 from meshlm.scheduler.models.llama import (
@@ -46,6 +47,13 @@ from meshlm.scheduler.models.llama import (
     RMSNorm,
     RotaryEmbedding,
 )
+
+# A prompt chunk's rows attend through the decode kernel (`_attention_rows`) while its tokens
+# times its end position are at most this; a longer one's step goes layer by layer, the
+# chunk's attention through SDPA, which computes it as matrix products. Prefill steps of one
+# prompt, the two alternated in one process (bench model, 2 threads): 8 tokens 7.6 -> 5.9 ms,
+# 32 11.7 -> 10.3, 128 31.9 -> 29.0, 256 63.9 -> 61.9, 512 134.7 -> 133.0, 1,000 273 -> 312.
+CHUNK_PAIRS = 512 * 512
 
 
 @dataclass(frozen=True)
@@ -141,11 +149,14 @@ def layer_by_layer(model: FusedModel, kernels: Kernels, input_ids: Tensor, posit
 
 def native_layers(model: FusedModel, attention: PagedAttention) -> list[LayerWeights] | None:
     """The layers as `decode_forward` passes them to the C kernels, for a step that it
-    serves: every row a decode (read in place by the decode kernel, one group), every
-    projection packed by meshlm's own packing in one weight type; else None. Built for each
-    such step: a weight reload repacks the projections into new arrays."""
+    serves: its decodes in one group (read in place by the decode kernel), its prompt chunks
+    short enough for that kernel too (CHUNK_PAIRS), every projection packed by meshlm's own
+    packing in one weight type; else None. Built for each such step: a weight reload repacks
+    the projections into new arrays."""
     meta = attention.meta
-    if meta.chunks or len(meta.decodes) != 1 or attention.kernels is None:
+    if (attention.kernels is None or len(meta.decodes) > 1
+            or any((c.q_end - c.q_start) * (c.start + c.q_end - c.q_start) > CHUNK_PAIRS
+                   for c in meta.chunks)):
         return None
     packed = model.layers[0].qkv.packed.dtype
     layers = []
@@ -163,9 +174,10 @@ def native_layers(model: FusedModel, attention: PagedAttention) -> list[LayerWei
 
 def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kernels,
                    input_ids: Tensor, positions: Tensor, attention: PagedAttention) -> Tensor:
-    """`fused_forward` for a step of decodes only (`native_layers`), all of its layers in one
-    call into the C kernels (kernels/decode_layers.c: the same kernels in the same order,
-    without Python between them) -> final hidden states [T, H]."""
+    """`fused_forward` for a step that `native_layers` serves, all of its layers in one call
+    into the C kernels (kernels/decode_layers.c: the same kernels in the same order, without
+    Python between them; a prompt chunk's attention through the decode kernel, row by row)
+    -> final hidden states [T, H]."""
     t = input_ids.shape[0]
     first = model.layers[0]
     hq, hkv, d = first.heads, first.kv_heads, first.head_dim
@@ -173,8 +185,7 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
     x = model.embed(input_ids)  # [T, H]: the residual stream, updated in place
     cos, sin = model.rotary(positions, x.dtype)
     cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
-    group = attention.meta.decodes[0]
-    last = group.positions + 1
+    rows, tables, last = _attention_rows(attention.meta, t)
     starts: dict[int | None, Tensor] = {}  # first position attended, per sliding window
     for layer, weights in zip(model.layers, layers, strict=True):
         window = attention.windows[layer.index]
@@ -186,17 +197,40 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
     k_cache, v_cache = attention.cache.k, attention.cache.v  # [L, Hkv, NB, bs, D]
     _, _, num_blocks, block_size, _ = k_cache.shape
     threads = torch.get_num_threads()
-    scratch = torch.empty(kernels.scratch_size(hq, hkv, group.tables.shape[1] * block_size))
+    scratch = torch.empty(kernels.scratch_size(hq, hkv, tables.shape[1] * block_size))
     qkv_width = (hq + 2 * hkv) * d
     work = torch.empty(t * (2 * hidden + qkv_width + hq * d + 3 * inter))
     step = DecodeStep(
         t, hidden, hq, hkv, d, inter, int(first.qkv.packed.dtype == torch.bfloat16),
         KV_DTYPES[k_cache.dtype][1], cos.data_ptr(), sin.data_ptr(),
-        attention.meta.slot_mapping.data_ptr(), group.rows.data_ptr(), group.tables.data_ptr(),
-        last.data_ptr(), group.tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
+        attention.meta.slot_mapping.data_ptr(), rows.data_ptr(), tables.data_ptr(),
+        last.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), num_blocks, block_size, d**-0.5, scratch.data_ptr(),
         scratch.numel() // threads, work.data_ptr())
     out = torch.empty_like(x)
     kernels.decode_layers(step, (LayerWeights * len(layers))(*layers), x,
                           model.norm.weight, model.norm.eps, out)
     return out
+
+
+def _attention_rows(meta: AttentionMeta, t: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(rows, tables, last) for the decode kernel: the decode group's as it is, or where the
+    step has prompt chunks, every packed row in order, a chunk's token at position p being
+    a row that attends up to p over its item's table (its keys are in the cache by then:
+    every row's are written before any row attends)."""
+    decodes = meta.decodes[0] if meta.decodes else None
+    if not meta.chunks:
+        assert decodes is not None
+        return decodes.rows, decodes.tables, decodes.positions + 1
+    width = max([c.table.shape[0] for c in meta.chunks]
+                + ([decodes.tables.shape[1]] if decodes is not None else []))
+    tables = torch.zeros(t, width, dtype=torch.long)
+    last = torch.empty(t, dtype=torch.long)
+    if decodes is not None:
+        tables[decodes.rows, : decodes.tables.shape[1]] = decodes.tables
+        last[decodes.rows] = decodes.positions + 1
+    for c in meta.chunks:
+        n = c.q_end - c.q_start
+        tables[c.q_start : c.q_end, : c.table.shape[0]] = c.table
+        torch.arange(c.start + 1, c.start + n + 1, out=last[c.q_start : c.q_end])
+    return torch.arange(t), tables, last

@@ -237,7 +237,8 @@ def engine_choices_said(scheduler_log: Path) -> list[str]:
     for line in scheduler_log.read_text(errors="replace").splitlines():
         if '"engine_ready"' in line:
             e = json.loads(line)
-            fused = ", the layers fused" if e.get("fused_layers") else ""
+            fused = (", the layers fused" if e.get("fused_layers") else "") + (
+                " (a step's layers in one call)" if e.get("layers_in_one_call") else "")
             weights, activations = e["linear_weight_dtype"], e.get("linear_activation_dtype")
             rounded = (f" (activations rounded to {activations})"
                        if activations and activations != e.get("dtype", activations) else "")

@@ -146,7 +146,7 @@ def test_the_schedulers_start_up_choices_become_notes(tmp_path: Path) -> None:
     log = tmp_path / "scheduler.log"
     log.write_text("\n".join([
         '{"event": "engine_ready", "attention_backend": "native", "fused_layers": true, '
-        '"kv_cache_dtype": "float32", "linear_kernel": "native", '
+        '"layers_in_one_call": true, "kv_cache_dtype": "float32", "linear_kernel": "native", '
         '"linear_weight_dtype": "bfloat16", "threads": 1}',
         '{"event": "engine_ready", "attention_backend": "native", "dtype": "float32", '
         '"kv_cache_dtype": "bfloat16", "linear_kernel": "native", '
@@ -156,8 +156,8 @@ def test_the_schedulers_start_up_choices_become_notes(tmp_path: Path) -> None:
         '"engine_us_per_token": 998, "mesh_us_per_token": 250}',
     ]))
     assert engine_choices_said(log) == [
-        "kernels: native, the layers fused; matmuls: native, bfloat16 weights; KV cache "
-        "float32",
+        "kernels: native, the layers fused (a step's layers in one call); matmuls: native, "
+        "bfloat16 weights; KV cache float32",
         "kernels: native; matmuls: native, bfloat16 weights (activations rounded to bfloat16); "
         "KV cache bfloat16",
         "the engine chose 2 threads on 2 cores: 998 us of engine CPU per output token "

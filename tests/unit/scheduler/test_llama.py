@@ -222,7 +222,7 @@ def test_a_step_in_one_call_equals_the_layer_by_layer_forward(
     model, cfg = load_model(gqa_model)
     pack_linears(model, NativePacking(kernel, weights))
     fused = llama_fused.fuse(model)
-    assert fused is not None
+    assert fused is not None and fused.one_call
     cache = KVCache(cfg.num_layers, 16, 4, cfg.num_kv_heads, cfg.head_dim, kv, "cpu")
     windows = [window] * cfg.num_layers
     seqs = [[5, 9, 13, 200, 7, 8, 100, 31, 77, 12, 3], [44, 3, 18, 90, 91],
@@ -263,7 +263,8 @@ def test_a_step_in_one_call_equals_the_layer_by_layer_forward(
     onednn, _ = load_model(gqa_model)
     pack_linears(onednn)
     other = llama_fused.fuse(onednn)
-    assert other is not None and llama_fused.native_layers(other, attention) is None
+    assert other is not None and not other.one_call
+    assert llama_fused.native_layers(other, attention) is None
 
 
 def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:

@@ -185,6 +185,7 @@ class Engine:
             linear_activation_dtype=str(packing.activation_dtype).removeprefix("torch.")
             if packing and packed else self.dtype,
             attention_backend=self.attention_backend, fused_layers=self.runner.fused is not None,
+            layers_in_one_call=self.runner.fused is not None and self.runner.fused.one_call,
             retained_memory=self.retained_memory,
         )
 

@@ -79,6 +79,9 @@ class FusedModel:
     rotary: RotaryEmbedding
     layers: list[FusedLayer]
     norm: RMSNorm
+    # Every projection packed by meshlm's own packing, in one weight type: decode_layers.c
+    # calls the matmul kernel itself (`decode_forward`).
+    one_call: bool
 
 
 def fuse(model: LlamaForCausalLM) -> FusedModel | None:
@@ -99,7 +102,12 @@ def fuse(model: LlamaForCausalLM) -> FusedModel | None:
         layers.append(FusedLayer(i, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                  layer.input_layernorm, qkv, o, layer.post_attention_layernorm,
                                  gate_up, down))
-    return FusedModel(inner.embed_tokens, inner.rotary_emb, layers, inner.norm) if layers else None
+    if not layers:
+        return None
+    linears = [lin for f in layers for lin in (f.qkv, f.o, f.gate_up, f.down)]
+    one_call = all(lin.packing.name == "native" and lin.packed.dtype == linears[0].packed.dtype
+                   for lin in linears)
+    return FusedModel(inner.embed_tokens, inner.rotary_emb, layers, inner.norm, one_call)
 
 
 def fused_forward(model: FusedModel, kernels: Kernels, input_ids: Tensor, positions: Tensor,
@@ -150,20 +158,16 @@ def layer_by_layer(model: FusedModel, kernels: Kernels, input_ids: Tensor, posit
 def native_layers(model: FusedModel, attention: PagedAttention) -> list[LayerWeights] | None:
     """The layers as `decode_forward` passes them to the C kernels, for a step that it
     serves: its decodes in one group (read in place by the decode kernel), its prompt chunks
-    short enough for that kernel too (CHUNK_PAIRS), every projection packed by meshlm's own
-    packing in one weight type; else None. Built for each such step: a weight reload repacks
-    the projections into new arrays."""
+    short enough for that kernel too (CHUNK_PAIRS), the model `one_call`; else None. Built
+    for each such step: a weight reload repacks the projections into new arrays."""
     meta = attention.meta
-    if (attention.kernels is None or len(meta.decodes) > 1
+    if (not model.one_call or attention.kernels is None or len(meta.decodes) > 1
             or any((c.q_end - c.q_start) * (c.start + c.q_end - c.q_start) > CHUNK_PAIRS
                    for c in meta.chunks)):
         return None
-    packed = model.layers[0].qkv.packed.dtype
     layers = []
     for layer in model.layers:
         linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        if any(lin.packing.name != "native" or lin.packed.dtype != packed for lin in linears):
-            return None
         biases = [None if lin.bias is None else lin.bias.data_ptr() for lin in linears]
         layers.append(LayerWeights(
             *(lin.packed.data_ptr() for lin in linears), *biases,

@@ -174,14 +174,18 @@ class LlamaCppServer(ServerProcess):
     name = "llama-server"
 
     def __init__(self, binary: Path, gguf: Path, log_path: Path, threads: int = 2,
-                 slots: int = 16, ctx: int = 1024, startup_timeout: float = 120.0) -> None:
+                 slots: int = 16, ctx: int = 1024, startup_timeout: float = 120.0,
+                 cache_type: str | None = None) -> None:
         super().__init__(log_path, startup_timeout)
         self.binary, self.gguf = binary, gguf
         self.threads, self.slots, self.ctx = threads, slots, ctx
+        self.cache_type = cache_type  # the KV cache's type (f16, f32); None: its default, f16
 
     def args(self) -> list[str]:
+        cache = (["--cache-type-k", self.cache_type, "--cache-type-v", self.cache_type]
+                 if self.cache_type else [])
         return [str(self.binary), "-m", str(self.gguf), "-t", str(self.threads),
-                "-np", str(self.slots), "-c", str(self.slots * self.ctx), "--no-webui",
+                "-np", str(self.slots), "-c", str(self.slots * self.ctx), *cache, "--no-webui",
                 "--host", "127.0.0.1", "--port", str(self.port)]
 
     def tokenize(self, text: str) -> list[int]:

@@ -70,12 +70,14 @@ TOKENIZER_PROBES = (
 
 
 def run_llama_cpp(model_path: Path, requests: Sequence[BenchRequest], warmup: BenchRequest,
-                  concurrency: int, threads: int, weights: str = "f32") -> Result:
-    """`llama-server` with `concurrency` slots on loopback, driven over /v1/completions."""
+                  concurrency: int, threads: int, weights: str = "f32",
+                  cache_type: str | None = None) -> Result:
+    """`llama-server` with `concurrency` slots on loopback, driven over /v1/completions; its
+    KV cache of `cache_type` (None: its default)."""
     binary, gguf = ensure_llama_server(), ensure_gguf(model_path, outtype=weights)
     with tempfile.TemporaryDirectory() as tmp, LlamaCppServer(
             binary, gguf, Path(tmp) / "llama-server.log", threads, concurrency,
-            MAX_POSITIONS) as server:
+            MAX_POSITIONS, cache_type=cache_type) as server:
         texts = [*TOKENIZER_PROBES, *(r.text for r in requests[:8])]
         mismatches = server.check_tokenizer(model_path / "tokenizer.json", texts)
         result = run_http(f"llama.cpp llama-server, -np {concurrency}, HTTP /v1/completions",
@@ -83,7 +85,9 @@ def run_llama_cpp(model_path: Path, requests: Sequence[BenchRequest], warmup: Be
                           keepalive=False)
     result.notes.append(f"token ids equal to the tokenizer's for {len(texts) - len(mismatches)}"
                         f" of {len(texts)} texts" + "".join(f"; {m}" for m in mismatches[:3]))
-    result.notes.append("KV cache float16 (llama-server's default: no --cache-type-k/v given)")
+    result.notes.append(f"KV cache {cache_type} (--cache-type-k/v {cache_type})" if cache_type
+                        else "KV cache float16 (llama-server's default: no --cache-type-k/v "
+                        "given)")
     return result
 
 
@@ -166,21 +170,28 @@ def requests_at(n_requests: int, concurrency: int) -> int:
 # are). f32 keeps meshlm all float32, its KV cache included.
 WEIGHTS = {"f32": {"serve": "float32", "mesh": "auto", "mesh_kv": "auto"},
            "bf16": {"serve": "bfloat16", "mesh": "bfloat16", "mesh_kv": "bfloat16"}}
+# --kv-cache: the KV cache's type in llama.cpp and meshlm alike, (llama.cpp's
+# --cache-type-k/v, meshlm's --kv-cache-dtype); "default" leaves each its own (llama.cpp
+# float16, meshlm as --weights says). transformers serve keeps its model's type.
+KV_CACHES: dict[str, tuple[str, str] | None] = {
+    "default": None, "f16": ("f16", "float16"), "f32": ("f32", "float32")}
 
 
 def servers(model_path: Path, requests: Sequence[BenchRequest], warmup: BenchRequest,
-            concurrency: int, peer_threads: int, mesh_threads: int, weights: str = "f32"
-            ) -> dict[str, Callable[[], Result]]:
+            concurrency: int, peer_threads: int, mesh_threads: int, weights: str = "f32",
+            kv_cache: str = "default") -> dict[str, Callable[[], Result]]:
     """Each server's run at one concurrency, in the order they are measured (`mesh_threads`
-    0: the mesh sizes its engine threads itself), with `weights` (a `WEIGHTS` key)."""
+    0: the mesh sizes its engine threads itself), with `weights` (a `WEIGHTS` key) and
+    `kv_cache` (a `KV_CACHES` key)."""
     setting = WEIGHTS[weights]
+    kv = KV_CACHES[kv_cache]
     return {
         "llama.cpp": lambda: run_llama_cpp(model_path, requests, warmup, concurrency,
-                                           peer_threads, weights),
+                                           peer_threads, weights, kv[0] if kv else None),
         "serve": lambda: run_transformers_serve(str(model_path), requests, warmup, concurrency,
                                                 peer_threads, setting["serve"]),
         "mesh": lambda: run_mesh(str(model_path), requests, warmup, concurrency, mesh_threads,
-                                 setting["mesh"], setting["mesh_kv"]),
+                                 setting["mesh"], kv[1] if kv else setting["mesh_kv"]),
     }
 
 
@@ -229,6 +240,11 @@ def plot(results: dict[int, dict[str, Result | None]], plot_dir: Path, title: st
 @click.option("--weights", default="f32", show_default=True, type=click.Choice(list(WEIGHTS)),
               help="the weights' type in every server: f32, or bf16 (llama.cpp a bf16 GGUF, "
                    "transformers serve bfloat16, meshlm --packed-weight-dtype bfloat16)")
+@click.option("--kv-cache", default="default", show_default=True,
+              type=click.Choice(list(KV_CACHES)),
+              help="the KV cache's type in llama.cpp and meshlm alike: f16 or f32 (like for "
+                   "like), or each its default (llama.cpp float16, meshlm as --weights says); "
+                   "transformers serve keeps its model's type")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(min=1),
               help="measure the servers this many times over at each concurrency, in turn, "
                    "each started afresh; figures over all rounds, ratios also by round")
@@ -237,7 +253,8 @@ def plot(results: dict[int, dict[str, Result | None]], plot_dir: Path, title: st
               help="where the PNG plots go (with two or more concurrencies)")
 def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_mean: float,
          output_max: int, concurrency_values: tuple[str, ...], sweep: bool, threads: int,
-         skip: tuple[str, ...], weights: str, rounds: int, plot_dir: Path) -> None:
+         skip: tuple[str, ...], weights: str, kv_cache: str, rounds: int, plot_dir: Path
+         ) -> None:
     concurrencies = parse_concurrencies(concurrency_values, sweep)
     for key, value in OFFLINE_ENV.items():  # before transformers is imported: local files only
         os.environ.setdefault(key, value)
@@ -257,7 +274,7 @@ def main(n_requests: int, seed: int, prompt_min: int, prompt_max: int, output_me
     for c in concurrencies:  # each concurrency: the three servers one after another, per round
         failed: list[str] = []
         runs = servers(model_path, workload[:counts[c]], warmup, c, threads or cpus, threads,
-                       weights)
+                       weights, kv_cache)
         by_round[c] = [run_each(runs, skip, failed, f"round {r + 1}: " if rounds > 1 else "")
                        for r in range(rounds)]
         results[c] = merge_rounds(by_round[c])

@@ -45,6 +45,10 @@ def test_server_command_line() -> None:
     assert (value("-m"), value("-t"), value("-np")) == ("/m.gguf", "2", "16")
     assert value("-c") == str(16 * 512)  # one context of ctx tokens per slot
     assert (value("--host"), value("--port")) == ("127.0.0.1", "4321")
+    assert "--cache-type-k" not in args  # its default KV cache, float16
+    server.cache_type = "f32"
+    args = server.args()
+    assert (value("--cache-type-k"), value("--cache-type-v")) == ("f32", "f32")
 
 
 def test_vendored_tree_layout() -> None:

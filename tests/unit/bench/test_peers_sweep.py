@@ -96,6 +96,24 @@ def test_bf16_runs_meshlm_on_bfloat16_weights_and_kv_cache(monkeypatch: pytest.M
         assert seen == {"mesh": mesh, "serve": serve}
 
 
+def test_kv_cache_sets_llama_cpp_and_meshlm_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-cache f16 or f32 gives llama.cpp's --cache-type-k/v and meshlm's KV cache the same
+    type; default leaves llama.cpp its own (float16) and meshlm --weights' choice."""
+    seen: dict[str, tuple[object, ...]] = {}
+    monkeypatch.setattr(peers, "run_mesh", lambda *a: seen.setdefault("mesh", a[6:]))
+    monkeypatch.setattr(peers, "run_llama_cpp", lambda *a: seen.setdefault("llama.cpp", a[5:]))
+    for kv, weights, llama, mesh in (("f32", "f32", ("f32", "f32"), ("float32",)),
+                                     ("f16", "f32", ("f32", "f16"), ("float16",)),
+                                     ("default", "f32", ("f32", None), ("auto",)),
+                                     ("default", "bf16", ("bf16", None), ("bfloat16",))):
+        seen.clear()
+        runs = peers.servers(Path("model"), [], warmup_request(lambda t: [1]), 16, 2, 0,
+                             weights, kv)
+        runs["mesh"]()
+        runs["llama.cpp"]()
+        assert seen == {"mesh": mesh, "llama.cpp": llama}, (kv, weights)
+
+
 def test_a_servers_rounds_merge_into_one_result() -> None:
     a = Result("mesh", 100, 2.0, [0.1, 0.3], [0.02], ["kernels: native", "chose 2 threads"])
     b = Result("mesh (again)", 300, 2.0, [0.2], [0.04, 0.06], ["kernels: native"])

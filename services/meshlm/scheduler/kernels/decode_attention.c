@@ -4,9 +4,10 @@
  * cache holds float32, bfloat16 or float16 (`--kv-cache-dtype`): one kernel per type,
  * meshlm_decode_attention_{f32,bf16,f16}, from decode_attention.inc. GCC 12 vectorizes no
  * _Float16 arithmetic or conversion without AVX512-FP16 (a scalar float16 kernel was 3.5x
- * slower than float32), so float16 is read as bit patterns: on CPUs with F16C (x86-64-v3)
- * each key and value row is widened eight at a time into a float32 buffer and computed on
- * as float32; elsewhere each element is widened by integer operations as it is read.
+ * slower than float32), so float16 is read as bit patterns: on CPUs with AVX-512 each vector
+ * of 16 keys or values is widened by F16C as it is loaded; with F16C alone (x86-64-v3) each
+ * key and value row is widened eight at a time into a float32 buffer and computed on as
+ * float32; elsewhere each element is widened by integer operations as it is read.
  *
  * Layouts (strides in elements):
  *   q, out     query head h of packed row rows[r] at h * head_stride + rows[r] * row_stride,
@@ -143,8 +144,31 @@ __attribute__((target("avx2,f16c,fma"))) static inline void widen_f16_row(
 #undef KVEC
 #undef NAME
 
-/* meshlm_decode_attention_f16 is the F16C kernel where the CPU has it, the portable one
- * elsewhere, chosen once when the library loads. */
+/* The float16 kernel on x86-64-v4 (AVX-512): each vector of 16 keys or values converted by
+ * F16C straight from the cache into a register, as the bfloat16 kernel's keys are (no
+ * float32 buffer), and the rest of the kernel in 16-wide vectors, where the x86-64-v3 one
+ * runs 8 wide. */
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+#undef CLONES
+#define CLONES
+#define KV uint16_t
+#define WIDEN(x) widen_f16(x)
+#define F16X16(at) ((v16f)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at))))
+#define KVEC(i) F16X16(k + (i))
+#define VVEC(i) F16X16(v + (i))
+#define NAME(f) f##_f16_avx512
+#include "decode_attention.inc"
+#undef KV
+#undef WIDEN
+#undef KVEC
+#undef VVEC
+#undef F16X16
+#undef NAME
+#pragma GCC pop_options
+
+/* meshlm_decode_attention_f16 is the AVX-512 kernel or the F16C one where the CPU has them,
+ * the portable one elsewhere, chosen once when the library loads. */
 typedef __typeof__(meshlm_decode_attention_f16_portable) decode_attention_f16;
 
 static decode_attention_f16 *pick_decode_attention_f16(void)
@@ -152,7 +176,12 @@ static decode_attention_f16 *pick_decode_attention_f16(void)
     __builtin_cpu_init();
     const int f16c = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                      __builtin_cpu_supports("f16c");
-    return f16c ? meshlm_decode_attention_f16_f16c : meshlm_decode_attention_f16_portable;
+    const int avx512 = f16c && __builtin_cpu_supports("avx512f") &&
+                       __builtin_cpu_supports("avx512bw") &&
+                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    return avx512 ? meshlm_decode_attention_f16_avx512
+           : f16c ? meshlm_decode_attention_f16_f16c
+                  : meshlm_decode_attention_f16_portable;
 }
 
 decode_attention_f16 meshlm_decode_attention_f16

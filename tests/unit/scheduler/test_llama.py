@@ -13,6 +13,7 @@ from scheduler_helpers import write_checkpoint
 
 from meshlm.scheduler.engine.kv_cache import (
     MAX_DECODE_GROUPS,
+    AttentionMeta,
     KVCache,
     PagedAttention,
     StepItem,
@@ -265,6 +266,51 @@ def test_a_step_in_one_call_equals_the_layer_by_layer_forward(
     other = llama_fused.fuse(onednn)
     assert other is not None and not other.one_call
     assert llama_fused.native_layers(other, attention) is None
+
+
+@torch.inference_mode()
+def test_prompt_chunks_in_one_call_attend_through_the_chunk_kernel(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads of 64 over blocks of 16 and a float32 cache: a step's prompt chunks (from
+    position 0, then after their cached context, beside decodes) attend through
+    chunk_attention.c in the one-call forward, the decodes through the decode kernel; the
+    same hidden states within rounding as the layer-by-layer forward (SDPA), and as the
+    one-call forward with every row through the decode kernel."""
+    kernel = native.load()
+    assert not isinstance(kernel, native.BuildError), kernel
+    model, cfg = load_model(write_checkpoint(tmp_path / "m", hidden=256, heads=4, kv_heads=2))
+    assert cfg.head_dim == 64
+    pack_linears(model, NativePacking(kernel, torch.float32))
+    fused = llama_fused.fuse(model)
+    assert fused is not None and fused.one_call
+    cache = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    windows: list[int | None] = [None] * cfg.num_layers
+    torch.manual_seed(4)
+    seqs = [torch.randint(3, 500, (n,)).tolist() for n in (70, 40, 23)]
+    tables = [[9, 2, 14, 3, 20], [0, 11, 7], [5, 6]]
+    chunked: list[bool] = []
+    rows_of = llama_fused._attention_rows
+
+    def spy(meta: AttentionMeta, t: int, chunks: bool = False) -> tuple:  # type: ignore[type-arg]
+        chunked.append(chunks)
+        return rows_of(meta, t, chunks)
+
+    monkeypatch.setattr(llama_fused, "_attention_rows", spy)
+    steps = [[(seqs[0], tables[0], 0, 30), (seqs[1], tables[1], 0, 40)],  # two from 0
+             [(seqs[2], tables[2], 0, 23), (seqs[1], tables[1], 39, 1),  # one, a decode,
+              (seqs[0], tables[0], 30, 40)]]                             # one continued
+    for items in steps:
+        ids, pos, attention = _paged(cache, windows, kernel, items)
+        assert llama_fused.native_layers(fused, attention) is not None
+        by_layer = llama_fused.layer_by_layer(fused, kernel, ids, pos, attention)
+        in_one_call = llama_fused.fused_forward(fused, kernel, ids, pos, attention)
+        assert chunked.pop() is True
+        with monkeypatch.context() as patch:  # every row through the decode kernel
+            patch.setattr(llama_fused, "chunk_attention_fits", lambda *_: False)
+            row_by_row = llama_fused.fused_forward(fused, kernel, ids, pos, attention)
+        assert chunked.pop() is False
+        torch.testing.assert_close(in_one_call, by_layer, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(in_one_call, row_by_row, atol=1e-4, rtol=1e-4)
 
 
 def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:

@@ -37,13 +37,14 @@ from meshlm.common.default_model import default_cache_dir
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c",
                                                              "layer_ops.c", "linear.c",
-                                                             "decode_layers.c"))
+                                                             "decode_layers.c",
+                                                             "chunk_attention.c"))
 # The objects, each a source and its defines, compiled all at once: decode_attention.c, the
 # slowest by far (a kernel per KV type, a clone of each per instruction set), in one part per
 # KV type. Each part takes under half of the whole file's time: 5-8 s against 19 s on the
 # 2-core development VM (gcc 12); the first scheduler start waits on the slowest.
 UNITS = (*((SOURCES[0], (f"-DMESHLM_PART={part}",)) for part in (1, 2, 3)),
-         (SOURCES[1], ()), (SOURCES[2], ()), (SOURCES[3], ()))
+         *((source, ()) for source in SOURCES[1:]))
 # Read by decode_attention.c, once per KV cache element type.
 INCLUDES = (Path(__file__).with_name("decode_attention.inc"),)
 # KV cache element types the kernels read and write: (function suffix, store_kv's kind).
@@ -56,6 +57,7 @@ FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-fopenmp", "-shared")
 BUILD_TIMEOUT = 120.0
 MAX_GROUP = 64  # query heads per KV head the kernel holds (decode_attention.c MAX_GROUP)
+CHUNK_BLOCK = 16  # the cache block size chunk_attention.c takes (its BLOCK and TILE)
 LINEAR_COLUMNS = 32  # a packed linear weight's rows run to a multiple of this (linear.c)
 LINEAR_DTYPES = (torch.float32, torch.bfloat16)  # weight element types linear.c reads
 
@@ -71,6 +73,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     **{f"meshlm_linear_{suffix}{path}": [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
        for suffix in ("f32", "bf16") for path in ("", "_portable")},
     "meshlm_decode_layers": [_P, _P, _I, _P, _P, _F, _P, _INT],
+    "meshlm_chunk_attention_f32": [_P, _I, _I, _P, _I, _I, _P, _I, _P, _I, _P, _P] + [_I] * 4
+    + [_F, _P, _INT],
     "meshlm_linear_wide": [],
     "meshlm_linear_vector": [],
     "meshlm_linear_bf16_rounds": [],
@@ -81,6 +85,16 @@ _OPTIONAL: dict[str, list[Any]] = {
     for name in ("f32_wide", "bf16_wide", "bf16_dot", "f32_avx2", "bf16_avx2")}
 _RESULTS: dict[str, Any] = {"meshlm_linear_wide": _INT, "meshlm_linear_vector": _INT,
                             "meshlm_linear_bf16_rounds": _INT}
+
+
+def chunk_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                         kv_dtype: torch.dtype) -> bool:
+    """Whether chunk_attention.c takes a model of these shapes and its KV cache, and is the
+    faster there: below 64 dimensions a head's softmax outweighs its products, and the decode
+    kernel wins (the tiny default model's 32: 0.09 against 0.12 ms, 100 tokens)."""
+    group = num_heads // num_kv_heads
+    return (kv_dtype == torch.float32 and block_size == CHUNK_BLOCK and head_dim % 16 == 0
+            and 64 <= head_dim <= 256 and CHUNK_BLOCK % group == 0)
 
 
 class LayerWeights(ctypes.Structure):
@@ -103,7 +117,9 @@ class DecodeStep(ctypes.Structure):
                                           "tables", "last")),
                 ("table_width", _I), ("k_cache", _P), ("v_cache", _P),
                 *((name, _I) for name in ("layer_elements", "num_blocks", "block_size")),
-                ("scale", _F), ("scratch", _P), ("scratch_per_thread", _I), ("work", _P)]
+                ("scale", _F), ("scratch", _P), ("scratch_per_thread", _I), ("work", _P),
+                ("chunks", _P), ("num_chunks", _I), ("decode_rows", _I),
+                ("chunk_scratch", _P)]
 
 
 class BuildError(RuntimeError):
@@ -136,6 +152,28 @@ class Kernels:
             first.data_ptr(), last.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             nb, bs, rows.shape[0], hq, hkv, d, d**-0.5, scratch.data_ptr(),
             scratch.numel() // threads, threads)
+
+    def chunk_attention(self, q: Tensor, out: Tensor, chunks: Tensor, tables: Tensor,
+                        k_cache: Tensor, v_cache: Tensor, scratch: Tensor) -> None:
+        """Prompt chunks' causal attention (chunk_attention.c): q and out [Hq, T, D] (any
+        head and row strides; D contiguous); chunks [C, 4] (first packed row, rows, first
+        position, row of `tables`) and tables [*, W], int64, contiguous; float32 caches
+        [Hkv, NB, 16, D]; scratch of `chunk_scratch_size` elements. The shapes must pass
+        `chunk_attention_fits`."""
+        hq, _, d = q.shape
+        hkv, nb, _, _ = k_cache.shape
+        threads = torch.get_num_threads()
+        self.fns["meshlm_chunk_attention_f32"](
+            q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
+            out.stride(1), chunks.data_ptr(), chunks.shape[0], tables.data_ptr(),
+            tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), nb, hq, hkv, d, d**-0.5,
+            scratch.data_ptr(), threads)
+
+    @staticmethod
+    def chunk_scratch_size(num_kv_heads: int, head_dim: int, ends: list[int]) -> int:
+        """Scratch floats for chunks ending at positions `ends` (their keys, transposed)."""
+        return num_kv_heads * head_dim * sum(-(-end // CHUNK_BLOCK) * CHUNK_BLOCK
+                                             for end in ends)
 
     @staticmethod
     def scratch_size(num_heads: int, num_kv_heads: int, max_keys: int) -> int:

@@ -21,9 +21,12 @@ which calls the same kernels in the same order without coming back to Python bet
 about 1 ms of the bench model's 3.7 at one row (2 threads; 0.5 of the tiny model's 1.1), 125
 us a layer; the step now takes 2.6-2.8 ms against 3.6-3.8. In the scheduler service the
 engine thread also holds no GIL for the whole pass, so the event loop sends the last step's
-outputs meanwhile without stalling it. A short prompt chunk goes the same way, its tokens
-attending as decode rows over the cache (`_attention_rows`); a long one (CHUNK_PAIRS), and
-oneDNN's packing, keep the layer-by-layer forward (`layer_by_layer`), SDPA for the chunk.
+outputs meanwhile without stalling it. Prompt chunks go the same way: through
+kernels/chunk_attention.c, which attends a chunk's tokens as matrix products, where it takes
+the model's heads and a float32 cache without sliding windows (`_chunk_kernel_serves`);
+elsewhere a short chunk's tokens attend as decode rows over the cache (`_attention_rows`),
+and a long one (CHUNK_PAIRS), like oneDNN's packing, keeps the layer-by-layer forward
+(`layer_by_layer`), SDPA for the chunk.
 
 Serves a model whose projections `pack_linears` fused (q/k/v and gate/up) and packed, in
 float32 (`fuse`).
@@ -38,7 +41,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshlm.scheduler.engine.kv_cache import AttentionMeta, PagedAttention
-from meshlm.scheduler.kernels.native import KV_DTYPES, DecodeStep, Kernels, LayerWeights
+from meshlm.scheduler.kernels.native import (
+    KV_DTYPES,
+    DecodeStep,
+    Kernels,
+    LayerWeights,
+    chunk_attention_fits,
+)
 from meshlm.scheduler.models.cpu_linear import PackedLinear
 from meshlm.scheduler.models.llama import (
     AttentionBackend,
@@ -48,11 +57,16 @@ from meshlm.scheduler.models.llama import (
     RotaryEmbedding,
 )
 
-# A prompt chunk's rows attend through the decode kernel (`_attention_rows`) while its tokens
-# times its end position are at most this; a longer one's step goes layer by layer, the
-# chunk's attention through SDPA, which computes it as matrix products. Prefill steps of one
-# prompt, the two alternated in one process (bench model, 2 threads): 8 tokens 7.6 -> 5.9 ms,
-# 32 11.7 -> 10.3, 128 31.9 -> 29.0, 256 63.9 -> 61.9, 512 134.7 -> 133.0, 1,000 273 -> 312.
+# Where the chunk kernel does not serve a step's prompt chunks (`_chunk_kernel_serves`), their
+# rows attend through the decode kernel (`_attention_rows`) while a chunk's tokens times its
+# end position are at most this; a longer one's step goes layer by layer, the chunk's
+# attention through SDPA, which computes it as matrix products. Prefill steps of one prompt,
+# the two alternated in one process (bench model, 2 threads): 8 tokens 7.6 -> 5.9 ms, 32
+# 11.7 -> 10.3, 128 31.9 -> 29.0, 256 63.9 -> 61.9, 512 134.7 -> 133.0, 1,000 273 -> 312.
+# The chunk kernel serves every length in one call (alternated on the AVX-512 Xeon of
+# 2026-12-01: against the decode kernel row by row 128 tokens 30.3 -> 30.6 ms, 256 63.5 ->
+# 59.8, 512 136.5 -> 122.4; against SDPA layer by layer 700 215.8 -> 178.0, 1,000 312.2 ->
+# 265.3).
 CHUNK_PAIRS = 512 * 512
 
 
@@ -162,8 +176,9 @@ def native_layers(model: FusedModel, attention: PagedAttention) -> list[LayerWei
     for each such step: a weight reload repacks the projections into new arrays."""
     meta = attention.meta
     if (not model.one_call or attention.kernels is None or len(meta.decodes) > 1
-            or any((c.q_end - c.q_start) * (c.start + c.q_end - c.q_start) > CHUNK_PAIRS
-                   for c in meta.chunks)):
+            or (not _chunk_kernel_serves(model, attention)
+                and any((c.q_end - c.q_start) * (c.start + c.q_end - c.q_start) > CHUNK_PAIRS
+                        for c in meta.chunks))):
         return None
     layers = []
     for layer in model.layers:
@@ -189,7 +204,10 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
     x = model.embed(input_ids)  # [T, H]: the residual stream, updated in place
     cos, sin = model.rotary(positions, x.dtype)
     cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
-    rows, tables, last = _attention_rows(attention.meta, t)
+    k_cache, v_cache = attention.cache.k, attention.cache.v  # [L, Hkv, NB, bs, D]
+    _, _, num_blocks, block_size, _ = k_cache.shape
+    chunked = bool(attention.meta.chunks) and _chunk_kernel_serves(model, attention)
+    rows, tables, last, chunks = _attention_rows(attention.meta, t, chunked)
     starts: dict[int | None, Tensor] = {}  # first position attended, per sliding window
     for layer, weights in zip(model.layers, layers, strict=True):
         window = attention.windows[layer.index]
@@ -198,8 +216,6 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
             start = starts[window] = ((last - window).clamp_(min=0) if window is not None
                                       else torch.zeros_like(last))
         weights.first = start.data_ptr()
-    k_cache, v_cache = attention.cache.k, attention.cache.v  # [L, Hkv, NB, bs, D]
-    _, _, num_blocks, block_size, _ = k_cache.shape
     threads = torch.get_num_threads()
     scratch = torch.empty(kernels.scratch_size(hq, hkv, tables.shape[1] * block_size))
     qkv_width = (hq + 2 * hkv) * d
@@ -211,30 +227,63 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
         last.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), num_blocks, block_size, d**-0.5, scratch.data_ptr(),
         scratch.numel() // threads, work.data_ptr())
+    if chunks is not None:
+        chunk_scratch = torch.empty(kernels.chunk_scratch_size(
+            hkv, d, [c.start + c.q_end - c.q_start for c in attention.meta.chunks]))
+        step.chunks, step.num_chunks = chunks.data_ptr(), chunks.shape[0]
+        step.decode_rows = t - sum(c.q_end - c.q_start for c in attention.meta.chunks)
+        step.chunk_scratch = chunk_scratch.data_ptr()
     out = torch.empty_like(x)
     kernels.decode_layers(step, (LayerWeights * len(layers))(*layers), x,
                           model.norm.weight, model.norm.eps, out)
     return out
 
 
-def _attention_rows(meta: AttentionMeta, t: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(rows, tables, last) for the decode kernel: the decode group's as it is, or where the
-    step has prompt chunks, every packed row in order, a chunk's token at position p being
-    a row that attends up to p over its item's table (its keys are in the cache by then:
-    every row's are written before any row attends)."""
+def _chunk_kernel_serves(model: FusedModel, attention: PagedAttention) -> bool:
+    """Whether the step's prompt chunks attend through chunk_attention.c: where it takes
+    the model's heads and the cache, and no layer has a sliding window."""
+    first, cache = model.layers[0], attention.cache.k
+    return all(w is None for w in attention.windows) and chunk_attention_fits(
+        first.heads, first.kv_heads, first.head_dim, cache.shape[3], cache.dtype)
+
+
+def _attention_rows(meta: AttentionMeta, t: int, chunked: bool = False
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(rows, tables, last, chunks) for the attention kernels: the decode group's as it is,
+    or where the step has prompt chunks, every packed row, a chunk's token at position p
+    being a row that attends up to p over its item's table (its keys are in the cache by
+    then: every row's are written before any row attends). `chunked`: the decode rows first,
+    and the chunks described for chunk_attention.c ([C, 4]: first packed row, rows, first
+    position, the row of `tables` with its table), which attends them instead."""
     decodes = meta.decodes[0] if meta.decodes else None
     if not meta.chunks:
         assert decodes is not None
-        return decodes.rows, decodes.tables, decodes.positions + 1
+        return decodes.rows, decodes.tables, decodes.positions + 1, None
     width = max([c.table.shape[0] for c in meta.chunks]
                 + ([decodes.tables.shape[1]] if decodes is not None else []))
     tables = torch.zeros(t, width, dtype=torch.long)
     last = torch.empty(t, dtype=torch.long)
+    if not chunked:
+        if decodes is not None:
+            tables[decodes.rows, : decodes.tables.shape[1]] = decodes.tables
+            last[decodes.rows] = decodes.positions + 1
+        for c in meta.chunks:
+            tables[c.q_start : c.q_end, : c.table.shape[0]] = c.table
+            torch.arange(c.start + 1, c.start + c.q_end - c.q_start + 1,
+                         out=last[c.q_start : c.q_end])
+        return torch.arange(t), tables, last, None
+    order = [decodes.rows] if decodes is not None else []
+    r = 0
     if decodes is not None:
-        tables[decodes.rows, : decodes.tables.shape[1]] = decodes.tables
-        last[decodes.rows] = decodes.positions + 1
+        r = decodes.rows.shape[0]
+        tables[:r, : decodes.tables.shape[1]] = decodes.tables
+        last[:r] = decodes.positions + 1
+    described = []
     for c in meta.chunks:
         n = c.q_end - c.q_start
-        tables[c.q_start : c.q_end, : c.table.shape[0]] = c.table
-        torch.arange(c.start + 1, c.start + n + 1, out=last[c.q_start : c.q_end])
-    return torch.arange(t), tables, last
+        order.append(torch.arange(c.q_start, c.q_end))
+        tables[r, : c.table.shape[0]] = c.table
+        described.append((c.q_start, n, c.start, r))
+        r += n
+    return (torch.cat(order), tables[:r], last[:r],
+            torch.tensor(described, dtype=torch.long))

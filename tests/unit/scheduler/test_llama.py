@@ -268,14 +268,16 @@ def test_a_step_in_one_call_equals_the_layer_by_layer_forward(
     assert llama_fused.native_layers(other, attention) is None
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.bfloat16, torch.float16])
 @torch.inference_mode()
 def test_prompt_chunks_in_one_call_attend_through_the_chunk_kernel(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Heads of 64 over blocks of 16 and a float32 cache: a step's prompt chunks (from
-    position 0, then after their cached context, beside decodes) attend through
-    chunk_attention.c in the one-call forward, the decodes through the decode kernel; the
-    same hidden states within rounding as the layer-by-layer forward (SDPA), and as the
-    one-call forward with every row through the decode kernel."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kv: torch.dtype) -> None:
+    """Heads of 64 over blocks of 16: a step's prompt chunks (from position 0, then after
+    their cached context, beside decodes) attend through chunk_attention.c in the one-call
+    forward, the decodes through the decode kernel; the same hidden states within rounding as
+    the one-call forward with every row through the decode kernel, and as the layer-by-layer
+    forward (SDPA; it attends a chunk from position 0 over its unrounded keys, so a 16-bit
+    cache differs there by its rounding)."""
     kernel = native.load()
     assert not isinstance(kernel, native.BuildError), kernel
     model, cfg = load_model(write_checkpoint(tmp_path / "m", hidden=256, heads=4, kv_heads=2))
@@ -283,7 +285,7 @@ def test_prompt_chunks_in_one_call_attend_through_the_chunk_kernel(
     pack_linears(model, NativePacking(kernel, torch.float32))
     fused = llama_fused.fuse(model)
     assert fused is not None and fused.one_call
-    cache = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    cache = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, kv, "cpu")
     windows: list[int | None] = [None] * cfg.num_layers
     torch.manual_seed(4)
     seqs = [torch.randint(3, 500, (n,)).tolist() for n in (70, 40, 23)]
@@ -309,8 +311,13 @@ def test_prompt_chunks_in_one_call_attend_through_the_chunk_kernel(
             patch.setattr(llama_fused, "chunk_attention_fits", lambda *_: False)
             row_by_row = llama_fused.fused_forward(fused, kernel, ids, pos, attention)
         assert chunked.pop() is False
-        torch.testing.assert_close(in_one_call, by_layer, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(in_one_call, row_by_row, atol=1e-4, rtol=1e-4)
+        # a 16-bit cache rounds the next layer's keys and values, where the two kernels'
+        # sums (in different orders) can round apart: a bfloat16 step is 2^-8 relative
+        narrow = kv != torch.float32
+        torch.testing.assert_close(in_one_call, by_layer, atol=5e-2 if narrow else 1e-4,
+                                   rtol=5e-2 if narrow else 1e-4)
+        torch.testing.assert_close(in_one_call, row_by_row, atol=5e-3 if narrow else 1e-4,
+                                   rtol=1e-4)
 
 
 def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:

@@ -83,35 +83,40 @@ def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
     assert torch.count_nonzero(out[:, untouched]) == 0
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "d"), [
-    (8, 4, 64), (32, 8, 128), (16, 1, 64), (8, 8, 96), (4, 2, 64),
+@pytest.mark.parametrize(("heads", "kv_heads", "d", "kv_dtype"), [
+    (8, 4, 64, torch.float32), (32, 8, 128, torch.float32), (16, 1, 64, torch.float32),
+    (8, 8, 96, torch.float32), (4, 2, 64, torch.float32), (8, 4, 64, torch.bfloat16),
+    (16, 1, 128, torch.float16), (8, 8, 96, torch.float16),
 ])
-def test_chunk_kernel_matches_the_decode_kernel_row_by_row(heads: int, kv_heads: int,
-                                                           d: int) -> None:
+def test_chunk_kernel_matches_the_decode_kernel_row_by_row(heads: int, kv_heads: int, d: int,
+                                                           kv_dtype: torch.dtype) -> None:
     """Prompt chunks through chunk_attention.c, two in one call (one from position 0, one
     after 37 positions of cached context, its last tile part full) among other packed rows,
     blocks scattered, strides not contiguous ones: each token the same output as the decode
     kernel's for it as a row attending up to its position; rows outside the chunks untouched.
     Groups of 2, 4, 16 and 1 query heads per KV head (tiles of 8, 4, 1 and 16 tokens); head
-    sizes the kernel unrolls (64, 128) and another (96). What the engine sends it
-    (`chunk_attention_fits`)."""
+    sizes the kernel unrolls (64, 128) and another (96); caches of float32, bfloat16 and
+    float16 (widened as the keys are transposed and the values copied). What the engine sends
+    it (`chunk_attention_fits`)."""
     torch.manual_seed(3)
     kernels, bs, blocks = _kernels(), native.CHUNK_BLOCK, 40
-    assert native.chunk_attention_fits(heads, kv_heads, d, bs, torch.float32)
+    assert native.chunk_attention_fits(heads, kv_heads, d, bs, kv_dtype)
     # not for head sizes below 64 (there the decode kernel is faster), other block sizes,
-    # narrower caches, or groups that do not divide a tile
-    assert not native.chunk_attention_fits(8, 2, 32, bs, torch.float32)
-    assert not native.chunk_attention_fits(heads, kv_heads, d, 4, torch.float32)
-    assert not native.chunk_attention_fits(heads, kv_heads, d, bs, torch.bfloat16)
-    assert not native.chunk_attention_fits(6, 2, 64, bs, torch.float32)
-    k_cache, v_cache = torch.randn(kv_heads, blocks, bs, d), torch.randn(kv_heads, blocks, bs, d)
+    # caches of other types, or groups that do not divide a tile
+    assert not native.chunk_attention_fits(8, 2, 32, bs, kv_dtype)
+    assert not native.chunk_attention_fits(heads, kv_heads, d, 4, kv_dtype)
+    assert not native.chunk_attention_fits(heads, kv_heads, d, bs, torch.float64)
+    assert not native.chunk_attention_fits(6, 2, 64, bs, kv_dtype)
+    k_cache = torch.randn(kv_heads, blocks, bs, d).to(kv_dtype)
+    v_cache = torch.randn(kv_heads, blocks, bs, d).to(kv_dtype)
     spans = [(2, 50, 0), (60, 29, 37)]  # (first packed row, tokens, first position)
     packed = 95
     q = torch.randn(packed, heads + 3, d).transpose(0, 1)[:heads]  # [Hq, T, D], strided
     tables = torch.stack([torch.randperm(blocks)[:5] for _ in spans])
     chunks = torch.tensor([[row, n, start, i] for i, (row, n, start) in enumerate(spans)])
     out = torch.full((packed, heads, d), 7.0).transpose(0, 1)
-    scratch = torch.empty(kernels.chunk_scratch_size(kv_heads, d, [s + n for _, n, s in spans]))
+    scratch = torch.empty(kernels.chunk_scratch_size(kv_heads, d, [s + n for _, n, s in spans],
+                                                     kv_dtype))
     kernels.chunk_attention(q, out, chunks, tables, k_cache, v_cache, scratch)
     rows = torch.cat([torch.arange(row, row + n) for row, n, _ in spans])
     row_tables = torch.cat([tables[i].expand(n, -1) for i, (_, n, _) in enumerate(spans)])

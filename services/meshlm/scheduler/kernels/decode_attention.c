@@ -27,6 +27,8 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "widen.h"
+
 #define MAX_GROUP 64
 /* Query heads of one KV head attended together, each key and value row read once for them. */
 #define HEADS_AT_ONCE 4
@@ -37,11 +39,6 @@
 #define CLONES
 #endif
 
-static inline float widen_bf16(uint16_t x)
-{
-    union { uint32_t u; float f; } bits = { .u = (uint32_t)x << 16 };
-    return bits.f;
-}
 
 typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
@@ -94,20 +91,6 @@ typedef int32_t m16 __attribute__((vector_size(64)));
 #endif
 
 #if !defined(MESHLM_PART) || MESHLM_PART == 3
-/* A float16 bit pattern as float32, in integer operations any x86-64 vectorizes (converting a
- * _Float16 needs F16C, which the portable build may not assume): a normal number's exponent
- * is rebiased, a subnormal's mantissa scaled, an infinity's or NaN's exponent kept all ones. */
-static inline float widen_f16(uint16_t h)
-{
-    const uint32_t magnitude = h & 0x7fffu;
-    uint32_t bits = (magnitude << 13) + ((uint32_t)(127 - 15) << 23);
-    if (magnitude >= 0x7c00u) bits |= 0x7f800000u;
-    union { uint32_t u; float f; } normal = { .u = bits }, value;
-    value.f = magnitude < 0x400u ? (float)magnitude * 0x1p-24f : normal.f;
-    value.u |= (uint32_t)(h & 0x8000u) << 16;
-    return value.f;
-}
-
 /* The float16 kernel where F16C may not be assumed: each element widened as it is read. */
 #define KV uint16_t
 #define WIDEN(x) widen_f16(x)

@@ -53,11 +53,11 @@ void meshlm_linear_bf16(const float *x, int64_t ldx, int64_t rows, int64_t in,
 DECODE_ATTENTION(f32, float)
 DECODE_ATTENTION(bf16, uint16_t)
 DECODE_ATTENTION(f16, uint16_t)
-void meshlm_chunk_attention_f32(
+void meshlm_chunk_attention(
     const float *q, int64_t q_head_stride, int64_t q_row_stride, float *out,
     int64_t out_head_stride, int64_t out_row_stride, const int64_t *chunks, int64_t num_chunks,
-    const int64_t *tables, int64_t table_width, const float *k_cache, const float *v_cache,
-    int64_t num_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    const int64_t *tables, int64_t table_width, const void *k_cache, const void *v_cache,
+    int kv_kind, int64_t num_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     float scale, float *scratch, int threads);
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };  /* as layer_ops.c's */
@@ -85,7 +85,7 @@ struct meshlm_decode_step {
     float *scratch;
     int64_t scratch_per_thread;
     float *work;
-    /* Prompt chunks through chunk_attention.c (float32 caches): the first `decode_rows` of
+    /* Prompt chunks through chunk_attention.c: the first `decode_rows` of
      * attention_rows (and of tables, first and last) are the decode kernel's, the chunks
      * [num_chunks, 4] the chunk kernel's, with their own scratch. num_chunks 0: every row
      * through the decode kernel, prompt chunks' tokens too. */
@@ -110,10 +110,10 @@ static void attend(const struct meshlm_decode_step *s, const float *q, int64_t q
     const int64_t d = s->head_dim;
     const int64_t rows = s->num_chunks ? s->decode_rows : s->rows;
     if (s->num_chunks)
-        meshlm_chunk_attention_f32(q, d, q_row_stride, out, d, s->heads * d, s->chunks,
-                                   s->num_chunks, s->tables, s->table_width, (const float *)kc,
-                                   (const float *)vc, s->num_blocks, s->heads, s->kv_heads, d,
-                                   s->scale, s->chunk_scratch, threads);
+        meshlm_chunk_attention(q, d, q_row_stride, out, d, s->heads * d, s->chunks,
+                               s->num_chunks, s->tables, s->table_width, kc, vc, s->kv_kind,
+                               s->num_blocks, s->heads, s->kv_heads, d, s->scale,
+                               s->chunk_scratch, threads);
     if (rows == 0)
         return;
 #define ATTEND(suffix, KV)                                                                    \

@@ -41,6 +41,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "widen.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -62,11 +65,6 @@ typedef uint16_t bf16_t;
 #define KPAD_f32(in) (in)
 #define KPAD_bf16(in) (((in) + 1) & ~(int64_t)1)
 
-static inline float widen_bf16(uint16_t w)
-{
-    union { uint32_t u; float f; } bits = { .u = (uint32_t)w << 16 };
-    return bits.f;
-}
 
 /* A tile's sums into y: written (first chunk: bias + sum) or added (later chunks), `cols`
  * valid columns of NV vectors of LANES. */

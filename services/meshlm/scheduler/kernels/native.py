@@ -45,8 +45,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c"
 # 2-core development VM (gcc 12); the first scheduler start waits on the slowest.
 UNITS = (*((SOURCES[0], (f"-DMESHLM_PART={part}",)) for part in (1, 2, 3)),
          *((source, ()) for source in SOURCES[1:]))
-# Read by decode_attention.c, once per KV cache element type.
-INCLUDES = (Path(__file__).with_name("decode_attention.inc"),)
+# Read by decode_attention.c (once per KV cache element type) and the 16-bit readers.
+INCLUDES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.inc", "widen.h"))
 # KV cache element types the kernels read and write: (function suffix, store_kv's kind).
 KV_DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1), torch.float16: ("f16", 2)}
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")
@@ -73,8 +73,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     **{f"meshlm_linear_{suffix}{path}": [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
        for suffix in ("f32", "bf16") for path in ("", "_portable")},
     "meshlm_decode_layers": [_P, _P, _I, _P, _P, _F, _P, _INT],
-    "meshlm_chunk_attention_f32": [_P, _I, _I, _P, _I, _I, _P, _I, _P, _I, _P, _P] + [_I] * 4
-    + [_F, _P, _INT],
+    "meshlm_chunk_attention": [_P, _I, _I, _P, _I, _I, _P, _I, _P, _I, _P, _P, _INT]
+    + [_I] * 4 + [_F, _P, _INT],
     "meshlm_linear_wide": [],
     "meshlm_linear_vector": [],
     "meshlm_linear_bf16_rounds": [],
@@ -93,7 +93,7 @@ def chunk_attention_fits(num_heads: int, num_kv_heads: int, head_dim: int, block
     faster there: below 64 dimensions a head's softmax outweighs its products, and the decode
     kernel wins (the tiny default model's 32: 0.09 against 0.12 ms, 100 tokens)."""
     group = num_heads // num_kv_heads
-    return (kv_dtype == torch.float32 and block_size == CHUNK_BLOCK and head_dim % 16 == 0
+    return (kv_dtype in KV_DTYPES and block_size == CHUNK_BLOCK and head_dim % 16 == 0
             and 64 <= head_dim <= 256 and CHUNK_BLOCK % group == 0)
 
 
@@ -157,23 +157,26 @@ class Kernels:
                         k_cache: Tensor, v_cache: Tensor, scratch: Tensor) -> None:
         """Prompt chunks' causal attention (chunk_attention.c): q and out [Hq, T, D] (any
         head and row strides; D contiguous); chunks [C, 4] (first packed row, rows, first
-        position, row of `tables`) and tables [*, W], int64, contiguous; float32 caches
-        [Hkv, NB, 16, D]; scratch of `chunk_scratch_size` elements. The shapes must pass
-        `chunk_attention_fits`."""
+        position, row of `tables`) and tables [*, W], int64, contiguous; caches
+        [Hkv, NB, 16, D] of a `KV_DTYPES` type; scratch of `chunk_scratch_size` elements.
+        The shapes must pass `chunk_attention_fits`."""
         hq, _, d = q.shape
         hkv, nb, _, _ = k_cache.shape
         threads = torch.get_num_threads()
-        self.fns["meshlm_chunk_attention_f32"](
+        self.fns["meshlm_chunk_attention"](
             q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0),
             out.stride(1), chunks.data_ptr(), chunks.shape[0], tables.data_ptr(),
-            tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), nb, hq, hkv, d, d**-0.5,
-            scratch.data_ptr(), threads)
+            tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(), KV_DTYPES[k_cache.dtype][1],
+            nb, hq, hkv, d, d**-0.5, scratch.data_ptr(), threads)
 
     @staticmethod
-    def chunk_scratch_size(num_kv_heads: int, head_dim: int, ends: list[int]) -> int:
-        """Scratch floats for chunks ending at positions `ends` (their keys, transposed)."""
-        return num_kv_heads * head_dim * sum(-(-end // CHUNK_BLOCK) * CHUNK_BLOCK
-                                             for end in ends)
+    def chunk_scratch_size(num_kv_heads: int, head_dim: int, ends: list[int],
+                           kv_dtype: torch.dtype = torch.float32) -> int:
+        """Scratch floats for chunks ending at positions `ends` over a cache of `kv_dtype`:
+        their keys transposed, and a 16-bit cache's values widened."""
+        copies = 1 if kv_dtype == torch.float32 else 2
+        return copies * num_kv_heads * head_dim * sum(-(-end // CHUNK_BLOCK) * CHUNK_BLOCK
+                                                      for end in ends)
 
     @staticmethod
     def scratch_size(num_heads: int, num_kv_heads: int, max_keys: int) -> int:

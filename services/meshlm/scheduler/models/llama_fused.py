@@ -23,7 +23,7 @@ us a layer; the step now takes 2.6-2.8 ms against 3.6-3.8. In the scheduler serv
 engine thread also holds no GIL for the whole pass, so the event loop sends the last step's
 outputs meanwhile without stalling it. Prompt chunks go the same way: through
 kernels/chunk_attention.c, which attends a chunk's tokens as matrix products, where it takes
-the model's heads and a float32 cache without sliding windows (`_chunk_kernel_serves`);
+the model's heads and cache blocks, without sliding windows (`_chunk_kernel_serves`);
 elsewhere a short chunk's tokens attend as decode rows over the cache (`_attention_rows`),
 and a long one (CHUNK_PAIRS), like oneDNN's packing, keeps the layer-by-layer forward
 (`layer_by_layer`), SDPA for the chunk.
@@ -229,7 +229,8 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
         scratch.numel() // threads, work.data_ptr())
     if chunks is not None:
         chunk_scratch = torch.empty(kernels.chunk_scratch_size(
-            hkv, d, [c.start + c.q_end - c.q_start for c in attention.meta.chunks]))
+            hkv, d, [c.start + c.q_end - c.q_start for c in attention.meta.chunks],
+            k_cache.dtype))
         step.chunks, step.num_chunks = chunks.data_ptr(), chunks.shape[0]
         step.decode_rows = t - sum(c.q_end - c.q_start for c in attention.meta.chunks)
         step.chunk_scratch = chunk_scratch.data_ptr()

@@ -31,16 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "widen.h"
-
-#if defined(__x86_64__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
-
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
-typedef int32_t m16 __attribute__((vector_size(64)));
+#include "simd.h"
 
 #define BLOCK 16  /* positions per cache block, and keys per score vector */
 #define TILE 16   /* query vectors per tile */

@@ -27,23 +27,14 @@
 #include <omp.h>
 #include <stdint.h>
 
-#include "widen.h"
+#include "simd.h"
 
 #define MAX_GROUP 64
 /* Query heads of one KV head attended together, each key and value row read once for them. */
 #define HEADS_AT_ONCE 4
 
-#if defined(__x86_64__)
-#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CLONES
-#endif
-
-
-typedef float v16f __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t h16 __attribute__((vector_size(32), aligned(2)));
 typedef uint32_t w16 __attribute__((vector_size(64)));
-typedef int32_t m16 __attribute__((vector_size(64)));
 
 /* The sums of four vectors at once, into `out`: its lanes 0, 4, 8 and 12 hold those of a, b,
  * c and d. Halving twice across the pairs, then within each group of four lanes: 8 shuffles

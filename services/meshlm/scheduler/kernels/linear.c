@@ -42,7 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "widen.h"
+#include "simd.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>

@@ -46,7 +46,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.c"
 UNITS = (*((SOURCES[0], (f"-DMESHLM_PART={part}",)) for part in (1, 2, 3)),
          *((source, ()) for source in SOURCES[1:]))
 # Read by decode_attention.c (once per KV cache element type) and the 16-bit readers.
-INCLUDES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.inc", "widen.h"))
+INCLUDES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.inc", "simd.h"))
 # KV cache element types the kernels read and write: (function suffix, store_kv's kind).
 KV_DTYPES = {torch.float32: ("f32", 0), torch.bfloat16: ("bf16", 1), torch.float16: ("f16", 2)}
 FLAGS = ("-O3", "-ffast-math", "-fopenmp", "-fPIC")

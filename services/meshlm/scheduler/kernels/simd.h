@@ -1,9 +1,20 @@
-/* A 16-bit KV cache or weight element as float32, for the kernels that read them
- * (decode_attention.c, chunk_attention.c, linear.c). */
-#ifndef MESHLM_WIDEN_H
-#define MESHLM_WIDEN_H
+/* What the kernels share: their clones per instruction set and vector types (the two
+ * attention kernels), and a 16-bit KV cache or weight element as float32 (those and
+ * linear.c). */
+#ifndef MESHLM_SIMD_H
+#define MESHLM_SIMD_H
 
 #include <stdint.h>
+
+/* A kernel built once per instruction set, the best picked when the library loads. */
+#if defined(__x86_64__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef int32_t m16 __attribute__((vector_size(64)));
 
 /* A bfloat16 bit pattern: the high half of a float32's. */
 static inline float widen_bf16(uint16_t x)

@@ -92,7 +92,8 @@ def test_chunk_kernel_matches_the_decode_kernel_row_by_row(heads: int, kv_heads:
                                                            kv_dtype: torch.dtype) -> None:
     """Prompt chunks through chunk_attention.c, two in one call (one from position 0, one
     after 37 positions of cached context, its last tile part full) among other packed rows,
-    blocks scattered, strides not contiguous ones: each token the same output as the decode
+    blocks scattered, strides not contiguous ones, NaN in the slots past each chunk's end
+    (another sequence's, or garbage, in the engine): each token the same output as the decode
     kernel's for it as a row attending up to its position; rows outside the chunks untouched.
     Groups of 2, 4, 16 and 1 query heads per KV head (tiles of 8, 4, 1 and 16 tokens); head
     sizes the kernel unrolls (64, 128) and another (96); caches of float32, bfloat16 and
@@ -112,7 +113,11 @@ def test_chunk_kernel_matches_the_decode_kernel_row_by_row(heads: int, kv_heads:
     spans = [(2, 50, 0), (60, 29, 37)]  # (first packed row, tokens, first position)
     packed = 95
     q = torch.randn(packed, heads + 3, d).transpose(0, 1)[:heads]  # [Hq, T, D], strided
-    tables = torch.stack([torch.randperm(blocks)[:5] for _ in spans])
+    tables = torch.randperm(blocks)[: 5 * len(spans)].view(len(spans), 5)
+    for table, (_, n, start) in zip(tables, spans, strict=True):  # slots past a chunk's end
+        end = start + n                                            # hold NaN: never read
+        k_cache[:, table[end // bs], end % bs :] = float("nan")
+        v_cache[:, table[end // bs], end % bs :] = float("nan")
     chunks = torch.tensor([[row, n, start, i] for i, (row, n, start) in enumerate(spans)])
     out = torch.full((packed, heads, d), 7.0).transpose(0, 1)
     scratch = torch.empty(kernels.chunk_scratch_size(kv_heads, d, [s + n for _, n, s in spans],

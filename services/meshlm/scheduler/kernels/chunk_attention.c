@@ -73,6 +73,9 @@ static inline __attribute__((always_inline)) void chunk_tile(
         /* [16, D]: in the cache, or widened in order (no table) */
         const float *v = values + (table ? table[b] : b) * BLOCK * D;
         const int64_t base = b * BLOCK;
+        /* the block's keys that some query of the tile sees: those after are masked for
+         * every query, and their slots may hold anything (another sequence's, or none) */
+        const int64_t seen = last_pos + 1 - base < BLOCK ? last_pos + 1 - base : BLOCK;
         for (int64_t m = 0; m < TILE; m++) {
             const int64_t pos = first_pos + m / G;
             v16f sv = s[m];
@@ -97,7 +100,7 @@ static inline __attribute__((always_inline)) void chunk_tile(
             sum[m] = sum[m] * carry + block_sum;
             v16f acc[D / 16];
             for (int64_t i = 0; i < D / 16; i++) acc[i] = o[m][i] * carry;
-            for (int64_t j = 0; j < BLOCK; j++) {
+            for (int64_t j = 0; j < seen; j++) {
                 const float w = p[j];
                 const float *vj = v + j * D;
                 for (int64_t i = 0; i < D / 16; i++) acc[i] += w * *(const v16f *)(vj + 16 * i);

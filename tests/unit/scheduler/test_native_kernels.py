@@ -85,6 +85,7 @@ def test_kernel_matches_the_gathered_torch_attention(heads: int, kv_heads: int,
 
 @pytest.mark.parametrize(("heads", "kv_heads", "d", "kv_dtype"), [
     (8, 4, 64, torch.float32), (32, 8, 128, torch.float32), (16, 1, 64, torch.float32),
+    (8, 2, 32, torch.float32),
     (8, 8, 96, torch.float32), (4, 2, 64, torch.float32), (8, 4, 64, torch.bfloat16),
     (16, 1, 128, torch.float16), (8, 8, 96, torch.float16),
 ])
@@ -96,15 +97,16 @@ def test_chunk_kernel_matches_the_decode_kernel_row_by_row(heads: int, kv_heads:
     (another sequence's, or garbage, in the engine): each token the same output as the decode
     kernel's for it as a row attending up to its position; rows outside the chunks untouched.
     Groups of 2, 4, 16 and 1 query heads per KV head (tiles of 8, 4, 1 and 16 tokens); head
-    sizes the kernel unrolls (64, 128) and another (96); caches of float32, bfloat16 and
+    sizes the kernel unrolls (32, 64, 128) and another (96); caches of float32, bfloat16 and
     float16 (widened as the keys are transposed and the values copied). What the engine sends
     it (`chunk_attention_fits`)."""
     torch.manual_seed(3)
     kernels, bs, blocks = _kernels(), native.CHUNK_BLOCK, 40
     assert native.chunk_attention_fits(heads, kv_heads, d, bs, kv_dtype)
-    # not for head sizes below 64 (there the decode kernel is faster), other block sizes,
-    # caches of other types, or groups that do not divide a tile
-    assert not native.chunk_attention_fits(8, 2, 32, bs, kv_dtype)
+    # not for heads below 32 dimensions, other block sizes, caches of other types, or
+    # groups that do not divide a tile
+    assert native.chunk_attention_fits(8, 2, 32, bs, kv_dtype)  # the tiny default model's
+    assert not native.chunk_attention_fits(8, 2, 16, bs, kv_dtype)
     assert not native.chunk_attention_fits(heads, kv_heads, d, 4, kv_dtype)
     assert not native.chunk_attention_fits(heads, kv_heads, d, bs, torch.float64)
     assert not native.chunk_attention_fits(6, 2, 64, bs, kv_dtype)

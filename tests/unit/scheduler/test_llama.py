@@ -320,6 +320,52 @@ def test_prompt_chunks_in_one_call_attend_through_the_chunk_kernel(
                                    rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+@torch.inference_mode()
+def test_the_one_call_forward_computes_the_last_layer_for_the_kept_rows_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int | None,
+        kv: torch.dtype) -> None:
+    """`keep` (the rows a step samples: each decode and a prompt's last token) gives those
+    rows' hidden states, in its order, as the whole forward gives them (the kept prompt
+    token attends through the decode kernel in the last layer, not the chunk kernel: the
+    same within rounding); every row's keys and values still reach the cache, so the next
+    step sees them. Keeping every row, or none, is the whole forward."""
+    kernel = native.load()
+    assert not isinstance(kernel, native.BuildError), kernel
+    model, cfg = load_model(write_checkpoint(tmp_path / "m", hidden=256, heads=4, kv_heads=2))
+    pack_linears(model, NativePacking(kernel, torch.float32))
+    fused = llama_fused.fuse(model)
+    assert fused is not None and fused.one_call
+    windows: list[int | None] = [window] * cfg.num_layers
+    torch.manual_seed(7)
+    seqs = [torch.randint(3, 500, (n,)).tolist() for n in (70, 40, 23)]
+    tables = [[9, 2, 14, 3, 20], [0, 11, 7], [5, 6]]
+    steps = [[(seqs[0], tables[0], 0, 30), (seqs[1], tables[1], 0, 40)],
+             [(seqs[2], tables[2], 0, 23), (seqs[1], tables[1], 39, 1),
+              (seqs[0], tables[0], 30, 40)],
+             [(seqs[2], tables[2], 22, 1), (seqs[0], tables[0], 69, 1)]]
+    keeps = [[69], [22, 23, 63], [1, 0]]  # packed rows: a chunk's end (or none), decodes
+    kept_cache = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, kv, "cpu")
+    whole_cache = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, kv, "cpu")
+    tolerance = 5e-3 if kv != torch.float32 else 1e-4
+    for items, rows in zip(steps, keeps, strict=True):
+        ids, pos, attention = _paged(kept_cache, windows, kernel, items)
+        assert llama_fused.native_layers(fused, attention) is not None  # in one call
+        keep = torch.tensor(rows)
+        kept = llama_fused.fused_forward(fused, kernel, ids, pos, attention, keep)
+        ids, pos, attention = _paged(whole_cache, windows, kernel, items)
+        whole = llama_fused.fused_forward(fused, kernel, ids, pos, attention)
+        assert kept.shape == (len(rows), cfg.hidden_size)
+        torch.testing.assert_close(kept, whole.index_select(0, keep), atol=tolerance,
+                                   rtol=tolerance)
+        assert torch.equal(kept_cache.k, whole_cache.k) and torch.equal(kept_cache.v,
+                                                                        whole_cache.v)
+        for every in (torch.arange(ids.shape[0]), torch.tensor([], dtype=torch.long)):
+            got = llama_fused.fused_forward(fused, kernel, ids, pos, attention, every)
+            assert torch.equal(got, whole.index_select(0, every))
+
+
 def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:
     assert decode_groups([]) == []
     assert decode_groups([3, 3, 4, 4]) == [(0, 4)]  # padding 2 blocks < one group's cost

@@ -68,35 +68,42 @@ class ModelRunner:
         items = plan.items
         input_ids, positions, meta = self._prepare(items)
         attention = PagedAttention(self.kv, meta, self.windows, self.kernels)
+        offsets = _offsets(items)
+        # Rows whose logits are needed: the last token of each item that draws one, then of
+        # each prefill-only item that wants logprobs there, then prompt positions whose next
+        # token's logprob is asked for. Where every item only draws its next token they are
+        # known now, and the fused forward returns only theirs (its last layer computes no
+        # others).
+        plain = not any(_asks_more(item.seq) for item in items)
+        drawing = [i for i, item in enumerate(items) if item.sample] if plain else []
+        keep = None
         if self.fused is not None:
             assert self.kernels is not None
+            if plain:
+                keep = long_tensor([offsets[i] + items[i].num_tokens - 1 for i in drawing],
+                                   self.device)
             hidden = llama_fused.fused_forward(self.fused, self.kernels, input_ids, positions,
-                                               attention)
+                                               attention, keep)
         else:
             hidden = self.model(input_ids[None], positions[None], attention)[0]  # [T, H]
         results = [ItemResult() for _ in items]
         self._reset_rows([item for item in items if item.reset_row])
-        # Rows whose logits are needed: the last token of each item that draws one, then of
-        # each prefill-only item that wants logprobs there, then prompt positions whose next
-        # token's logprob is asked for.
-        offsets = _offsets(items)
         peeking: list[int] = []
         prompt_rows: list[int] = []
         prompt_targets: list[tuple[int, int]] = []
-        if any(_asks_more(item.seq) for item in items):
+        if not plain:
             self._pool(items, offsets, hidden, results)
             ends = [i for i, item in enumerate(items) if item.sample and item.seq.embed is None]
             drawing = [i for i in ends if not items[i].seq.prefill_only]
             peeking = [i for i in ends if items[i].seq.wants_next_logprobs]
             prompt_rows, prompt_targets = self._prompt_logprob_rows(items, offsets)
             _first_prompt_position(items, results)
-        else:  # every item draws its next token and wants nothing else
-            drawing = [i for i, item in enumerate(items) if item.sample]
         last_rows = [offsets[i] + items[i].num_tokens - 1 for i in drawing + peeking]
         if not last_rows and not prompt_rows:
             return results
-        rows = long_tensor(last_rows + prompt_rows, self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if keep is None:
+            hidden = hidden.index_select(0, long_tensor(last_rows + prompt_rows, self.device))
+        logits = self.model.compute_logits(hidden)
         if prompt_rows:
             self._prompt_logprobs(items, logits[len(last_rows):], prompt_targets, results)
         if drawing:

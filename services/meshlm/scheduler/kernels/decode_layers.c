@@ -6,7 +6,8 @@
  *     -> o matmul -> add + RMSNorm -> gate_up matmul -> SiLU * up -> down matmul
  *
  * and the final add + RMSNorm. The same calls on the same arrays, so the same results to the
- * bit. What it saves is Python's share of a step: about ten ctypes calls and a dozen torch
+ * bit. Where the step keeps only some rows (`kept`: those it samples), the last layer goes
+ * past the KV write for those rows only. What it saves is Python's share of a step: about ten ctypes calls and a dozen torch
  * ops a layer, each several microseconds (measured on the bench model at one row, 2 threads:
  * 3.7 ms a step, 2.6 of it in the kernels, about 1 ms outside them), and, in the scheduler
  * service, the engine thread's every return to the GIL while the event loop sends the last
@@ -23,6 +24,7 @@
  * Built with the other kernels by kernels/native.py. */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The kernels called, from layer_ops.c, linear.c and decode_attention.c. */
 void meshlm_add_rmsnorm_f32(float *x, const float *add, const float *weight, float *out,
@@ -92,36 +94,41 @@ struct meshlm_decode_step {
     const int64_t *chunks;
     int64_t num_chunks, decode_rows;
     float *chunk_scratch;
+    /* The rows whose hidden states the step returns (`kept`, NULL: every row). The last
+     * layer computes every row's keys and values, then only the kept rows: their attention
+     * through the decode kernel (kept_tables [num_kept, table_width], kept_first and
+     * kept_last [num_kept]; kept_order 0 .. num_kept - 1), the o projection and the MLP.
+     * hidden_out is then [num_kept, hidden]; `work` holds num_kept * (hidden + 2 * heads *
+     * head_dim) floats more. */
+    const int64_t *kept, *kept_tables, *kept_first, *kept_last, *kept_order;
+    int64_t num_kept;
 };
 
-static void linear(const struct meshlm_decode_step *s, const float *x, int64_t in,
+static void linear(const struct meshlm_decode_step *s, int64_t rows, const float *x, int64_t in,
                    const void *packed, const float *bias, float *y, int64_t out, int threads)
 {
     if (s->weight_kind == 0)
-        meshlm_linear_f32(x, in, s->rows, in, packed, bias, y, out, threads);
+        meshlm_linear_f32(x, in, rows, in, packed, bias, y, out, threads);
     else
-        meshlm_linear_bf16(x, in, s->rows, in, packed, bias, y, out, threads);
+        meshlm_linear_bf16(x, in, rows, in, packed, bias, y, out, threads);
 }
 
-static void attend(const struct meshlm_decode_step *s, const float *q, int64_t q_row_stride,
-                   float *out, const int64_t *first, const void *kc, const void *vc,
-                   int threads)
+/* The decode kernel over `rows` rows: q's at packed rows `order`, each attending from
+ * first to last over its block table (`tables`). */
+static void attend_rows(const struct meshlm_decode_step *s, const float *q,
+                        int64_t q_row_stride, float *out, int64_t rows, const int64_t *order,
+                        const int64_t *tables, const int64_t *first, const int64_t *last,
+                        const void *kc, const void *vc, int threads)
 {
     const int64_t d = s->head_dim;
-    const int64_t rows = s->num_chunks ? s->decode_rows : s->rows;
-    if (s->num_chunks)
-        meshlm_chunk_attention(q, d, q_row_stride, out, d, s->heads * d, s->chunks,
-                               s->num_chunks, s->tables, s->table_width, kc, vc, s->kv_kind,
-                               s->num_blocks, s->heads, s->kv_heads, d, s->scale,
-                               s->chunk_scratch, threads);
     if (rows == 0)
         return;
 #define ATTEND(suffix, KV)                                                                    \
-    meshlm_decode_attention_##suffix(q, d, q_row_stride, out, d, s->heads * d,                \
-                                     s->attention_rows, s->tables, s->table_width, first,     \
-                                     s->last, (const KV *)kc, (const KV *)vc, s->num_blocks,  \
-                                     s->block_size, rows, s->heads, s->kv_heads, d,           \
-                                     s->scale, s->scratch, s->scratch_per_thread, threads)
+    meshlm_decode_attention_##suffix(q, d, q_row_stride, out, d, s->heads * d, order, tables, \
+                                     s->table_width, first, last, (const KV *)kc,             \
+                                     (const KV *)vc, s->num_blocks, s->block_size, rows,      \
+                                     s->heads, s->kv_heads, d, s->scale, s->scratch,          \
+                                     s->scratch_per_thread, threads)
     if (s->kv_kind == KV_F32)
         ATTEND(f32, float);
     else if (s->kv_kind == KV_BF16)
@@ -129,6 +136,20 @@ static void attend(const struct meshlm_decode_step *s, const float *q, int64_t q
     else
         ATTEND(f16, uint16_t);
 #undef ATTEND
+}
+
+static void attend(const struct meshlm_decode_step *s, const float *q, int64_t q_row_stride,
+                   float *out, const int64_t *first, const void *kc, const void *vc,
+                   int threads)
+{
+    const int64_t d = s->head_dim;
+    if (s->num_chunks)
+        meshlm_chunk_attention(q, d, q_row_stride, out, d, s->heads * d, s->chunks,
+                               s->num_chunks, s->tables, s->table_width, kc, vc, s->kv_kind,
+                               s->num_blocks, s->heads, s->kv_heads, d, s->scale,
+                               s->chunk_scratch, threads);
+    attend_rows(s, q, q_row_stride, out, s->num_chunks ? s->decode_rows : s->rows,
+                s->attention_rows, s->tables, first, s->last, kc, vc, threads);
 }
 
 /* x [rows, hidden] through `num_layers` layers, then the final norm into `hidden_out`. */
@@ -146,24 +167,41 @@ void meshlm_decode_layers(const struct meshlm_decode_step *s, const struct meshl
     float *gate_up = pending + n * h;
     float *act = gate_up + n * 2 * s->inter;
     const float *add = NULL;  /* the last layer's MLP output, not yet added to x */
+    int64_t m = n;  /* rows past the attention: n, or the kept ones in the last layer */
     for (int64_t l = 0; l < num_layers; l++) {
         const struct meshlm_layer *w = &layers[l];
         char *kc = (char *)s->k_cache + l * s->layer_elements * kv_element;
         char *vc = (char *)s->v_cache + l * s->layer_elements * kv_element;
         meshlm_add_rmsnorm_f32(x, add, w->input_norm, normed, n, h, w->input_eps, threads);
-        linear(s, normed, h, w->qkv, w->qkv_bias, qkv, qkv_width, threads);
+        linear(s, n, normed, h, w->qkv, w->qkv_bias, qkv, qkv_width, threads);
         meshlm_rope_f32(qkv, n, qkv_width, s->heads + s->kv_heads, d, s->cos, s->signed_sin,
                         threads);
         const float *k = qkv + s->heads * d, *v = k + s->kv_heads * d;
         meshlm_store_kv(k, qkv_width, d, v, qkv_width, d, n, s->kv_heads, d, s->slots, kc, vc,
                         s->num_blocks * s->block_size, s->kv_kind);
-        attend(s, qkv, qkv_width, attn, w->first, kc, vc, threads);
-        linear(s, attn, attn_width, w->o, w->o_bias, pending, h, threads);
-        meshlm_add_rmsnorm_f32(x, pending, w->post_norm, normed, n, h, w->post_eps, threads);
-        linear(s, normed, h, w->gate_up, w->gate_up_bias, gate_up, 2 * s->inter, threads);
-        meshlm_silu_mul_f32(gate_up, act, n, s->inter, threads);
-        linear(s, act, s->inter, w->down, w->down_bias, pending, h, threads);
+        if (l == num_layers - 1 && s->kept != NULL) {
+            /* Only the kept rows go on: their residual and queries gathered, then their
+             * attention row by row. */
+            m = s->num_kept;
+            float *xk = act + n * s->inter, *qk = xk + m * h, *attn_k = qk + m * attn_width;
+            for (int64_t i = 0; i < m; i++) {
+                memcpy(xk + i * h, x + s->kept[i] * h, (size_t)h * sizeof *x);
+                memcpy(qk + i * attn_width, qkv + s->kept[i] * qkv_width,
+                       (size_t)attn_width * sizeof *qkv);
+            }
+            x = xk;
+            attn = attn_k;
+            attend_rows(s, qk, attn_width, attn, m, s->kept_order, s->kept_tables,
+                        s->kept_first, s->kept_last, kc, vc, threads);
+        } else {
+            attend(s, qkv, qkv_width, attn, w->first, kc, vc, threads);
+        }
+        linear(s, m, attn, attn_width, w->o, w->o_bias, pending, h, threads);
+        meshlm_add_rmsnorm_f32(x, pending, w->post_norm, normed, m, h, w->post_eps, threads);
+        linear(s, m, normed, h, w->gate_up, w->gate_up_bias, gate_up, 2 * s->inter, threads);
+        meshlm_silu_mul_f32(gate_up, act, m, s->inter, threads);
+        linear(s, m, act, s->inter, w->down, w->down_bias, pending, h, threads);
         add = pending;
     }
-    meshlm_add_rmsnorm_f32(x, add, final_norm, hidden_out, n, h, final_eps, threads);
+    meshlm_add_rmsnorm_f32(x, add, final_norm, hidden_out, m, h, final_eps, threads);
 }

@@ -119,7 +119,10 @@ class DecodeStep(ctypes.Structure):
                 *((name, _I) for name in ("layer_elements", "num_blocks", "block_size")),
                 ("scale", _F), ("scratch", _P), ("scratch_per_thread", _I), ("work", _P),
                 ("chunks", _P), ("num_chunks", _I), ("decode_rows", _I),
-                ("chunk_scratch", _P)]
+                ("chunk_scratch", _P),
+                *((name, _P) for name in ("kept", "kept_tables", "kept_first", "kept_last",
+                                          "kept_order")),
+                ("num_kept", _I)]
 
 
 class BuildError(RuntimeError):
@@ -185,9 +188,9 @@ class Kernels:
 
     def decode_layers(self, step: DecodeStep, layers: ctypes.Array[LayerWeights], x: Tensor,
                       final_norm: Tensor, final_eps: float, out: Tensor) -> None:
-        """Every decoder layer of a step whose rows are all decodes, then the final norm:
-        x [N, H] the residual stream (updated in place), out [N, H] the normed hidden
-        states (decode_layers.c gives the layouts)."""
+        """Every decoder layer of a step, then the final norm: x [N, H] the residual stream
+        (updated in place), out [N, H] the normed hidden states, or [K, H] those of the
+        step's K kept rows (decode_layers.c gives the layouts)."""
         self.fns["meshlm_decode_layers"](
             ctypes.addressof(step), ctypes.addressof(layers), len(layers), x.data_ptr(),
             final_norm.data_ptr(), final_eps, out.data_ptr(), torch.get_num_threads())

@@ -125,13 +125,14 @@ def fuse(model: LlamaForCausalLM) -> FusedModel | None:
 
 
 def fused_forward(model: FusedModel, kernels: Kernels, input_ids: Tensor, positions: Tensor,
-                  attention: AttentionBackend) -> Tensor:
-    """input_ids and positions [T] (one packed step) -> final hidden states [T, H]: a step
-    of decodes over meshlm's packing in one call into the kernels (`decode_forward`), any
-    other layer by layer from here."""
+                  attention: AttentionBackend, keep: Tensor | None = None) -> Tensor:
+    """input_ids and positions [T] (one packed step) -> final hidden states [T, H], or of
+    the packed rows `keep` only ([K, H], in its order): a step over meshlm's packing in one
+    call into the kernels (`decode_forward`), any other layer by layer from here."""
     if isinstance(attention, PagedAttention) and (native := native_layers(model, attention)):
-        return decode_forward(model, native, kernels, input_ids, positions, attention)
-    return layer_by_layer(model, kernels, input_ids, positions, attention)
+        return decode_forward(model, native, kernels, input_ids, positions, attention, keep)
+    hidden = layer_by_layer(model, kernels, input_ids, positions, attention)
+    return hidden if keep is None else hidden.index_select(0, keep)
 
 
 def layer_by_layer(model: FusedModel, kernels: Kernels, input_ids: Tensor, positions: Tensor,
@@ -192,11 +193,17 @@ def native_layers(model: FusedModel, attention: PagedAttention) -> list[LayerWei
 
 
 def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kernels,
-                   input_ids: Tensor, positions: Tensor, attention: PagedAttention) -> Tensor:
+                   input_ids: Tensor, positions: Tensor, attention: PagedAttention,
+                   keep: Tensor | None = None) -> Tensor:
     """`fused_forward` for a step that `native_layers` serves, all of its layers in one call
     into the C kernels (kernels/decode_layers.c: the same kernels in the same order, without
-    Python between them; a prompt chunk's attention through the decode kernel, row by row)
-    -> final hidden states [T, H]."""
+    Python between them; a prompt chunk's attention through the chunk kernel, or the decode
+    kernel row by row) -> final hidden states [T, H], or [K, H] of the K rows `keep`.
+
+    Where `keep` leaves rows out (the tokens of prompt chunks before their last: the step
+    samples none of them), the last layer computes their keys and values only, and its
+    attention, o projection and MLP for the kept rows (`_kept_rows`): of the bench model's
+    8 layers that is a ninth of a prompt token's work."""
     t = input_ids.shape[0]
     first = model.layers[0]
     hq, hkv, d = first.heads, first.kv_heads, first.head_dim
@@ -219,7 +226,10 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
     threads = torch.get_num_threads()
     scratch = torch.empty(kernels.scratch_size(hq, hkv, tables.shape[1] * block_size))
     qkv_width = (hq + 2 * hkv) * d
-    work = torch.empty(t * (2 * hidden + qkv_width + hq * d + 3 * inter))
+    num_kept = t if keep is None else keep.shape[0]
+    kept = 0 < num_kept < t  # (none kept: every row computed, none returned)
+    work = torch.empty(t * (2 * hidden + qkv_width + hq * d + 3 * inter)
+                       + (num_kept * (hidden + 2 * hq * d) if kept else 0))
     step = DecodeStep(
         t, hidden, hq, hkv, d, inter, int(first.qkv.packed.dtype == torch.bfloat16),
         KV_DTYPES[k_cache.dtype][1], cos.data_ptr(), sin.data_ptr(),
@@ -234,10 +244,32 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
         step.chunks, step.num_chunks = chunks.data_ptr(), chunks.shape[0]
         step.decode_rows = t - sum(c.q_end - c.q_start for c in attention.meta.chunks)
         step.chunk_scratch = chunk_scratch.data_ptr()
-    out = torch.empty_like(x)
+    if kept:
+        assert keep is not None
+        held = _kept_rows(attention.meta, t, keep, attention.windows[model.layers[-1].index])
+        assert held[0].shape[1] == step.table_width
+        step.kept, step.num_kept = keep.data_ptr(), num_kept
+        step.kept_tables, step.kept_first, step.kept_last, step.kept_order = (
+            a.data_ptr() for a in held)
+        out = torch.empty(num_kept, hidden)
+    else:
+        out = torch.empty_like(x)
     kernels.decode_layers(step, (LayerWeights * len(layers))(*layers), x,
                           model.norm.weight, model.norm.eps, out)
+    if keep is not None and not kept:
+        return out.index_select(0, keep)
     return out
+
+
+def _kept_rows(meta: AttentionMeta, t: int, keep: Tensor, window: int | None
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(tables [K, W], first [K], last [K], order 0 .. K - 1) for the last layer's attention
+    of the packed rows `keep` through the decode kernel, each over its item's table up to
+    its position (the `window` before it)."""
+    _, tables, last, _ = _attention_rows(meta, t)
+    tables, last = tables.index_select(0, keep), last.index_select(0, keep)
+    first = (last - window).clamp_(min=0) if window is not None else torch.zeros_like(last)
+    return tables, first, last, torch.arange(keep.shape[0])
 
 
 def _chunk_kernel_serves(model: FusedModel, attention: PagedAttention) -> bool:

@@ -320,21 +320,22 @@ def test_prompt_chunks_in_one_call_attend_through_the_chunk_kernel(
                                    rtol=1e-4)
 
 
-@pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("window", "kv", "weights"), [
+    (None, torch.float32, torch.float32), (20, torch.float32, torch.float32),
+    (None, torch.float16, torch.float32), (20, torch.float16, torch.bfloat16)])
 @torch.inference_mode()
 def test_the_one_call_forward_computes_the_last_layer_for_the_kept_rows_only(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int | None,
-        kv: torch.dtype) -> None:
+        tmp_path: Path, window: int | None, kv: torch.dtype, weights: torch.dtype) -> None:
     """`keep` (the rows a step samples: each decode and a prompt's last token) gives those
     rows' hidden states, in its order, as the whole forward gives them (the kept prompt
     token attends through the decode kernel in the last layer, not the chunk kernel: the
-    same within rounding); every row's keys and values still reach the cache, so the next
-    step sees them. Keeping every row, or none, is the whole forward."""
+    same within rounding), for float32 and bfloat16 weights, float32 and float16 caches,
+    with and without a sliding window; every row's keys and values still reach the cache,
+    so the next step sees them. Keeping every row, or none, is the whole forward."""
     kernel = native.load()
     assert not isinstance(kernel, native.BuildError), kernel
     model, cfg = load_model(write_checkpoint(tmp_path / "m", hidden=256, heads=4, kv_heads=2))
-    pack_linears(model, NativePacking(kernel, torch.float32))
+    pack_linears(model, NativePacking(kernel, weights))
     fused = llama_fused.fuse(model)
     assert fused is not None and fused.one_call
     windows: list[int | None] = [window] * cfg.num_layers

@@ -7,11 +7,12 @@
  *
  * and the final add + RMSNorm. The same calls on the same arrays, so the same results to the
  * bit. Where the step keeps only some rows (`kept`: those it samples), the last layer goes
- * past the KV write for those rows only. What it saves is Python's share of a step: about ten ctypes calls and a dozen torch
- * ops a layer, each several microseconds (measured on the bench model at one row, 2 threads:
- * 3.7 ms a step, 2.6 of it in the kernels, about 1 ms outside them), and, in the scheduler
- * service, the engine thread's every return to the GIL while the event loop sends the last
- * step's outputs (the call holds no GIL from the first layer to the last).
+ * past the KV write for those rows only. What it saves is Python's share of a step: about
+ * ten ctypes calls and a dozen torch ops a layer, each several microseconds (measured on the
+ * bench model at one row, 2 threads: 3.7 ms a step, 2.6 of it in the kernels, about 1 ms
+ * outside them), and, in the scheduler service, the engine thread's every return to the GIL
+ * while the event loop sends the last step's outputs (the call holds no GIL from the first
+ * layer to the last).
  *
  * Layouts: x, the residual stream, [rows, hidden] (updated in place); the projections packed
  * by `NativePacking` (float32 or bfloat16, `weight_kind` 0 or 1); the caches as

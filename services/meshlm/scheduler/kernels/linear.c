@@ -26,16 +26,16 @@
  * does with bfloat16 weights; elsewhere each weight is widened to float32 exactly as it is
  * loaded, the activations and the arithmetic float32.
  *
- * Work is shared among torch's OpenMP threads by column groups, handed out as threads come
- * free (`claim`, as schedule(dynamic) would): where the engine shares its cores with the rest of the mesh, a
- * thread the OS has descheduled does fewer groups instead of keeping the others waiting at
- * the region's end (`make bench-peers`' mesh, 2 threads on 2 cores, two alternated pairs:
- * 308.6 and 318.5 output tok/s against 286.3 and 267.7 split evenly); K is taken in chunks of
- * KC so that a group's chunk of weights stays in cache while every tile of rows reads it, and
- * the rows in blocks of MC, so that a prompt chunk's inputs are read from a core's L2 by each
- * of its column groups in turn, not from memory once per group (on a 2-core Sapphire Rapids
- * VM, one thread, the bench model's projections at 1,024-2,048 rows: 56-64 -> 61-73 GFLOP/s,
- * the same results to the bit; at 256 rows and fewer, one block, unchanged).
+ * Work is shared among torch's OpenMP threads by column groups, handed out as threads come free
+ * (`claim`, as schedule(dynamic) would): where the engine shares its cores with the rest of the
+ * mesh, a thread the OS has descheduled does fewer groups instead of keeping the others waiting
+ * at the region's end (`make bench-peers`' mesh, 2 threads on 2 cores, two alternated pairs:
+ * 308.6 and 318.5 output tok/s against 286.3 and 267.7 split evenly); K is taken in chunks of KC
+ * so that a group's chunk of weights stays in cache while every tile of rows reads it, and the
+ * rows in blocks of MC, so that a prompt chunk's inputs are read from a core's L2 by each of its
+ * column groups in turn, not from memory once per group (on a 2-core Sapphire Rapids VM, one
+ * thread, the bench model's projections at 1,024-2,048 rows: 56-64 -> 61-73 GFLOP/s, the same
+ * results to the bit; at 256 rows and fewer, one block, unchanged).
  * Built with the other kernels by kernels/native.py. */
 #include <omp.h>
 #include <stdint.h>

@@ -190,8 +190,10 @@ def test_paged_chunks_and_decodes_match_full_forward(gqa_model: Path, window: in
         assert torch.allclose(step[1], model.forward_full(torch.tensor([b]))[0, -1], atol=1e-4)
 
 
-def _paged(cache: KVCache, windows: list[int | None], kernel: Kernels,
-           items: list[tuple[list[int], list[int], int, int]]
+Item = tuple[list[int], list[int], int, int]  # tokens, block table, start, n
+
+
+def _paged(cache: KVCache, windows: list[int | None], kernel: Kernels, items: list[Item]
            ) -> tuple[torch.Tensor, torch.Tensor, PagedAttention]:
     """input_ids, positions and the native attention of one packed step of (tokens, block
     table, start, n) items."""
@@ -320,6 +322,20 @@ def test_prompt_chunks_in_one_call_attend_through_the_chunk_kernel(
                                    rtol=1e-4)
 
 
+def _kept_steps(seed: int) -> tuple[list[list[Item]], list[list[int]]]:
+    """Three steps over three random sequences (two chunks from position 0; a chunk from 0,
+    a decode and a continued chunk; two decodes) and the packed rows each samples: a chunk's
+    last token (none where the chunk stops short of its prompt's end), each decode."""
+    torch.manual_seed(seed)
+    seqs = [torch.randint(3, 500, (n,)).tolist() for n in (70, 40, 23)]
+    tables = [[9, 2, 14, 3, 20], [0, 11, 7], [5, 6]]
+    steps = [[(seqs[0], tables[0], 0, 30), (seqs[1], tables[1], 0, 40)],
+             [(seqs[2], tables[2], 0, 23), (seqs[1], tables[1], 39, 1),
+              (seqs[0], tables[0], 30, 40)],
+             [(seqs[2], tables[2], 22, 1), (seqs[0], tables[0], 69, 1)]]
+    return steps, [[69], [22, 23, 63], [1, 0]]
+
+
 @pytest.mark.parametrize(("window", "kv", "weights"), [
     (None, torch.float32, torch.float32), (20, torch.float32, torch.float32),
     (None, torch.float16, torch.float32), (20, torch.float16, torch.bfloat16)])
@@ -339,14 +355,7 @@ def test_the_one_call_forward_computes_the_last_layer_for_the_kept_rows_only(
     fused = llama_fused.fuse(model)
     assert fused is not None and fused.one_call
     windows: list[int | None] = [window] * cfg.num_layers
-    torch.manual_seed(7)
-    seqs = [torch.randint(3, 500, (n,)).tolist() for n in (70, 40, 23)]
-    tables = [[9, 2, 14, 3, 20], [0, 11, 7], [5, 6]]
-    steps = [[(seqs[0], tables[0], 0, 30), (seqs[1], tables[1], 0, 40)],
-             [(seqs[2], tables[2], 0, 23), (seqs[1], tables[1], 39, 1),
-              (seqs[0], tables[0], 30, 40)],
-             [(seqs[2], tables[2], 22, 1), (seqs[0], tables[0], 69, 1)]]
-    keeps = [[69], [22, 23, 63], [1, 0]]  # packed rows: a chunk's end (or none), decodes
+    steps, keeps = _kept_steps(7)
     kept_cache = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, kv, "cpu")
     whole_cache = KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, kv, "cpu")
     tolerance = 5e-3 if kv != torch.float32 else 1e-4
@@ -365,6 +374,47 @@ def test_the_one_call_forward_computes_the_last_layer_for_the_kept_rows_only(
         for every in (torch.arange(ids.shape[0]), torch.tensor([], dtype=torch.long)):
             got = llama_fused.fused_forward(fused, kernel, ids, pos, attention, every)
             assert torch.equal(got, whole.index_select(0, every))
+
+
+@pytest.mark.parametrize("path", ["torch", "onednn", "native"])
+@torch.inference_mode()
+def test_the_other_forwards_compute_the_last_layer_for_the_kept_rows_only(
+        tmp_path: Path, path: str) -> None:
+    """`keep` in the forwards that do not run in one call: the torch model (the GPU's, and
+    the CPU's without meshlm's packing, over torch's attention) and the fused forward layer
+    by layer (over oneDNN's packing, whose rows go in buckets, and over meshlm's). The kept
+    rows come out in `keep`'s order as the whole forward gives them, every row's keys and
+    values still reach the cache (the same to the bit), and keeping none gives no rows."""
+    kernel = native.load()
+    assert not isinstance(kernel, native.BuildError), kernel
+    model, cfg = load_model(write_checkpoint(tmp_path / "m", hidden=256, heads=4, kv_heads=2))
+    fused = None
+    if path != "torch":
+        pack_linears(model, NativePacking(kernel, torch.float32) if path == "native" else None)
+        fused = llama_fused.fuse(model)
+        assert fused is not None and fused.layers[0].o.packing.name == path
+    windows: list[int | None] = [None] * cfg.num_layers
+    steps, keeps = _kept_steps(11)
+    caches = [KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                      "cpu") for _ in range(2)]
+
+    def forward(cache: KVCache, items: list[Item], keep: torch.Tensor | None) -> torch.Tensor:
+        ids, pos, attention = _paged(cache, windows, kernel, items)
+        if fused is None:
+            attention = PagedAttention(cache, attention.meta, windows, None)
+            return model(ids[None], pos[None], attention, keep)[0]
+        assert llama_fused.native_layers(fused, attention) is None or path == "native"
+        return llama_fused.layer_by_layer(fused, kernel, ids, pos, attention, keep)
+
+    for items, rows in zip(steps, keeps, strict=True):
+        keep = torch.tensor(rows)
+        kept = forward(caches[0], items, keep)
+        whole = forward(caches[1], items, None)
+        assert kept.shape == (len(rows), cfg.hidden_size)
+        torch.testing.assert_close(kept, whole.index_select(0, keep), atol=1e-4, rtol=1e-4)
+        assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+        none = forward(caches[1], items, torch.tensor([], dtype=torch.long))
+        assert none.shape == (0, cfg.hidden_size)
 
 
 def test_decode_groups_split_where_padding_costs_more_than_a_group() -> None:

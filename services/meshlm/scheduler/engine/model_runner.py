@@ -72,20 +72,17 @@ class ModelRunner:
         # Rows whose logits are needed: the last token of each item that draws one, then of
         # each prefill-only item that wants logprobs there, then prompt positions whose next
         # token's logprob is asked for. Where every item only draws its next token they are
-        # known now, and the fused forward returns only theirs (its last layer computes no
-        # others).
+        # known now, and the forward returns only theirs (its last layer computes no others).
         plain = not any(_asks_more(item.seq) for item in items)
         drawing = [i for i, item in enumerate(items) if item.sample] if plain else []
-        keep = None
+        keep = long_tensor([offsets[i] + items[i].num_tokens - 1 for i in drawing],
+                           self.device) if plain else None
         if self.fused is not None:
             assert self.kernels is not None
-            if plain:
-                keep = long_tensor([offsets[i] + items[i].num_tokens - 1 for i in drawing],
-                                   self.device)
             hidden = llama_fused.fused_forward(self.fused, self.kernels, input_ids, positions,
                                                attention, keep)
         else:
-            hidden = self.model(input_ids[None], positions[None], attention)[0]  # [T, H]
+            hidden = self.model(input_ids[None], positions[None], attention, keep)[0]
         results = [ItemResult() for _ in items]
         self._reset_rows([item for item in items if item.reset_row])
         peeking: list[int] = []

@@ -152,7 +152,10 @@ class LlamaAttention(nn.Module):
         # q, k and v in one matmul where the projections were fused (`cpu_linear.pack_linears`).
         self.qkv_proj: nn.Module | None = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend,
+                keep: Tensor | None = None) -> Tensor:
+        """x [B, T, H] -> [B, T, H]; with `keep`, every token's keys and values still reach
+        the cache, but only the tokens at `keep` (indices into T) come out, [B, K, H]."""
         b, t, _ = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is None:
@@ -167,8 +170,10 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(qk, cos, sin).split([hq, hkv], dim=1)
             v = qkv[..., (hq + hkv) * d :]
         v = v.view(b, t, hkv, d).transpose(1, 2)
-        out = attention.attend(self.layer, q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        out = attention.attend(self.layer, q, k, v).transpose(1, 2)  # [B, T, Hq, D]
+        if keep is not None:
+            out = out.index_select(1, keep)
+        return self.o_proj(out.reshape(b, out.shape[1], hq * d))
 
 
 class LlamaMLP(nn.Module):
@@ -195,8 +200,11 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attention)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention: AttentionBackend,
+                keep: Tensor | None = None) -> Tensor:
+        """With `keep`, the tokens at `keep` only past the attention (`LlamaAttention`)."""
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, attention, keep)
+        x = (x if keep is None else x.index_select(1, keep)) + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -214,11 +222,13 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionBackend,
+                keep: Tensor | None = None) -> Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attention)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attention, keep if i == last else None)
         return self.norm(x)
 
 
@@ -241,9 +251,12 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionBackend) -> Tensor:
-        """input_ids and positions [B, T] -> final hidden states [B, T, H] (no lm_head)."""
-        return self.model(input_ids, positions, attention)
+    def forward(self, input_ids: Tensor, positions: Tensor, attention: AttentionBackend,
+                keep: Tensor | None = None) -> Tensor:
+        """input_ids and positions [B, T] -> final hidden states [B, T, H] (no lm_head), or
+        of the tokens at `keep` only ([B, K, H], in its order): the last layer computes every
+        token's keys and values, and its o projection and MLP for those tokens alone."""
+        return self.model(input_ids, positions, attention, keep)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Hidden states [..., H] -> float32 logits [..., V]."""

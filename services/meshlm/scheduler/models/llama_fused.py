@@ -131,13 +131,13 @@ def fused_forward(model: FusedModel, kernels: Kernels, input_ids: Tensor, positi
     call into the kernels (`decode_forward`), any other layer by layer from here."""
     if isinstance(attention, PagedAttention) and (native := native_layers(model, attention)):
         return decode_forward(model, native, kernels, input_ids, positions, attention, keep)
-    hidden = layer_by_layer(model, kernels, input_ids, positions, attention)
-    return hidden if keep is None else hidden.index_select(0, keep)
+    return layer_by_layer(model, kernels, input_ids, positions, attention, keep)
 
 
 def layer_by_layer(model: FusedModel, kernels: Kernels, input_ids: Tensor, positions: Tensor,
-                   attention: AttentionBackend) -> Tensor:
-    """`fused_forward`, each kernel called from here."""
+                   attention: AttentionBackend, keep: Tensor | None = None) -> Tensor:
+    """`fused_forward`, each kernel called from here; the last layer goes past its
+    attention with the rows `keep` only, padded to the packing's bucket."""
     t = input_ids.shape[0]
     n = model.layers[0].qkv.packing.bucket(t)
     if n != t:
@@ -159,6 +159,13 @@ def layer_by_layer(model: FusedModel, kernels: Kernels, input_ids: Tensor, posit
         if n != t:
             out[t:].zero_()
         attention.attend(layer.index, q, k, v, out=out[:t].transpose(0, 1)[None])
+        if keep is not None and layer is model.layers[-1]:
+            t = keep.shape[0]
+            if t == 0:
+                return x.new_empty(0, x.shape[1])
+            n = layer.o.packing.bucket(t)
+            x, out = _gathered(x, keep, n), _gathered(out, keep, n)
+            normed = torch.empty_like(x)
         o = layer.o.rows(out.view(n, -1))
         kernels.add_rmsnorm(x, o, layer.post_norm.weight, layer.post_norm.eps, normed)
         gate_up = layer.gate_up.rows(normed)
@@ -168,6 +175,13 @@ def layer_by_layer(model: FusedModel, kernels: Kernels, input_ids: Tensor, posit
     hidden = torch.empty_like(x)
     kernels.add_rmsnorm(x, pending, model.norm.weight, model.norm.eps, hidden)
     return hidden[:t]
+
+
+def _gathered(rows: Tensor, keep: Tensor, n: int) -> Tensor:
+    """rows [N, ...] at `keep`, zero rows after them up to n."""
+    out = rows.new_zeros(n, *rows.shape[1:])
+    out[: keep.shape[0]] = rows.index_select(0, keep)
+    return out
 
 
 def native_layers(model: FusedModel, attention: PagedAttention) -> list[LayerWeights] | None:

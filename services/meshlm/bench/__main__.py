@@ -14,6 +14,9 @@ rest: in-process, the whole bench process runs on the engine's CPUs; in the mesh
 process (the load generator), redis, the gateway, tokenizer and detokenizer run on the rest,
 and the scheduler, told MESHLM_ENGINE_CPUS, puts itself (engine and event loop) on the
 engine's CPUs (see pinning.py and scheduler/cpus.py).
+
+The load is load.py's, the in-process path in_process.py, the mesh's clients mesh_clients.py;
+the report's lines come from mesh_report.py.
 """
 
 from __future__ import annotations
@@ -25,24 +28,22 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import click
 import grpc
-import httpx
-import orjson
 import uvloop
-from tqdm import tqdm
 
 from meshlm.bench.gateway_path import own_cpu_us
+from meshlm.bench.in_process import InProcess
+from meshlm.bench.load import Saturation
+from meshlm.bench.mesh_clients import bench_grpc, bench_http, engine_totals
 from meshlm.bench.mesh_report import (
     ENGINE_THREAD_PART,
     LOAD_GENERATOR_PART,
     SERVICES,
-    SPACED_GAP_S,
     Result,
     batching_line,
     cpu_line,
@@ -63,321 +64,15 @@ from meshlm.bench.pinning import (
     set_tree_affinity,
     thread_cpus,
 )
-from meshlm.bench.proc_cpu import cpu_delta, snapshot
-from meshlm.bench.raw_grpc import GrpcConnection
-from meshlm.bench.raw_http import SsePool
-from meshlm.bench.saturated import Arrivals
+from meshlm.bench.proc_cpu import snapshot
 from meshlm.bench.transport_floor import grpc_message_floor_us, http_event_floor_us
-from meshlm.bench.workload import output_lengths
 from meshlm.common.default_model import ensure_default_model
 from meshlm.common.memory import freeze_startup_objects
 from meshlm.launch.mesh import Mesh, MeshOptions
 from meshlm.scheduler.cpus import ENGINE_THREAD
-from sglang.runtime.v1 import sglang_pb2 as pb
 from sglang.runtime.v1 import sglang_pb2_grpc
 
-WORDS = "the river runs past a quiet town where lanterns glow in winter light".split()
-SEED = 20240917
 T = TypeVar("T")
-
-
-def prompt(i: int, length: int) -> str:
-    return " ".join(WORDS[(i + j) % len(WORDS)] for j in range(length))
-
-
-@dataclass(frozen=True)
-class Saturation:
-    """The saturation phase: `requests` (prompt, output tokens) run `concurrency` at a time
-    (the engine's max_running). In-process every request is queued at once, so the running
-    batch refills within the step that frees a slot; in the mesh the client keeps `in_flight`
-    requests going, starting the next when one ends: as many as the slots (the default), each
-    freed slot waits for the client's next request to cross the mesh; more, and the
-    scheduler's own queue refills it, as the in-process engine's does."""
-
-    requests: tuple[tuple[str, int], ...]
-    concurrency: int
-    in_flight: int
-
-    @classmethod
-    def build(cls, n: int, concurrency: int, mean_tokens: int, fixed: bool,
-              in_flight: int = 0) -> Saturation:
-        """`n` requests of 16-word prompts; output lengths exponential with `mean_tokens`
-        (seeded, clipped to [1, 4 x mean]) or, `fixed`, all `mean_tokens`; `in_flight` 0:
-        `concurrency`."""
-        lengths = ([mean_tokens] * n if fixed
-                   else output_lengths(n, mean_tokens, 1, 4 * mean_tokens, seed=SEED))
-        return cls(tuple((prompt(i, 16), k) for i, k in enumerate(lengths)), concurrency,
-                   in_flight or concurrency)
-
-    @property
-    def tokens(self) -> int:
-        return sum(k for _, k in self.requests)
-
-    def describe(self) -> str:
-        kept = ("" if self.in_flight == self.concurrency
-                else f", the mesh's client keeping {self.in_flight} in flight")
-        return (f"{len(self.requests)} requests ({self.tokens} output tokens) at concurrency "
-                f"{self.concurrency}{kept}")
-
-
-async def _limited(concurrency: int, calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
-    """Run `calls` with at most `concurrency` in flight, in order; their results."""
-    slots = asyncio.Semaphore(concurrency)
-
-    async def one(call: Callable[[], Awaitable[T]]) -> T:
-        async with slots:
-            return await call()
-
-    return await asyncio.gather(*(one(c) for c in calls))
-
-
-# -- in-process -------------------------------------------------------------------------------
-
-class InProcess:
-    """The engine in this process, warmed up once; each `round` measures TTFT (back to back
-    and spaced) and the saturation phase again, with fresh rids."""
-
-    def __init__(self, model_path: str, n_warm: int, sat: Saturation, threads: int) -> None:
-        from meshlm.scheduler.engine.engine import Engine, EngineConfig
-        from meshlm.tokenizer.tokenization import TextTokenizer
-
-        self.sat = sat
-        self.tok = TextTokenizer.from_pretrained(model_path)
-        # On a GPU this engine shares the card with the mesh's scheduler, which takes its
-        # default share (0.85) less what this one holds: 0.4 leaves it as much.
-        self.engine = Engine(EngineConfig(model_path=model_path, max_running=sat.concurrency,
-                                          num_threads=threads or None, mem_fraction=0.4))
-        self.rounds = 0
-        for i in range(n_warm):
-            self._add(f"w{i}", self.tok.encode(prompt(i, 16)), 2)
-            while self.engine.has_work():
-                self.engine.step()
-
-    def _add(self, rid: str, ids: list[int], new_tokens: int) -> None:
-        from meshlm.scheduler.engine.engine import SamplingParams
-
-        self.engine.add_request(rid, ids, SamplingParams(
-            temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
-
-    def _first_token(self, rid: str, i: int) -> float:
-        start = time.perf_counter()
-        self._add(rid, self.tok.encode(prompt(i, 16)), 1)
-        seconds = 0.0
-        while self.engine.has_work():
-            if any(o.new_token_ids for o in self.engine.step()):
-                seconds = time.perf_counter() - start
-        return seconds
-
-    def round(self, n_ttft: int) -> Result:
-        r, engine = self.rounds, self.engine
-        self.rounds += 1
-        ttft = [self._first_token(f"t{r}-{i}", i)
-                for i in tqdm(range(n_ttft), desc="engine ttft", leave=False)]
-        spaced = []
-        for i in range(n_ttft):
-            time.sleep(SPACED_GAP_S)  # the workload: the engine idle before the request comes
-            spaced.append(self._first_token(f"g{r}-{i}", i))
-        ids = [self.tok.encode(text) for text, _ in self.sat.requests]
-        totals = engine.stats()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        for i, (p, (_, new_tokens)) in enumerate(zip(ids, self.sat.requests, strict=True)):
-            self._add(f"s{r}-{i}", p, new_tokens)
-        tokens, longest, before = 0, 0.0, time.perf_counter()
-        arrivals = Arrivals()
-        while engine.has_work():
-            outputs = engine.step()
-            after = time.perf_counter()
-            came = 0
-            for o in outputs:
-                n = len(o.new_token_ids)
-                came += n
-                if n and o.completion_tokens == n:
-                    arrivals.first(after)
-            tokens += came
-            arrivals.add(after, came)
-            longest, before = max(longest, after - before), after
-        seconds, cpu, now = (time.perf_counter() - start, time.process_time() - cpu_start,
-                             engine.stats())
-        return Result("in-process", ttft, tokens, seconds, cpu={"engine": cpu},
-                      spaced_ttft=spaced, steps=now["steps_total"] - totals["steps_total"],
-                      longest_gap=longest, forward=now["forward_cpu_seconds_total"]
-                      - totals["forward_cpu_seconds_total"],
-                      saturated=arrivals.window(self.sat.concurrency),
-                      fills=(arrivals.fill_seconds(self.sat.concurrency, start),))
-
-
-# -- mesh over gRPC ---------------------------------------------------------------------------
-
-class Streamed(NamedTuple):
-    """One streamed request as its client saw it: seconds to its first message, its output
-    tokens, the longest wait between two of its messages, and how many messages came."""
-
-    ttft: float
-    tokens: int
-    longest_gap: float
-    messages: int
-
-
-class Gaps:
-    """The longest wait between two consecutive messages of a stream, and their count."""
-
-    def __init__(self) -> None:
-        self.last: float | None = None
-        self.longest = 0.0
-        self.count = 0
-
-    def seen(self) -> float:
-        self.count += 1
-        now = time.perf_counter()
-        if self.last is not None:
-            self.longest = max(self.longest, now - self.last)
-        self.last = now
-        return now
-
-
-class _Watch:
-    """One streamed TextGenerate call as its client sees it, message by message."""
-
-    def __init__(self, arrivals: Arrivals | None) -> None:
-        self.arrivals = arrivals
-        self.start = time.perf_counter()
-        self.first: float | None = None
-        self.tokens = 0
-        self.gaps = Gaps()
-
-    def message(self, msg: pb.TextGenerateResponse) -> bool:
-        """Count one message; whether it is the call's last."""
-        now = self.gaps.seen()
-        if self.first is None:
-            self.first = now - self.start
-            if self.arrivals is not None:
-                self.arrivals.first(now)
-        if self.arrivals is not None:
-            self.arrivals.add(now, len(msg.output_ids))
-        if msg.finished:
-            self.tokens = int(msg.meta_info["completion_tokens"])
-        return msg.finished
-
-    def streamed(self) -> Streamed:
-        return Streamed(self.first or 0.0, self.tokens, self.gaps.longest, self.gaps.count)
-
-
-def _text_generate(text: str, new_tokens: int) -> pb.TextGenerateRequest:
-    return pb.TextGenerateRequest(text=text, stream=True, sampling_params=pb.SamplingParams(
-        temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True))
-
-
-async def _grpc_one(stub: sglang_pb2_grpc.SglangServiceStub, text: str, new_tokens: int,
-                    arrivals: Arrivals | None = None) -> Streamed:
-    watch = _Watch(arrivals)
-    async for msg in stub.TextGenerate(_text_generate(text, new_tokens)):
-        watch.message(msg)
-    return watch.streamed()
-
-
-def engine_totals(stub: sglang_pb2_grpc.SglangServiceStub) -> tuple[int, float]:
-    """Engine steps and their forward passes' CPU seconds so far, every scheduler's (GetLoad's
-    steps_total and forward_cpu_seconds_total)."""
-    loads = orjson.loads(stub.GetLoad(pb.GetLoadRequest(), timeout=10).json_info)
-    return (sum(int(load.get("steps_total", 0)) for load in loads),
-            sum(float(load.get("forward_cpu_seconds_total", 0.0)) for load in loads))
-
-
-async def _drive(name: str, one: Callable[..., Awaitable[Streamed]], n_warm: int, n_ttft: int,
-                 sat: Saturation, measure: Callable[[], dict[str, float]],
-                 totals: Callable[[], tuple[int, float]]) -> Result:
-    """One transport's round: `n_warm` requests, TTFT at concurrency 1, then the saturation
-    phase. `one(text, new_tokens, arrivals=None)` streams one request."""
-    for i in range(n_warm):
-        await one(prompt(i, 16), 2)
-    ttft = [(await one(prompt(i, 16), 1)).ttft
-            for i in tqdm(range(n_ttft), desc=f"{name.split()[-1].lower()} ttft", leave=False)]
-    totals_before, cpu_before, start = totals(), measure(), time.perf_counter()
-    arrivals = Arrivals()
-    results = await _limited(sat.in_flight, [
-        functools.partial(one, text, k, arrivals) for text, k in sat.requests])
-    seconds, cpu = time.perf_counter() - start, cpu_delta(cpu_before, measure())
-    steps, forward = (after - before for after, before in zip(totals(), totals_before,
-                                                               strict=True))
-    return Result(name, ttft, sum(r.tokens for r in results), seconds, cpu, steps=int(steps),
-                  longest_gap=max(r.longest_gap for r in results),
-                  saturated=arrivals.window(sat.concurrency),
-                  messages=sum(r.messages for r in results), forward=forward,
-                  fills=(arrivals.fill_seconds(sat.concurrency, start),))
-
-
-_TEXT_GENERATE = "/sglang.runtime.v1.SglangService/TextGenerate"
-
-
-async def _raw_grpc_one(conn: GrpcConnection, text: str, new_tokens: int,
-                        arrivals: Arrivals | None = None) -> Streamed:
-    """_grpc_one over the lean client: each message is read where it arrives (raw_grpc.py)."""
-    watch = _Watch(arrivals)
-    parse = pb.TextGenerateResponse.FromString
-    await conn.call(_TEXT_GENERATE, _text_generate(text, new_tokens).SerializeToString(),
-                    lambda data: watch.message(parse(data)))
-    return watch.streamed()
-
-
-async def bench_grpc(address: str, n_warm: int, n_ttft: int, sat: Saturation,
-                     measure: Callable[[], dict[str, float]],
-                     totals: Callable[[], tuple[int, float]], client: str = "raw") -> Result:
-    if client == "raw":
-        host, _, port = address.rpartition(":")
-        conn = await GrpcConnection.open(host, int(port))
-        try:
-            one = functools.partial(_raw_grpc_one, conn)
-            return await _drive("mesh gRPC", one, n_warm, n_ttft, sat, measure, totals)
-        finally:
-            conn.close()
-    async with grpc.aio.insecure_channel(address) as channel:
-        one = functools.partial(_grpc_one, sglang_pb2_grpc.SglangServiceStub(channel))
-        return await _drive("mesh gRPC", one, n_warm, n_ttft, sat, measure, totals)
-
-
-# -- mesh over HTTP ---------------------------------------------------------------------------
-
-async def _http_one(pool: SsePool, text: str, new_tokens: int,
-                    arrivals: Arrivals | None = None) -> Streamed:
-    body = orjson.dumps({"text": text, "stream": True, "sampling_params": {
-        "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
-    start = time.perf_counter()
-    first: list[float] = []
-    last = [b""]
-    gaps = Gaps()
-    came = 0  # tokens so far (each event's meta_info counts them all)
-
-    def on_event(event: bytes) -> None:
-        nonlocal came
-        if not event.startswith(b"data: ") or event == b"data: [DONE]":
-            return
-        now = gaps.seen()
-        if not first:
-            first.append(now - start)
-            if arrivals is not None:
-                arrivals.first(now)
-        if arrivals is not None:
-            at = event.rfind(b'"completion_tokens":') + len(b'"completion_tokens":')
-            so_far = int(event[at:event.find(b",", at)])
-            arrivals.add(now, so_far - came)
-            came = so_far
-        last[0] = event
-
-    await pool.stream("/generate", body, on_event)
-    tokens = int(orjson.loads(last[0][6:])["meta_info"]["completion_tokens"]) if last[0] else 0
-    return Streamed(first[0] if first else 0.0, tokens, gaps.longest, gaps.count)
-
-
-async def bench_http(base: str, n_warm: int, n_ttft: int, sat: Saturation,
-                     measure: Callable[[], dict[str, float]],
-                     totals: Callable[[], tuple[int, float]]) -> Result:
-    url = httpx.URL(base)
-    pool = SsePool(url.host, url.port or 80)
-    try:
-        one = functools.partial(_http_one, pool)
-        return await _drive("mesh HTTP", one, n_warm, n_ttft, sat, measure, totals)
-    finally:
-        pool.close()
 
 
 def _env_overrides() -> dict[str, str]:

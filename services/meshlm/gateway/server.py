@@ -93,7 +93,7 @@ class GatewayConfig(ServiceConfig):
                                             "request message; past it grpc answers "
                                             "RESOURCE_EXHAUSTED (0 = 64 MiB, what the "
                                             "internal ports take)")
-    grpc_accept_ahead: int = cfg.field(8, "public gRPC calls of each method the gateway asks "
+    grpc_accept_ahead: int = cfg.field(64, "public gRPC calls of each method the gateway asks "
                                           "grpc for ahead of their arrival, so that a busy "
                                           "gateway starts new calls without waiting on its "
                                           "event loop one at a time; 0 = grpc's own (one)")

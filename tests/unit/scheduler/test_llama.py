@@ -25,7 +25,12 @@ from meshlm.scheduler.kernels.native import Kernels
 from meshlm.scheduler.models import llama_fused
 from meshlm.scheduler.models.config import ModelConfig
 from meshlm.scheduler.models.cpu_linear import NativePacking, pack_linears
-from meshlm.scheduler.models.llama import LlamaForCausalLM, rope_inv_freq
+from meshlm.scheduler.models.llama import (
+    LlamaForCausalLM,
+    RotaryEmbedding,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from meshlm.scheduler.models.loader import load_model, resolve_dtype
 
 
@@ -119,6 +124,32 @@ def test_llama3_rope_scaling_is_identity_at_factor_one() -> None:
     assert inv[0] == rope_inv_freq(plain, cpu)[0]  # high frequencies untouched
     assert inv[-1] < rope_inv_freq(plain, cpu)[-1]  # low frequencies stretched
 
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_rope_from_its_table_equals_rope_computed_per_call(head_dim: int) -> None:
+    config = ModelConfig.from_dict({"hidden_size": 4 * head_dim, "intermediate_size": 8,
+                                    "num_hidden_layers": 1, "num_attention_heads": 4,
+                                    "vocab_size": 8})
+    rotary = RotaryEmbedding(config)
+    inv = rope_inv_freq(config, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    # 1-D and 2-D positions, the later ones past the table's first rows (it grows)
+    for high in (10, 200, 3000, 9000):
+        for shape in ((1,), (37,), (2, 19)):
+            positions = torch.randint(0, high, shape, generator=generator)
+            cos, sin = rotary(positions, torch.float32)
+            want_cos, want_sin = rope_cos_sin(positions.float(), inv)
+            # [T] -> [T, 1, D], [B, T] -> [B, 1, T, D], as the per-call computation's
+            want = (shape[0], 1, *shape[1:], head_dim)
+            assert cos.shape == sin.shape == want
+            assert torch.equal(cos.reshape(want_cos.shape), want_cos)
+            assert torch.equal(sin.reshape(want_sin.shape), want_sin)
+    assert rotary._table is not None and rotary._table[0].shape[0] == 16384
+    half_cos, _ = rotary(torch.tensor([5, 7]), torch.bfloat16)  # another dtype: a new table
+    assert half_cos.dtype == torch.bfloat16
+    assert torch.equal(half_cos.view(2, -1), rope_cos_sin(torch.tensor([5.0, 7.0]), inv)[0]
+                       .to(torch.bfloat16))
 
 def _packed_step(model: LlamaForCausalLM, cache: KVCache, windows: list[int | None],
                  items: list[tuple[list[int], list[int], int, int]],

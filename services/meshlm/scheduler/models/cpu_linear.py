@@ -184,6 +184,15 @@ def native_packing(kernels: Kernels | None, device: torch.device, dtype: torch.d
         else None
 
 
+_repacks = 0  # PackedLinear.repack calls in this process
+
+
+def repacks() -> int:
+    """How many times any `PackedLinear` was packed so far: what was read of their packed
+    arrays (addresses) holds while this stays the same."""
+    return _repacks
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W packed once by `packing` (the same result as nn.Linear's)."""
 
@@ -199,6 +208,8 @@ class PackedLinear(nn.Module):
     def repack(self, weight: Tensor) -> None:
         """Serve `weight` ([out_features, in_features], any float dtype: converted to the
         packed one) from now on: packed anew, the old packing dropped."""
+        global _repacks
+        _repacks += 1
         with torch.no_grad():
             self.packed = self.packing.pack(
                 weight.detach().to(self.packed.dtype).contiguous())

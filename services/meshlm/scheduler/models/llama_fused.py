@@ -34,7 +34,8 @@ float32 (`fuse`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ from meshlm.scheduler.kernels.native import (
     LayerWeights,
     chunk_attention_fits,
 )
-from meshlm.scheduler.models.cpu_linear import PackedLinear
+from meshlm.scheduler.models.cpu_linear import PackedLinear, repacks
 from meshlm.scheduler.models.llama import (
     AttentionBackend,
     LlamaDecoderLayer,
@@ -87,6 +88,16 @@ class FusedLayer:
     down: PackedLinear
 
 
+class LayerArray:
+    """The layers as decode_layers.c reads them (`native_layers`), built once and again only
+    after a weight reload repacked a projection into a new array: about 60 µs of every step
+    of the tiny model, 85-130 of the bench model's, when they were built for each."""
+
+    def __init__(self) -> None:
+        self.array: ctypes.Array[LayerWeights] | None = None
+        self.repacks = -1  # `repacks()` when the array was built
+
+
 @dataclass(frozen=True)
 class FusedModel:
     embed: nn.Embedding
@@ -96,6 +107,7 @@ class FusedModel:
     # Every projection packed by meshlm's own packing, in one weight type: decode_layers.c
     # calls the matmul kernel itself (`decode_forward`).
     one_call: bool
+    native: LayerArray = field(default_factory=LayerArray)
 
 
 def fuse(model: LlamaForCausalLM) -> FusedModel | None:
@@ -129,7 +141,8 @@ def fused_forward(model: FusedModel, kernels: Kernels, input_ids: Tensor, positi
     """input_ids and positions [T] (one packed step) -> final hidden states [T, H], or of
     the packed rows `keep` only ([K, H], in its order): a step over meshlm's packing in one
     call into the kernels (`decode_forward`), any other layer by layer from here."""
-    if isinstance(attention, PagedAttention) and (native := native_layers(model, attention)):
+    if isinstance(attention, PagedAttention) and (
+            native := native_layers(model, attention)) is not None:
         return decode_forward(model, native, kernels, input_ids, positions, attention, keep)
     return layer_by_layer(model, kernels, input_ids, positions, attention, keep)
 
@@ -184,29 +197,34 @@ def _gathered(rows: Tensor, keep: Tensor, n: int) -> Tensor:
     return out
 
 
-def native_layers(model: FusedModel, attention: PagedAttention) -> list[LayerWeights] | None:
+def native_layers(model: FusedModel, attention: PagedAttention
+                  ) -> ctypes.Array[LayerWeights] | None:
     """The layers as `decode_forward` passes them to the C kernels, for a step that it
     serves: its decodes in one group (read in place by the decode kernel), its prompt chunks
-    short enough for that kernel too (CHUNK_PAIRS), the model `one_call`; else None. Built
-    for each such step: a weight reload repacks the projections into new arrays."""
+    short enough for that kernel too (CHUNK_PAIRS), the model `one_call`; else None. Kept
+    until a weight reload repacks a projection into a new array (`LayerArray`)."""
     meta = attention.meta
     if (not model.one_call or attention.kernels is None or len(meta.decodes) > 1
             or (not _chunk_kernel_serves(model, attention)
                 and any((c.q_end - c.q_start) * (c.start + c.q_end - c.q_start) > CHUNK_PAIRS
                         for c in meta.chunks))):
         return None
-    layers = []
-    for layer in model.layers:
-        linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-        biases = [None if lin.bias is None else lin.bias.data_ptr() for lin in linears]
-        layers.append(LayerWeights(
-            *(lin.packed.data_ptr() for lin in linears), *biases,
-            layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(), None,
-            layer.input_norm.eps, layer.post_norm.eps))
-    return layers
+    cache = model.native
+    if cache.array is None or cache.repacks != repacks():
+        cache.repacks = repacks()
+        layers = []
+        for layer in model.layers:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            biases = [None if lin.bias is None else lin.bias.data_ptr() for lin in linears]
+            layers.append(LayerWeights(
+                *(lin.packed.data_ptr() for lin in linears), *biases,
+                layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr(), None,
+                layer.input_norm.eps, layer.post_norm.eps))
+        cache.array = (LayerWeights * len(layers))(*layers)
+    return cache.array
 
 
-def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kernels,
+def decode_forward(model: FusedModel, layers: ctypes.Array[LayerWeights], kernels: Kernels,
                    input_ids: Tensor, positions: Tensor, attention: PagedAttention,
                    keep: Tensor | None = None) -> Tensor:
     """`fused_forward` for a step that `native_layers` serves, all of its layers in one call
@@ -222,9 +240,9 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
     first = model.layers[0]
     hq, hkv, d = first.heads, first.kv_heads, first.head_dim
     hidden, inter = first.qkv.in_features, first.gate_up.out_features // 2
-    x = model.embed(input_ids)  # [T, H]: the residual stream, updated in place
+    x = F.embedding(input_ids, model.embed.weight)  # [T, H]: the residual stream, in place
     cos, sin = model.rotary(positions, x.dtype)
-    cos, sin = cos.reshape(t, -1).contiguous(), sin.reshape(t, -1).contiguous()
+    cos, sin = cos.view(t, -1), sin.view(t, -1)
     k_cache, v_cache = attention.cache.k, attention.cache.v  # [L, Hkv, NB, bs, D]
     _, _, num_blocks, block_size, _ = k_cache.shape
     chunked = bool(attention.meta.chunks) and _chunk_kernel_serves(model, attention)
@@ -268,8 +286,7 @@ def decode_forward(model: FusedModel, layers: list[LayerWeights], kernels: Kerne
         out = torch.empty(num_kept, hidden)
     else:
         out = torch.empty_like(x)
-    kernels.decode_layers(step, (LayerWeights * len(layers))(*layers), x,
-                          model.norm.weight, model.norm.eps, out)
+    kernels.decode_layers(step, layers, x, model.norm.weight, model.norm.eps, out)
     if keep is not None and not kept:
         return out.index_select(0, keep)
     return out

@@ -289,6 +289,11 @@ def test_a_step_in_one_call_equals_the_layer_by_layer_forward(
         by_layer = llama_fused.layer_by_layer(fused, kernel, ids, pos, attention)
         in_one_call = llama_fused.fused_forward(fused, kernel, ids, pos, attention)
         assert torch.equal(in_one_call, by_layer), f"step {step}"
+    if window is not None:  # the same layers without the window attend from position 0
+        ids, pos, attention = _paged(cache, [None] * cfg.num_layers, kernel, items)
+        by_layer = llama_fused.layer_by_layer(fused, kernel, ids, pos, attention)
+        assert torch.equal(llama_fused.fused_forward(fused, kernel, ids, pos, attention),
+                           by_layer)
     if weights == torch.float32 and kv == torch.float32 and window is None:
         logits = model.compute_logits(in_one_call)
         for row, tokens in enumerate(seqs):

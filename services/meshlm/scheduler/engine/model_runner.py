@@ -72,11 +72,13 @@ class ModelRunner:
         # Rows whose logits are needed: the last token of each item that draws one, then of
         # each prefill-only item that wants logprobs there, then prompt positions whose next
         # token's logprob is asked for. Where every item only draws its next token they are
-        # known now, and the forward returns only theirs (its last layer computes no others).
+        # known now, and the forward returns only theirs (its last layer computes no others);
+        # in a step of decodes alone that is every row, in order, as the whole forward gives.
         plain = not any(_asks_more(item.seq) for item in items)
         drawing = [i for i, item in enumerate(items) if item.sample] if plain else []
+        every = plain and len(drawing) == input_ids.shape[0]
         keep = long_tensor([offsets[i] + items[i].num_tokens - 1 for i in drawing],
-                           self.device) if plain else None
+                           self.device) if plain and not every else None
         if self.fused is not None:
             assert self.kernels is not None
             hidden = llama_fused.fused_forward(self.fused, self.kernels, input_ids, positions,
@@ -98,7 +100,7 @@ class ModelRunner:
         last_rows = [offsets[i] + items[i].num_tokens - 1 for i in drawing + peeking]
         if not last_rows and not prompt_rows:
             return results
-        if keep is None:
+        if keep is None and not every:
             hidden = hidden.index_select(0, long_tensor(last_rows + prompt_rows, self.device))
         logits = self.model.compute_logits(hidden)
         if prompt_rows:

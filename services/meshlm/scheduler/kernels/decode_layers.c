@@ -17,11 +17,12 @@
  * Layouts: x, the residual stream, [rows, hidden] (updated in place); the projections packed
  * by `NativePacking` (float32 or bfloat16, `weight_kind` 0 or 1); the caches as
  * decode_attention.c reads them, layer l's at k_cache + l * layer_elements (of `kv_kind`,
- * store_kv's kinds); cos and signed_sin [rows, head_dim]; slots [rows], the cache slot of
- * each row's token; tables [rows, table_width] the block tables, in the order of the packed
- * rows `attention_rows` [rows] (build_attention_meta's one decode group), and first and last
- * [rows] in that order too, first per layer (a sliding window's differs). `work` holds the
- * activations: rows * (hidden + qkv + heads * head_dim + hidden + 2 * inter + inter) floats.
+ * store_kv's kinds); cos and signed_sin [rows, head_dim], or the rows `positions` of such
+ * tables; slots [rows], the cache slot of each row's token; tables [rows, table_width] the
+ * block tables, in the order of the packed rows `attention_rows` [rows] (build_attention_meta's
+ * one decode group), and first and last [rows] in that order too, first per layer (a sliding
+ * window's differs; NULL: 0 for every row). `work` holds the activations: rows * (2 + 2 *
+ * head_dim + hidden + qkv + heads * head_dim + hidden + 2 * inter + inter) floats.
  * Built with the other kernels by kernels/native.py. */
 #include <stddef.h>
 #include <stdint.h>
@@ -66,7 +67,8 @@ void meshlm_chunk_attention(
 enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };  /* as layer_ops.c's */
 
 /* One layer's weights: the four packed projections with their biases (NULL: none), the two
- * norms' weights and epsilons, and where its attention starts per row (`first`). */
+ * norms' weights and epsilons, and where its attention starts per row (`first`; NULL, as
+ * for a layer without a sliding window: at position 0). */
 struct meshlm_layer {
     const void *qkv, *o, *gate_up, *down;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
@@ -103,6 +105,16 @@ struct meshlm_decode_step {
      * head_dim) floats more. */
     const int64_t *kept, *kept_tables, *kept_first, *kept_last, *kept_order;
     int64_t num_kept;
+    /* The layers' input, where `ids` is not NULL: the rows ids [rows] of `embed` [vocab,
+     * hidden] copied into x (an id outside the table reads as zeros: admission refuses
+     * them before, `Sequence.problem`). Else x holds it already. */
+    const int64_t *ids;
+    const float *embed;
+    int64_t vocab;
+    /* NULL: cos and signed_sin hold a row per packed row. Else they are tables with a row
+     * per position (P rows, the caller's, past every one of `positions`), and row r's are
+     * those of positions[r]. */
+    const int64_t *positions;
 };
 
 static void linear(const struct meshlm_decode_step *s, int64_t rows, const float *x, int64_t in,
@@ -161,7 +173,9 @@ void meshlm_decode_layers(const struct meshlm_decode_step *s, const struct meshl
     const int64_t n = s->rows, h = s->hidden, d = s->head_dim;
     const int64_t qkv_width = (s->heads + 2 * s->kv_heads) * d, attn_width = s->heads * d;
     const int64_t kv_element = s->kv_kind == KV_F32 ? 4 : 2;
-    float *normed = s->work;
+    int64_t *zeros = (int64_t *)s->work;  /* `first` of the layers that leave it NULL */
+    float *cos = s->work + 2 * n, *signed_sin = cos + n * d;
+    float *normed = signed_sin + n * d;
     float *qkv = normed + n * h;
     float *attn = qkv + n * qkv_width;
     float *pending = attn + n * attn_width;  /* o's output, then down's (the MLP's) */
@@ -169,13 +183,33 @@ void meshlm_decode_layers(const struct meshlm_decode_step *s, const struct meshl
     float *act = gate_up + n * 2 * s->inter;
     const float *add = NULL;  /* the last layer's MLP output, not yet added to x */
     int64_t m = n;  /* rows past the attention: n, or the kept ones in the last layer */
+    memset(zeros, 0, (size_t)n * sizeof *zeros);
+    if (s->positions == NULL) {
+        cos = (float *)s->cos;
+        signed_sin = (float *)s->signed_sin;
+    }
+#pragma omp parallel for num_threads(threads) if (n * h >= (1 << 18))
+    for (int64_t r = 0; r < n; r++) {
+        if (s->ids != NULL) {
+            const int64_t id = s->ids[r];
+            if (id >= 0 && id < s->vocab)
+                memcpy(x + r * h, s->embed + id * h, (size_t)h * sizeof *x);
+            else
+                memset(x + r * h, 0, (size_t)h * sizeof *x);
+        }
+        if (s->positions != NULL) {
+            memcpy(cos + r * d, s->cos + s->positions[r] * d, (size_t)d * sizeof *cos);
+            memcpy(signed_sin + r * d, s->signed_sin + s->positions[r] * d,
+                   (size_t)d * sizeof *cos);
+        }
+    }
     for (int64_t l = 0; l < num_layers; l++) {
         const struct meshlm_layer *w = &layers[l];
         char *kc = (char *)s->k_cache + l * s->layer_elements * kv_element;
         char *vc = (char *)s->v_cache + l * s->layer_elements * kv_element;
         meshlm_add_rmsnorm_f32(x, add, w->input_norm, normed, n, h, w->input_eps, threads);
         linear(s, n, normed, h, w->qkv, w->qkv_bias, qkv, qkv_width, threads);
-        meshlm_rope_f32(qkv, n, qkv_width, s->heads + s->kv_heads, d, s->cos, s->signed_sin,
+        meshlm_rope_f32(qkv, n, qkv_width, s->heads + s->kv_heads, d, cos, signed_sin,
                         threads);
         const float *k = qkv + s->heads * d, *v = k + s->kv_heads * d;
         meshlm_store_kv(k, qkv_width, d, v, qkv_width, d, n, s->kv_heads, d, s->slots, kc, vc,
@@ -195,7 +229,8 @@ void meshlm_decode_layers(const struct meshlm_decode_step *s, const struct meshl
             attend_rows(s, qk, attn_width, attn, m, s->kept_order, s->kept_tables,
                         s->kept_first, s->kept_last, kc, vc, threads);
         } else {
-            attend(s, qkv, qkv_width, attn, w->first, kc, vc, threads);
+            attend(s, qkv, qkv_width, attn, w->first != NULL ? w->first : zeros, kc, vc,
+                   threads);
         }
         linear(s, m, attn, attn_width, w->o, w->o_bias, pending, h, threads);
         meshlm_add_rmsnorm_f32(x, pending, w->post_norm, normed, m, h, w->post_eps, threads);

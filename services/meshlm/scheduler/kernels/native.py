@@ -122,7 +122,8 @@ class DecodeStep(ctypes.Structure):
                 ("chunk_scratch", _P),
                 *((name, _P) for name in ("kept", "kept_tables", "kept_first", "kept_last",
                                           "kept_order")),
-                ("num_kept", _I)]
+                ("num_kept", _I), ("ids", _P), ("embed", _P), ("vocab", _I),
+                ("positions", _P)]
 
 
 class BuildError(RuntimeError):

@@ -142,6 +142,15 @@ class RotaryEmbedding(nn.Module):
         return (cos.index_select(0, flat).view(shape).unsqueeze(1),
                 sin.index_select(0, flat).view(shape).unsqueeze(1))
 
+    def table(self, needed: int, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+        """The CPU table that `forward` looks positions up in: cos and signed sin [P, D] of
+        `dtype`, P >= needed; None for "dynamic" scaling, computed per call."""
+        if self.dynamic:
+            return None
+        if self._inv_freq is None or self._inv_freq.device.type != "cpu":
+            self._inv_freq = rope_inv_freq(self.config, torch.device("cpu"))
+        return self._rows(needed, dtype)
+
     def _rows(self, needed: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The CPU table, of `dtype`, with at least `needed` rows."""
         assert self._inv_freq is not None

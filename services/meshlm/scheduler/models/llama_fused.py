@@ -235,32 +235,43 @@ def decode_forward(model: FusedModel, layers: ctypes.Array[LayerWeights], kernel
     Where `keep` leaves rows out (the tokens of prompt chunks before their last: the step
     samples none of them), the last layer computes their keys and values only, and its
     attention, o projection and MLP for the kept rows (`_kept_rows`): of the bench model's
-    8 layers that is a ninth of a prompt token's work."""
+    8 layers that is a ninth of a prompt token's work.
+
+    The kernel also reads the step's rows of the embeddings and of RoPE's table itself (a
+    1-row decode of the tiny model spent 60 µs in the two torch lookups)."""
     t = input_ids.shape[0]
     first = model.layers[0]
     hq, hkv, d = first.heads, first.kv_heads, first.head_dim
     hidden, inter = first.qkv.in_features, first.gate_up.out_features // 2
-    x = F.embedding(input_ids, model.embed.weight)  # [T, H]: the residual stream, in place
-    cos, sin = model.rotary(positions, x.dtype)
-    cos, sin = cos.view(t, -1), sin.view(t, -1)
     k_cache, v_cache = attention.cache.k, attention.cache.v  # [L, Hkv, NB, bs, D]
     _, _, num_blocks, block_size, _ = k_cache.shape
     chunked = bool(attention.meta.chunks) and _chunk_kernel_serves(model, attention)
     rows, tables, last, chunks = _attention_rows(attention.meta, t, chunked)
-    starts: dict[int | None, Tensor] = {}  # first position attended, per sliding window
+    # The kernel copies the rows of the embeddings and of RoPE's table that the step reads
+    # (the table's positions run past every row's: each is below the end of its block table).
+    x = torch.empty(t, hidden)  # the residual stream, updated in place
+    table = model.rotary.table(tables.shape[1] * block_size, x.dtype)
+    if table is None:  # cos and sin computed per call (dynamic scaling), a row per token
+        cos, sin = model.rotary(positions, x.dtype)
+        cos, sin = cos.view(t, -1), sin.view(t, -1)
+    else:
+        cos, sin = table
+    starts: dict[int, Tensor] = {}  # first position attended, per sliding window
     for layer, weights in zip(model.layers, layers, strict=True):
         window = attention.windows[layer.index]
+        if window is None:  # from position 0
+            weights.first = None
+            continue
         start = starts.get(window)
         if start is None:
-            start = starts[window] = ((last - window).clamp_(min=0) if window is not None
-                                      else torch.zeros_like(last))
+            start = starts[window] = (last - window).clamp_(min=0)
         weights.first = start.data_ptr()
     threads = torch.get_num_threads()
     scratch = torch.empty(kernels.scratch_size(hq, hkv, tables.shape[1] * block_size))
     qkv_width = (hq + 2 * hkv) * d
     num_kept = t if keep is None else keep.shape[0]
     kept = 0 < num_kept < t  # (none kept: every row computed, none returned)
-    work = torch.empty(t * (2 * hidden + qkv_width + hq * d + 3 * inter)
+    work = torch.empty(t * (2 + 2 * d + 2 * hidden + qkv_width + hq * d + 3 * inter)
                        + (num_kept * (hidden + 2 * hq * d) if kept else 0))
     step = DecodeStep(
         t, hidden, hq, hkv, d, inter, int(first.qkv.packed.dtype == torch.bfloat16),
@@ -269,6 +280,10 @@ def decode_forward(model: FusedModel, layers: ctypes.Array[LayerWeights], kernel
         last.data_ptr(), tables.shape[1], k_cache.data_ptr(), v_cache.data_ptr(),
         k_cache.stride(0), num_blocks, block_size, d**-0.5, scratch.data_ptr(),
         scratch.numel() // threads, work.data_ptr())
+    step.ids, step.embed = input_ids.data_ptr(), model.embed.weight.data_ptr()
+    step.vocab = model.embed.weight.shape[0]
+    if table is not None:
+        step.positions = positions.data_ptr()
     if chunks is not None:
         chunk_scratch = torch.empty(kernels.chunk_scratch_size(
             hkv, d, [c.start + c.q_end - c.q_start for c in attention.meta.chunks],

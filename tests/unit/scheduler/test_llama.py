@@ -412,6 +412,45 @@ def test_the_one_call_forward_computes_the_last_layer_for_the_kept_rows_only(
             assert torch.equal(got, whole.index_select(0, every))
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_the_one_call_forward_multiplies_by_the_lm_head_as_compute_logits_does(
+        tmp_path: Path, weights: torch.dtype) -> None:
+    """`fused_logits`: the LM head in the same call into the kernels gives the logits that
+    `compute_logits` gives of the forward's hidden states, to the bit (the same matmul on the
+    same rows), for every row and for the kept ones, over float32 and bfloat16 weights. A
+    head tied to the embeddings is not packed: then, as over oneDNN's packing or where the
+    step cannot go in one call, it computes nothing and says so (None)."""
+    kernel = native.load()
+    assert not isinstance(kernel, native.BuildError), kernel
+    model, cfg = load_model(write_checkpoint(tmp_path / "m", hidden=256, heads=4, kv_heads=2))
+    pack_linears(model, NativePacking(kernel, weights))
+    fused = llama_fused.fuse(model)
+    assert fused is not None and fused.head is model.lm_head
+    windows: list[int | None] = [None] * cfg.num_layers
+    steps, keeps = _kept_steps(5)
+    caches = [KVCache(cfg.num_layers, 24, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32,
+                      "cpu") for _ in range(2)]
+    for items, rows in zip(steps, keeps, strict=True):
+        for keep in (torch.tensor(rows), None):
+            ids, pos, attention = _paged(caches[0], windows, kernel, items)
+            logits = llama_fused.fused_logits(fused, kernel, ids, pos, attention, keep)
+            ids, pos, attention = _paged(caches[1], windows, kernel, items)
+            hidden = llama_fused.fused_forward(fused, kernel, ids, pos, attention, keep)
+            assert logits is not None and logits.dtype == torch.float32
+            assert torch.equal(logits, model.compute_logits(hidden))
+    ids, pos, attention = _paged(caches[0], windows, kernel, steps[-1])
+    by_layer = PagedAttention(caches[0], attention.meta, windows, None)  # not in one call
+    assert llama_fused.fused_logits(fused, kernel, ids, pos, by_layer) is None
+    for tied, packing in ((True, NativePacking(kernel, torch.float32)), (False, None)):
+        other, _ = load_model(write_checkpoint(tmp_path / f"{tied}", hidden=256, heads=4,
+                                               kv_heads=2, tied=tied))
+        pack_linears(other, packing)
+        fused = llama_fused.fuse(other)
+        assert fused is not None and fused.head is None
+        assert llama_fused.fused_logits(fused, kernel, ids, pos, attention) is None
+
+
 @pytest.mark.parametrize("path", ["torch", "onednn", "native"])
 @torch.inference_mode()
 def test_the_other_forwards_compute_the_last_layer_for_the_kept_rows_only(

@@ -79,10 +79,15 @@ class ModelRunner:
         every = plain and len(drawing) == input_ids.shape[0]
         keep = long_tensor([offsets[i] + items[i].num_tokens - 1 for i in drawing],
                            self.device) if plain and not every else None
+        logits: Tensor | None = None
         if self.fused is not None:
             assert self.kernels is not None
-            hidden = llama_fused.fused_forward(self.fused, self.kernels, input_ids, positions,
-                                               attention, keep)
+            if plain and drawing:  # only the drawn rows' logits: the head in the same call
+                logits = llama_fused.fused_logits(self.fused, self.kernels, input_ids,
+                                                  positions, attention, keep)
+            if logits is None:
+                hidden = llama_fused.fused_forward(self.fused, self.kernels, input_ids,
+                                                   positions, attention, keep)
         else:
             hidden = self.model(input_ids[None], positions[None], attention, keep)[0]
         results = [ItemResult() for _ in items]
@@ -100,9 +105,11 @@ class ModelRunner:
         last_rows = [offsets[i] + items[i].num_tokens - 1 for i in drawing + peeking]
         if not last_rows and not prompt_rows:
             return results
-        if keep is None and not every:
-            hidden = hidden.index_select(0, long_tensor(last_rows + prompt_rows, self.device))
-        logits = self.model.compute_logits(hidden)
+        if logits is None:
+            if keep is None and not every:
+                hidden = hidden.index_select(0, long_tensor(last_rows + prompt_rows,
+                                                            self.device))
+            logits = self.model.compute_logits(hidden)
         if prompt_rows:
             self._prompt_logprobs(items, logits[len(last_rows):], prompt_targets, results)
         if drawing:

@@ -5,7 +5,8 @@
  *     add + RMSNorm -> qkv matmul -> RoPE in place -> KV write -> decode attention
  *     -> o matmul -> add + RMSNorm -> gate_up matmul -> SiLU * up -> down matmul
  *
- * and the final add + RMSNorm. The same calls on the same arrays, so the same results to the
+ * and the final add + RMSNorm, then, where the step asks (`head`), the LM head's matmul. The
+ * same calls on the same arrays, so the same results to the
  * bit. Where the step keeps only some rows (`kept`: those it samples), the last layer goes
  * past the KV write for those rows only. What it saves is Python's share of a step: about
  * ten ctypes calls and a dozen torch ops a layer, each several microseconds (measured on the
@@ -115,15 +116,30 @@ struct meshlm_decode_step {
      * per position (P rows, the caller's, past every one of `positions`), and row r's are
      * those of positions[r]. */
     const int64_t *positions;
+    /* Where not NULL: the LM head, packed as the projections are (its own `head_kind`, bias
+     * `head_bias` or NULL), multiplies the final hidden states into logits [rows out,
+     * head_out] (rows out: num_kept, or rows): the step's one more matmul without a return
+     * to Python between. */
+    const void *head;
+    const float *head_bias;
+    float *logits;
+    int64_t head_out;
+    int head_kind;
 };
+
+static void linear_of(int kind, int64_t rows, const float *x, int64_t in, const void *packed,
+                      const float *bias, float *y, int64_t out, int threads)
+{
+    if (kind == 0)
+        meshlm_linear_f32(x, in, rows, in, packed, bias, y, out, threads);
+    else
+        meshlm_linear_bf16(x, in, rows, in, packed, bias, y, out, threads);
+}
 
 static void linear(const struct meshlm_decode_step *s, int64_t rows, const float *x, int64_t in,
                    const void *packed, const float *bias, float *y, int64_t out, int threads)
 {
-    if (s->weight_kind == 0)
-        meshlm_linear_f32(x, in, rows, in, packed, bias, y, out, threads);
-    else
-        meshlm_linear_bf16(x, in, rows, in, packed, bias, y, out, threads);
+    linear_of(s->weight_kind, rows, x, in, packed, bias, y, out, threads);
 }
 
 /* The decode kernel over `rows` rows: q's at packed rows `order`, each attending from
@@ -165,7 +181,8 @@ static void attend(const struct meshlm_decode_step *s, const float *q, int64_t q
                 s->attention_rows, s->tables, first, s->last, kc, vc, threads);
 }
 
-/* x [rows, hidden] through `num_layers` layers, then the final norm into `hidden_out`. */
+/* x [rows, hidden] through `num_layers` layers, then the final norm into `hidden_out` (and
+ * the LM head into `s->logits`, where `s->head` is set). */
 void meshlm_decode_layers(const struct meshlm_decode_step *s, const struct meshlm_layer *layers,
                           int64_t num_layers, float *x, const float *final_norm,
                           float final_eps, float *hidden_out, int threads)
@@ -240,4 +257,7 @@ void meshlm_decode_layers(const struct meshlm_decode_step *s, const struct meshl
         add = pending;
     }
     meshlm_add_rmsnorm_f32(x, add, final_norm, hidden_out, m, h, final_eps, threads);
+    if (s->head != NULL)
+        linear_of(s->head_kind, m, hidden_out, h, s->head, s->head_bias, s->logits, s->head_out,
+                  threads);
 }

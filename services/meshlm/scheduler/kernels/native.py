@@ -123,7 +123,8 @@ class DecodeStep(ctypes.Structure):
                 *((name, _P) for name in ("kept", "kept_tables", "kept_first", "kept_last",
                                           "kept_order")),
                 ("num_kept", _I), ("ids", _P), ("embed", _P), ("vocab", _I),
-                ("positions", _P)]
+                ("positions", _P), ("head", _P), ("head_bias", _P), ("logits", _P),
+                ("head_out", _I), ("head_kind", _INT)]
 
 
 class BuildError(RuntimeError):

@@ -107,6 +107,9 @@ class FusedModel:
     # Every projection packed by meshlm's own packing, in one weight type: decode_layers.c
     # calls the matmul kernel itself (`decode_forward`).
     one_call: bool
+    # The LM head where it is in meshlm's packing too: `fused_logits` multiplies by it in the
+    # same call into the kernels (None: the caller's `compute_logits` does).
+    head: PackedLinear | None = None
     native: LayerArray = field(default_factory=LayerArray)
 
 
@@ -133,7 +136,11 @@ def fuse(model: LlamaForCausalLM) -> FusedModel | None:
     linears = [lin for f in layers for lin in (f.qkv, f.o, f.gate_up, f.down)]
     one_call = all(lin.packing.name == "native" and lin.packed.dtype == linears[0].packed.dtype
                    for lin in linears)
-    return FusedModel(inner.embed_tokens, inner.rotary_emb, layers, inner.norm, one_call)
+    head = model.lm_head
+    native_head = (head if isinstance(head, PackedLinear) and head.packing.name == "native"
+                   and type(model).compute_logits is LlamaForCausalLM.compute_logits else None)
+    return FusedModel(inner.embed_tokens, inner.rotary_emb, layers, inner.norm, one_call,
+                      native_head)
 
 
 def fused_forward(model: FusedModel, kernels: Kernels, input_ids: Tensor, positions: Tensor,
@@ -145,6 +152,21 @@ def fused_forward(model: FusedModel, kernels: Kernels, input_ids: Tensor, positi
             native := native_layers(model, attention)) is not None:
         return decode_forward(model, native, kernels, input_ids, positions, attention, keep)
     return layer_by_layer(model, kernels, input_ids, positions, attention, keep)
+
+
+def fused_logits(model: FusedModel, kernels: Kernels, input_ids: Tensor, positions: Tensor,
+                 attention: AttentionBackend, keep: Tensor | None = None) -> Tensor | None:
+    """The float32 logits of `fused_forward`'s rows, the LM head multiplied in the same call
+    into the kernels (`decode_forward`): where that call serves the step and the head is in
+    meshlm's packing; else None, and nothing computed. One ctypes call and its tensors fewer a
+    step: 170 µs of a 1-row step of the tiny model (850) went to `compute_logits`."""
+    if model.head is None or not isinstance(attention, PagedAttention):
+        return None
+    native = native_layers(model, attention)
+    if native is None:
+        return None
+    return decode_forward(model, native, kernels, input_ids, positions, attention, keep,
+                          head=model.head)
 
 
 def layer_by_layer(model: FusedModel, kernels: Kernels, input_ids: Tensor, positions: Tensor,
@@ -226,7 +248,7 @@ def native_layers(model: FusedModel, attention: PagedAttention
 
 def decode_forward(model: FusedModel, layers: ctypes.Array[LayerWeights], kernels: Kernels,
                    input_ids: Tensor, positions: Tensor, attention: PagedAttention,
-                   keep: Tensor | None = None) -> Tensor:
+                   keep: Tensor | None = None, head: PackedLinear | None = None) -> Tensor:
     """`fused_forward` for a step that `native_layers` serves, all of its layers in one call
     into the C kernels (kernels/decode_layers.c: the same kernels in the same order, without
     Python between them; a prompt chunk's attention through the chunk kernel, or the decode
@@ -236,6 +258,9 @@ def decode_forward(model: FusedModel, layers: ctypes.Array[LayerWeights], kernel
     samples none of them), the last layer computes their keys and values only, and its
     attention, o projection and MLP for the kept rows (`_kept_rows`): of the bench model's
     8 layers that is a ninth of a prompt token's work.
+
+    With `head` (the LM head, in meshlm's packing) the same call multiplies the final hidden
+    states by it and the logits [T or K, V] (float32) come back instead.
 
     The kernel also reads the step's rows of the embeddings and of RoPE's table itself (a
     1-row decode of the tiny model spent 60 µs in the two torch lookups)."""
@@ -301,10 +326,18 @@ def decode_forward(model: FusedModel, layers: ctypes.Array[LayerWeights], kernel
         out = torch.empty(num_kept, hidden)
     else:
         out = torch.empty_like(x)
+    result = out
+    if head is not None:
+        result = torch.empty(out.shape[0], head.out_features)
+        step.head, step.logits, step.head_out = (head.packed.data_ptr(), result.data_ptr(),
+                                                 head.out_features)
+        step.head_kind = int(head.packed.dtype == torch.bfloat16)
+        if head.bias is not None:
+            step.head_bias = head.bias.data_ptr()
     kernels.decode_layers(step, layers, x, model.norm.weight, model.norm.eps, out)
     if keep is not None and not kept:
-        return out.index_select(0, keep)
-    return out
+        return result.index_select(0, keep)
+    return result
 
 
 def _kept_rows(meta: AttentionMeta, t: int, keep: Tensor, window: int | None

@@ -285,6 +285,25 @@ def test_silu_mul_matches_the_mlp(rows: int) -> None:
     torch.testing.assert_close(out, torch.nn.functional.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+def test_argmax_rows_gives_numpys_argmax_ties_nans_and_strided_rows_included() -> None:
+    """Greedy sampling's argmax in C: each row's first largest index, as numpy's, over random
+    logits, rows of equal maxima (the first wins), rows with NaNs (the first NaN, as numpy
+    has it, even after a larger number) and infinities, a row of one column, and rows of a
+    strided view."""
+    k = _kernels()
+    torch.manual_seed(0)
+    x = torch.randn(70, 2053)
+    x[1, 7] = x[1, 900] = x[1, 2000] = 50.0  # ties: the first
+    x[2, 10], x[2, 3] = float("nan"), 60.0  # a NaN after a larger number: the NaN
+    x[3, 5], x[3, 9] = float("nan"), float("nan")
+    x[4, 100] = float("inf")
+    x[5] = float("-inf")  # every one equal: index 0
+    x[6, 2052] = 99.0  # the last column
+    for view in (x, x[:, :1], x[10:20, 3:1500]):
+        assert k.argmax_rows(view) == view.numpy().argmax(axis=-1).tolist()
+    assert k.argmax_rows(x)[2:4] == [10, 5]
+
+
 def test_an_unknown_kv_cache_dtype_is_refused(gqa_model: Path) -> None:
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         Engine(EngineConfig(model_path=str(gqa_model), kv_cache_dtype="int3"))

@@ -212,7 +212,11 @@ class ModelRunner:
         chosen = [items[i] for i in sampling]
         seqs = [item.seq for item in chosen]
         if all(_plain(s) for s in seqs):  # the common case: argmax, nothing to build or track
-            for i, token in zip(sampling, argmax_rows(logits).tolist(), strict=True):
+            greedy = (self.kernels.argmax_rows(logits)
+                      if self.kernels is not None and logits.dtype == torch.float32
+                      and logits.device.type == "cpu" and logits.stride(1) == 1
+                      else argmax_rows(logits).tolist())
+            for i, token in zip(sampling, greedy, strict=True):
                 results[i].token = token
             return
         rows = torch.tensor([_row_of(item) for item in chosen], dtype=torch.long,

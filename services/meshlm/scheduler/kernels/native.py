@@ -17,6 +17,7 @@ the engine then keeps its torch ops (`--attention-backend auto`).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import os
@@ -70,6 +71,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "meshlm_rope_f32": [_P, _I, _I, _I, _I, _P, _P, _INT],
     "meshlm_store_kv": [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, _INT],
     "meshlm_silu_mul_f32": [_P, _P, _I, _I, _INT],
+    "meshlm_argmax_rows": [_P, _I, _I, _I, _P],
     **{f"meshlm_linear_{suffix}{path}": [_P, _I, _I, _I, _P, _P, _P, _I, _INT]
        for suffix in ("f32", "bf16") for path in ("", "_portable")},
     "meshlm_decode_layers": [_P, _P, _I, _P, _P, _F, _P, _INT],
@@ -258,6 +260,15 @@ class Kernels:
             x.data_ptr(), x.stride(0), rows, inputs, packed.data_ptr(),
             None if bias is None else bias.data_ptr(), out.data_ptr(), out.shape[1],
             torch.get_num_threads())
+
+    def argmax_rows(self, x: Tensor) -> list[int]:
+        """Each row's first largest element's index of x [N, V] float32 (rows may be strided,
+        each row contiguous, V > 0), as numpy's argmax gives it (a NaN the largest)."""
+        rows, cols = x.shape
+        out = array.array("q", bytes(8 * rows))
+        self.fns["meshlm_argmax_rows"](x.data_ptr(), rows, cols, x.stride(0),
+                                       out.buffer_info()[0])
+        return out.tolist()
 
     def silu_mul(self, gate_up: Tensor, out: Tensor) -> None:
         """out [N, I] = silu(gate) * up, gate_up [N, 2I] holding gate then up; contiguous."""

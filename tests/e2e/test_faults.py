@@ -122,8 +122,11 @@ def test_tokenizer_killed(mesh2, stub):
 
 
 def test_redis_restarted_mid_load(mesh2, stub, registry):
-    streams = [Stream(stub, f"redis {i}", max_new_tokens=400) for i in range(4)]
+    # Long (1900 tokens), so still running when Redis is killed: a final state written before
+    # the kill would be lost with the Redis that held it (it persists nothing).
+    streams = [Stream(stub, f"redis {i}") for i in range(4)]
     mesh2.kill("redis")
+    assert not any(s.ended_at for s in streams), "a stream ended before Redis went away"
     during = [Stream(stub, f"without redis {i}", max_new_tokens=20) for i in range(3)]
     info = server_info(stub)
     assert info["registry_degraded"] is True

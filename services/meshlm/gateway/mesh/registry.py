@@ -10,7 +10,9 @@ detection across gateways is then skipped), `degraded` is set and logged once, a
 probed again every `RETRY_AFTER` seconds. Nothing is lost meanwhile: the gateway keeps the
 records of its live requests, and the final state of those that ended while Redis was away,
 and writes them all back once Redis answers again, also after a restart that emptied it (a
-new Redis `run_id`), so the registry is consistent again after reconnect.
+new Redis `run_id`), so the registry is consistent again after reconnect. Records Redis had
+already taken are its own to keep: a Redis that persists nothing loses, on restart, the final
+states written before it went away (the gateway keeps no copy of what was written).
 
 Background writes (a fresh rid's record, its state changes, its final state) leave the
 request's path: they are sent at most every `FLUSH_INTERVAL`, one write per round, and the

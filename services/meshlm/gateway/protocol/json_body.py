@@ -38,9 +38,17 @@ class JsonBody:
         return value
 
     def integer(self, key: str, lo: int, hi: int) -> int | None:
+        """An integer in [lo, hi]. A float without a fraction counts (3.0, as Python clients
+        write computed counts; the native routes and vLLM's and SGLang's OpenAI servers take it
+        too), and so does one too large for 64 bits, which the JSON parser hands over as a
+        float: that one is out of range rather than "not an integer"."""
         value = self.get(key)
         if value is None:
             return None
+        if isinstance(value, float) and value.is_integer():
+            if not lo <= value <= hi:
+                raise invalid(key, f"must be in [{lo}, {hi}], got {show(value)}")
+            value = int(value)
         if not is_int(value):
             raise invalid(key, f"must be an integer, got {show(value)}")
         if not lo <= value <= hi:

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import grpc
-import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,7 +28,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def _body(doc: Any) -> bytes:
-    return orjson.dumps(doc)
+    return json.dumps(doc).encode()  # orjson would refuse integers past 64 bits
 
 
 def _refusal(parse: Any, doc: Any) -> MeshError:
@@ -94,6 +93,9 @@ def test_chat_content_parts_are_flattened_and_other_keys_kept() -> None:
     ({"messages": USER, "max_completion_tokens": 2.5}, "max_completion_tokens: must be an int"),
     ({"messages": USER, "n": 17}, "n: must be in [1, 16]"),
     ({"messages": USER, "n": True}, "n: must be an integer"),
+    ({"messages": USER, "n": 17.0}, "n: must be in [1, 16], got 17.0"),
+    ({"messages": USER, "max_tokens": 10**23}, "max_tokens: must be in [1, 2147483647], got 1e+23"),
+    ({"messages": USER, "seed": -(10**23)}, "seed: must be in [0, "),
     ({"messages": USER, "seed": -1}, "seed: must be in [0, "),
     ({"messages": USER, "stop": [1]}, "stop: must be a string or a list of strings"),
     ({"messages": USER, "stream": "yes"}, "stream: must be true or false"),
@@ -129,6 +131,16 @@ def test_chat_template_options_and_echo() -> None:
     assert parse_chat(_body({"messages": opened})).echo_text is None
     assert not parse_chat(_body({"messages": USER, "add_generation_prompt": False,
                                  "continue_final_message": False})).add_generation_prompt
+
+
+def test_integral_floats_count_as_integers() -> None:
+    """3.0 where an integer belongs is that integer, as in the native routes' protobuf JSON
+    and in vLLM's and SGLang's pydantic models; 2.5 is refused (above)."""
+    req = parse_chat(_body({"messages": USER, "max_tokens": 3.0, "n": 2.0, "seed": 7.0,
+                            "logprobs": True, "top_logprobs": 1.0}))
+    assert req.sampling.max_new_tokens == 3 and req.sampling.n == 2
+    assert req.sampling.seed == 7 and req.top_logprobs == 1
+    assert all(type(v) is int for v in (req.sampling.max_new_tokens, req.sampling.seed))
 
 
 def test_accepted_and_ignored_fields() -> None:

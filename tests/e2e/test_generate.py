@@ -60,7 +60,7 @@ def test_stop_token_ids_finish_with_stop(stub):
     assert int(meta["completion_tokens"]) == first_ids.index(stop_at) + 1
 
 
-def test_stop_string_ends_text_before_it(stub):
+def test_stop_string_ends_text_before_it(stub, mesh):
     full, _ = collect_text(stub, text_request("In the beginning", max_new_tokens=32,
                                               ignore_eos=True))
     assert len(full) > 6
@@ -70,6 +70,16 @@ def test_stop_string_ends_text_before_it(stub):
     meta = msgs[-1].meta_info
     assert meta["finish_reason"] == "stop" and meta["matched_stop"] == stop
     assert text == full[: full.index(stop)]
+    # no_stop_trim (meshlm's field 102, SGLang's native sampling parameter) keeps it.
+    kept, msgs = collect_text(stub, text_request("In the beginning", max_new_tokens=32,
+                                                 ignore_eos=True, stop=[stop], no_stop_trim=True))
+    assert msgs[-1].meta_info["finish_reason"] == "stop"
+    assert kept == full[: full.index(stop) + len(stop)]
+    native = httpx.post(f"{mesh.addresses.gateway_http}/generate", timeout=60, json={
+        "text": "In the beginning", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 32, "ignore_eos": True, "stop": stop,
+            "no_stop_trim": True}}).json()
+    assert native["text"] == kept and native["meta_info"]["finish_reason"]["type"] == "stop"
 
 
 def test_tokenize_detokenize_round_trip(stub):

@@ -138,16 +138,18 @@ def test_chat_logprobs_and_top_logprobs(client, model) -> None:
 
 
 def test_stop_string_ends_the_text_before_it(client, model) -> None:
-    def complete(**kwargs: object) -> tuple[str, str | None]:
+    def complete(keep: str = "", **kwargs: object) -> tuple[str, str | None]:
         choice = client.completions.create(
             model=model, prompt="Once upon a time", max_tokens=24, temperature=0,
-            extra_body={"ignore_eos": True}, **kwargs).choices[0]
+            extra_body={"ignore_eos": True, **({keep: True} if keep else {})},
+            **kwargs).choices[0]
         return choice.text, choice.finish_reason
 
-    def chat(**kwargs: object) -> tuple[str, str | None]:
+    def chat(keep: str = "", **kwargs: object) -> tuple[str, str | None]:
         choice = client.chat.completions.create(
             model=model, messages=USER, max_tokens=24, temperature=0,
-            extra_body={"ignore_eos": True}, **kwargs).choices[0]
+            extra_body={"ignore_eos": True, **({keep: True} if keep else {})},
+            **kwargs).choices[0]
         return choice.message.content or "", choice.finish_reason
 
     for ask in (complete, chat):
@@ -157,6 +159,10 @@ def test_stop_string_ends_the_text_before_it(client, model) -> None:
         at = next(i for i in range(len(text) // 3, len(text) - 3) if text[i:i + 3].isascii())
         stop = text[at:at + 3]
         assert ask(stop=["never said", stop]) == (text[:text.index(stop)], "stop")
+        # Kept in the text by vLLM's include_stop_str_in_output or SGLang's no_stop_trim.
+        kept = (text[:text.index(stop) + len(stop)], "stop")
+        assert ask("include_stop_str_in_output", stop=[stop]) == kept
+        assert ask("no_stop_trim", stop=[stop]) == kept
 
 
 # ---- completions -----------------------------------------------------------------------------

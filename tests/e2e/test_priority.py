@@ -1,6 +1,7 @@
 """A request's priority orders the scheduler's waiting queue: larger first, first come first
-served among equals (SGLang's default order), asked over gRPC, native /generate and the
-transcoded /v1/runtime/text_generate.
+served among equals (SGLang's default order), asked over gRPC, native /generate, the
+transcoded /v1/runtime/text_generate and OpenAI's /v1/completions (an extra field in SGLang
+and vLLM).
 
 The observable: a scheduler with one running slot, busy with a long request, gets two requests
 that share a long prompt prefix, `early` then `late`. Whichever it admits first computes the
@@ -71,6 +72,16 @@ def over_transcoding(mesh: Mesh) -> Send:
     return send
 
 
+def over_openai(mesh: Mesh) -> Send:
+    def send(text: str, priority: int | None) -> int:
+        body = {"prompt": text, "max_tokens": SHORT["max_new_tokens"], "temperature": 0,
+                "ignore_eos": True, **({} if priority is None else {"priority": priority})}
+        r = httpx.post(f"{mesh.addresses.gateway_http}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return send
+
+
 class BlockerEnded(Exception):
     """The long request ended before both requests queued behind it: the trial says nothing."""
 
@@ -123,10 +134,10 @@ def one_trial(mesh: Mesh, stub: sglang_pb2_grpc.SglangServiceStub, send: Send,
     return computed
 
 
-@pytest.mark.parametrize("transport", ["grpc", "native", "transcoded"])
+@pytest.mark.parametrize("transport", ["grpc", "native", "transcoded", "openai"])
 def test_a_later_higher_priority_request_is_served_first(one_slot, stub, transport):
     send = {"grpc": over_grpc(stub), "native": over_native(one_slot),
-            "transcoded": over_transcoding(one_slot)}[transport]
+            "transcoded": over_transcoding(one_slot), "openai": over_openai(one_slot)}[transport]
     assert served_first(one_slot, stub, send, early=None, late=5) == "late"
     assert served_first(one_slot, stub, send, early=-1, late=0) == "late"
 

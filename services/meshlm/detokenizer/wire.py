@@ -22,7 +22,7 @@ def decode_state(header: common_pb2.RequestHeader, tokenizer: Tokenizer,
     decoder = None
     if meta.return_text:
         decoder = make_detokenizer(tokenizer, skip_special_tokens=sampling.skip_special_tokens,
-                                   stop=list(sampling.stop))
+                                   stop=list(sampling.stop), include_stop=sampling.no_stop_trim)
     return DecodeState(gateway=meta.route.gateway, scheduler=meta.route.scheduler,
                        decoder=decoder, span=span,
                        logprob_texts=sampling.return_text_in_logprobs)

@@ -9,10 +9,13 @@ API; its messages are put back into OpenAI's names with `names`. The typed field
 `protocol/json_body.py`'s.
 
 Accepted beside OpenAI's fields (as SGLang and vLLM accept them): top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids and rid; on
-chat, vLLM's add_generation_prompt, continue_final_message (the last message left open and
-continued; not with add_generation_prompt: true, which is otherwise the default) and echo
-(the reply starts with the last message's content when that message is the assistant's).
+repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, rid, priority
+(SGLang's order: larger first) and no_stop_trim (vLLM's include_stop_str_in_output: a matched
+stop string stays in the text); on chat, vLLM's add_generation_prompt, continue_final_message
+(the last message left open and continued; not with add_generation_prompt: true, which is
+otherwise the default) and echo (the reply starts with the last message's content when that
+message is the assistant's). Constrained decoding, by OpenAI's response_format or by SGLang's
+and vLLM's own fields, is UNIMPLEMENTED, as on the other routes.
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ from meshlm.gateway.protocol.json_body import MAX_PROMPT_IDS as MAX_PROMPT_IDS
 from meshlm.gateway.protocol.json_body import JsonBody, is_ids, is_int, show
 from meshlm.gateway.protocol.logprob_options import MAX_TOP_LOGPROBS
 from meshlm.gateway.protocol.openai_errors import MAX_NEW_TOKENS
-from meshlm.gateway.protocol.validation import MAX_N
+from meshlm.gateway.protocol.validation import MAX_N, unimplemented
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings request
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _INT32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# Constrained decoding beside response_format: SGLang's fields, then vLLM's.
+_CONSTRAINTS = ("regex", "ebnf", "json_schema", "structural_tag", "guided_json", "guided_regex",
+                "guided_choice", "guided_grammar", "structured_outputs")
 
 Prompt = str | list[int]
 
@@ -47,6 +53,7 @@ class GenerationRequest:
     top_logprobs: int | None  # None: no logprobs; else alternatives per token (0 = none)
     rid: str | None
     names: dict[str, str] = field(default_factory=dict)  # gateway field -> the client's
+    priority: int | None = None
 
     @property
     def n(self) -> int:
@@ -125,11 +132,20 @@ def _sampling(body: JsonBody, max_tokens_key: str) -> tuple[pb.SamplingParams, d
                                                      for t in stop_ids):
             raise invalid("stop_token_ids", "must be a list of token ids")
         p.stop_token_ids.extend(stop_ids)
-    for key in ("ignore_eos", "skip_special_tokens"):
+    for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
         flag = body.boolean(key)
         if flag is not None:
             setattr(p, key, flag)
+    if body.boolean("include_stop_str_in_output"):  # vLLM's name
+        p.no_stop_trim = True
     body.unsupported("logit_bias")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise unimplemented("response_format", "constrained decoding is not supported yet; "
+                                               "only {\"type\": \"text\"} is")
+    for key in _CONSTRAINTS:
+        if body.get(key) is not None:
+            raise unimplemented(key, "constrained decoding is not supported yet")
     return p, names
 
 
@@ -192,18 +208,16 @@ def parse_chat(body: bytes) -> ChatRequest:
     b.unsupported("functions", no_tools)
     b.unsupported("tool_choice", no_tools, ("none", "auto"))
     b.unsupported("function_call", no_tools, ("none", "auto"))
-    fmt = b.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise invalid("response_format", "only {\"type\": \"text\"} is supported")
     b.unsupported("modalities", " (text only)", (["text"],))
     add_prompt, continue_final = chat_rendering(b.boolean("add_generation_prompt"),
                                                 bool(b.boolean("continue_final_message")))
     echo = bool(b.boolean("echo"))
     rid = b.string("rid")
+    priority = b.integer("priority", -_INT32 - 1, _INT32)
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
-                       rid=rid, names=names, messages=messages,
+                       rid=rid, names=names, priority=priority, messages=messages,
                        add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo)
 
@@ -262,10 +276,12 @@ def parse_completion(body: bytes) -> CompletionRequest:
     rid = b.string("rid")
     if rid is not None and batch:
         raise invalid("rid", "give a rid only with a single prompt")
+    priority = b.integer("priority", -_INT32 - 1, _INT32)
     b.check_unknown()
     return CompletionRequest(model=model, sampling=sampling, stream=stream,
                              include_usage=include_usage, top_logprobs=logprobs, rid=rid,
-                             names=names, prompts=prompts, batch=batch, echo=echo)
+                             names=names, priority=priority, prompts=prompts, batch=batch,
+                             echo=echo)
 
 
 def prompts_of(value: Any, key: str) -> tuple[list[Prompt], bool]:
@@ -302,7 +318,7 @@ def public_request(
 ) -> pb.TextGenerateRequest | pb.GenerateRequest:
     """The public request for one prompt: its sampling params (with `max_new_tokens` when the
     client gave none), logprob options (the tokens' texts included; prompt logprobs from
-    position 0 for an echoed completion) and rid."""
+    position 0 for an echoed completion), rid and priority."""
     sampling = pb.SamplingParams()
     sampling.CopyFrom(req.sampling)
     if max_new_tokens is not None and not sampling.HasField("max_new_tokens"):
@@ -320,6 +336,8 @@ def public_request(
             out.logprob_start_len = 0
     if req.rid is not None:
         out.rid = req.rid
+    if req.priority is not None:
+        out.priority = req.priority
     return out
 
 

@@ -155,6 +155,7 @@ def normalize_sampling(
         stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
+        no_stop_trim=p.no_stop_trim,
     )
     if p.HasField("seed"):
         out.seed = p.seed

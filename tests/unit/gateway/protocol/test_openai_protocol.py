@@ -105,7 +105,6 @@ def test_chat_content_parts_are_flattened_and_other_keys_kept() -> None:
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs: must be in [0, 20]"),
     ({"messages": USER, "logprobs": 1}, "logprobs: must be true or false"),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools: is not supported (no function"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format: only"),
     ({"messages": USER, "logit_bias": {"5": 1}}, "logit_bias: is not supported"),
     ({"messages": USER, "best_of": 2}, "best_of: unknown field"),
     ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids: must be a list of token ids"),
@@ -131,6 +130,39 @@ def test_chat_template_options_and_echo() -> None:
     assert parse_chat(_body({"messages": opened})).echo_text is None
     assert not parse_chat(_body({"messages": USER, "add_generation_prompt": False,
                                  "continue_final_message": False})).add_generation_prompt
+
+
+@pytest.mark.parametrize("doc", [
+    {"response_format": {"type": "json_object"}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+    {"regex": "[ab]+"}, {"ebnf": "root ::= \"a\""}, {"json_schema": "{}"},
+    {"guided_json": {}}, {"guided_choice": ["yes", "no"]}, {"structured_outputs": {"regex": "a"}},
+])
+def test_constrained_decoding_is_unimplemented_on_both_routes(doc: dict[str, Any]) -> None:
+    """As on the native and gRPC routes: a schema silently ignored would return free text."""
+    key = next(iter(doc))
+    for parse, base in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "a"})):
+        with pytest.raises(MeshError) as info:
+            parse(_body({**base, **doc}))
+        assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+        assert info.value.message.startswith(f"{key}: constrained decoding is not supported")
+    parse_chat(_body({"messages": USER, "regex": None, "response_format": {"type": "text"}}))
+
+
+def test_priority_and_kept_stop_strings() -> None:
+    """SGLang's priority and no_stop_trim, and vLLM's include_stop_str_in_output, reach the
+    public request."""
+    chat = parse_chat(_body({"messages": USER, "priority": 5, "no_stop_trim": True}))
+    one = public_request(chat, "x")
+    assert one.priority == 5 and one.sampling_params.no_stop_trim
+    done = parse_completion(_body({"prompt": [1, 2], "priority": -3,
+                                   "include_stop_str_in_output": True}))
+    ids = public_request(done, [1, 2])
+    assert ids.priority == -3 and ids.sampling_params.no_stop_trim
+    plain = public_request(parse_completion(_body({"prompt": "a",
+                                                   "include_stop_str_in_output": False})), "a")
+    assert not plain.HasField("priority") and not plain.sampling_params.no_stop_trim
+    _refusal(parse_chat, {"messages": USER, "priority": "high"})
 
 
 def test_integral_floats_count_as_integers() -> None:

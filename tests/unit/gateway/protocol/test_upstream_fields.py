@@ -14,7 +14,9 @@ from sglang.runtime.v1 import sglang_pb2
 
 # meshlm's own fields, on numbers upstream does not use (the proto's header lists them too).
 MESHLM_OWN = {
-    "SamplingParams": "optional bool skip_special_tokens = 100",
+    "SamplingParams": """
+        optional bool skip_special_tokens = 100
+        optional bool no_stop_trim = 102""",
     "TextGenerateRequest": "repeated int32 token_ids_logprob = 101",
     "TextGenerateResponse": "repeated int32 output_ids = 100",
     "GenerateRequest": """

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
+from meshlm.common.chat_variables import FIELD, checked_template_kwargs
 from meshlm.common.errors import MeshError, invalid
 from meshlm.tokenizer.tokenization import TextTokenizer
 from meshlm.v1 import tokenizer_pb2
@@ -29,11 +31,22 @@ def render_chat(tok: TextTokenizer, chat: tokenizer_pb2.ChatTemplateRequest) -> 
         raise invalid("messages", f"not valid JSON: {e}") from None
     if not isinstance(messages, list):
         raise invalid("messages", "must be a list of messages")
+    kwargs = template_kwargs(chat.template_kwargs_json)
     try:
         return tok.apply_chat_template(messages, chat.add_generation_prompt,
-                                       chat.continue_final_message)
+                                       chat.continue_final_message, kwargs)
     except ValueError as e:
         raise invalid("messages", str(e)) from None
+
+
+def template_kwargs(text: str) -> dict[str, Any]:
+    """A chat's template variables from their JSON (empty: none), checked again here."""
+    if not text:
+        return {}
+    try:
+        return checked_template_kwargs(json.loads(text))
+    except ValueError as e:
+        raise invalid(FIELD, f"not valid JSON: {e}") from None
 
 
 def rendered_or_refused(tok: TextTokenizer, chat: tokenizer_pb2.ChatTemplateRequest

@@ -18,7 +18,7 @@ Templates usually start with the bos token themselves, so a rendered chat prompt
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -147,8 +147,12 @@ class TextTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render a conversation to a prompt string with the checkpoint's chat template.
+
+        `template_kwargs`: more variables for the template (a client's chat_template_kwargs,
+        e.g. enable_thinking), checked by `checked_template_kwargs` first.
 
         `continue_final_message`: the last message is left open for the model to continue,
         the rendering cut just after its content (see `_open_final_message`); it cannot be
@@ -167,6 +171,7 @@ class TextTokenizer:
             )
         try:
             text: str = _compile(self._chat_template).render(
+                **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token or "",

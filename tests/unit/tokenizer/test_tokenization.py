@@ -127,6 +127,18 @@ def test_chat_template(tok: TextTokenizer) -> None:
     assert prompt_tail[0] == tok.tokenizer.token_to_id("<|im_start|>")
 
 
+def test_template_kwargs_are_the_templates_variables(model_dir: Path, tmp_path: Path) -> None:
+    path = _copy_checkpoint(model_dir, tmp_path / "a", chat_template=(
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think{% endif %}"))
+    tok = TextTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(messages) == "Hi"
+    assert tok.apply_chat_template(messages, template_kwargs={"enable_thinking": True}) == "Hi"
+    assert tok.apply_chat_template(messages, template_kwargs={"enable_thinking": False}) == \
+        "Hi/no_think"
+
+
 def test_continue_final_message_leaves_it_open(tok: TextTokenizer, model_dir: Path,
                                                 tmp_path: Path) -> None:
     """The rendering ends just after the final message's content (transformers' rule): what

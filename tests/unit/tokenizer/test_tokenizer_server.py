@@ -141,6 +141,16 @@ async def test_apply_chat_template_can_leave_the_final_message_open(tok: TextTok
                 add_generation_prompt=True), None)  # type: ignore[arg-type]
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert info.value.message.startswith("messages: continue_final_message")
+        # The tokenizer checks a chat's template variables again, whoever sent them.
+        for kwargs, start in (('{"messages": []}', "chat_template_kwargs.messages: is set"),
+                              ("[1]", "chat_template_kwargs: must be an object"),
+                              ("{", "chat_template_kwargs: not valid JSON")):
+            with pytest.raises(MeshError) as info:
+                await servicer.ApplyChatTemplate(tokenizer_pb2.ChatTemplateRequest(
+                    messages_json=messages, template_kwargs_json=kwargs),
+                    None)  # type: ignore[arg-type]
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.message.startswith(start), info.value.message
     finally:
         workers.close()
 

@@ -25,8 +25,6 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from typing import Any, TypeVar
 
-import orjson
-
 from meshlm.common.errors import MeshError
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.core import GatewayCore
@@ -42,6 +40,7 @@ from meshlm.gateway.protocol.openai import (
     parse_completion,
     parse_embedding,
     public_request,
+    template_request,
 )
 from meshlm.gateway.protocol.openai_errors import model_not_found, renamed
 from meshlm.gateway.protocol.openai_logprobs import dumps
@@ -62,7 +61,6 @@ from meshlm.gateway.protocol.validation import (
     validate_text_embed,
     validate_text_generate,
 )
-from meshlm.v1 import tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 R = TypeVar("R")
@@ -102,10 +100,8 @@ class OpenAIRPCs:
         model = served_model(self.core, req.model)
         check_batch(req.n, limits.max_batch, "n")
         check_prompt_chars(text_chars(req.messages), limits, "messages")
-        chat = tokenizer_pb2.ChatTemplateRequest(
-            messages_json=orjson.dumps(req.messages).decode(),
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message)
+        chat = template_request(req.messages, req.add_generation_prompt,
+                                req.continue_final_message, req.template_kwargs)
         # The prompt: `chat`, rendered by the tokenizer, which also sets the default
         # max_tokens; until then the largest room a prompt can leave stands in for it.
         public = public_request(req, [], max_new_tokens=limits.max_model_len - 1)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from meshlm.common import deadline
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.protocol.bounds import text_chars
+from meshlm.gateway.protocol.openai import template_request
 from meshlm.gateway.protocol.validation import (
     check_prompt_chars,
     validate_detokenize,
@@ -50,15 +49,15 @@ class TokenRPCs:
         return list((await self._tokenize(text, add_special_tokens)).tokens)
 
     async def chat_tokens(self, messages: list[Any], add_generation_prompt: bool,
-                          continue_final_message: bool = False) -> list[int]:
+                          continue_final_message: bool = False,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """A conversation rendered by the checkpoint's chat template (with the generation
         prompt, or the final message left open to continue) and encoded, by a tokenizer; its
         text is checked against the prompt bound before it is sent."""
         check_prompt_chars(text_chars(messages), await self.core.limits(), "messages")
         reply = await self.core.call(self.core.tokenizer().ApplyChatTemplate(
-            tokenizer_pb2.ChatTemplateRequest(messages_json=orjson.dumps(messages).decode(),
-                                              add_generation_prompt=add_generation_prompt,
-                                              continue_final_message=continue_final_message),
+            template_request(messages, add_generation_prompt, continue_final_message,
+                             template_kwargs),
             timeout=deadline.timeout()))
         return list(reply.tokens)
 

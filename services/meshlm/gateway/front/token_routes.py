@@ -3,10 +3,10 @@ OpenAI-serving names, answering errors in OpenAI's shape): one pair of handlers,
 both prefixes. Bodies as SGLang's and vLLM's:
 
 - tokenize: {"prompt": str | [str, ...], "add_special_tokens": true} or {"messages": [...],
-  "add_generation_prompt": true, "continue_final_message": false} (a chat, rendered by the
-  checkpoint's template; continuing leaves the final message open) ->
-  {"tokens", "count", "max_model_len"} (lists for a list of prompts). The empty prompt is
-  valid: its tokens are the special ones it gets, if any.
+  "add_generation_prompt": true, "continue_final_message": false, "chat_template_kwargs": {}}
+  (a chat, rendered by the checkpoint's template with those variables; continuing leaves the
+  final message open) -> {"tokens", "count", "max_model_len"} (lists for a list of prompts).
+  The empty prompt is valid: its tokens are the special ones it gets, if any.
 - detokenize: {"tokens": [id, ...] | [[id, ...], ...], "skip_special_tokens": true} ->
   {"text": str | [str, ...]}; no tokens give "".
 """
@@ -20,6 +20,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.routing import BaseRoute, Route
 
+from meshlm.common.chat_variables import FIELD as TEMPLATE_KWARGS
+from meshlm.common.chat_variables import checked_template_kwargs
 from meshlm.common.errors import MeshError, invalid
 from meshlm.gateway.front.http_call import call_context
 from meshlm.gateway.front.json_fields import body_of, bool_field, json_endpoint, string_field
@@ -44,11 +46,11 @@ class _TokenHandlers:
     async def tokenize(self, request: Request) -> dict[str, Any]:
         doc = await body_of(request, ("prompt", "messages", "add_special_tokens",
                                       "add_generation_prompt", "continue_final_message",
-                                      "model"))
+                                      TEMPLATE_KWARGS, "model"))
         string_field(doc, "model", "")  # one model is served: the name is not checked
         if "messages" in doc:
             return await self._chat(doc)
-        for key in ("add_generation_prompt", "continue_final_message"):
+        for key in ("add_generation_prompt", "continue_final_message", TEMPLATE_KWARGS):
             if key in doc:
                 raise invalid(key, "is for a chat's messages")
         add_special = bool_field(doc, "add_special_tokens", True)
@@ -84,7 +86,8 @@ class _TokenHandlers:
         add_prompt, keep_open = chat_rendering(
             bool_field(doc, "add_generation_prompt", True) if "add_generation_prompt" in doc
             else None, bool_field(doc, "continue_final_message", False))
-        tokens = await self.api.tokens.chat_tokens(messages, add_prompt, keep_open)
+        kwargs = checked_template_kwargs(doc.get(TEMPLATE_KWARGS))
+        tokens = await self.api.tokens.chat_tokens(messages, add_prompt, keep_open, kwargs)
         model = await self.api.core.model_info()
         return {"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len}
 

@@ -13,9 +13,10 @@ repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 (SGLang's order: larger first) and no_stop_trim (vLLM's include_stop_str_in_output: a matched
 stop string stays in the text); on chat, vLLM's add_generation_prompt, continue_final_message
 (the last message left open and continued; not with add_generation_prompt: true, which is
-otherwise the default) and echo (the reply starts with the last message's content when that
-message is the assistant's). Constrained decoding, by OpenAI's response_format or by SGLang's
-and vLLM's own fields, is UNIMPLEMENTED, as on the other routes.
+otherwise the default), echo (the reply starts with the last message's content when that
+message is the assistant's) and chat_template_kwargs (the template's own variables).
+Constrained decoding, by OpenAI's response_format or by SGLang's and vLLM's own fields, is
+UNIMPLEMENTED, as on the other routes.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from meshlm.common.chat_variables import FIELD as TEMPLATE_KWARGS
+from meshlm.common.chat_variables import checked_template_kwargs
 from meshlm.common.errors import invalid
 from meshlm.gateway.protocol.json_body import MAX_PROMPT_IDS as MAX_PROMPT_IDS
 from meshlm.gateway.protocol.json_body import JsonBody, is_ids, is_int, show
 from meshlm.gateway.protocol.logprob_options import MAX_TOP_LOGPROBS
 from meshlm.gateway.protocol.openai_errors import MAX_NEW_TOKENS
 from meshlm.gateway.protocol.validation import MAX_N, unimplemented
+from meshlm.v1 import tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings request
@@ -66,6 +72,7 @@ class ChatRequest(GenerationRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def echo_text(self) -> str | None:
@@ -214,12 +221,26 @@ def parse_chat(body: bytes) -> ChatRequest:
     echo = bool(b.boolean("echo"))
     rid = b.string("rid")
     priority = b.integer("priority", -_INT32 - 1, _INT32)
+    kwargs = checked_template_kwargs(b.get(TEMPLATE_KWARGS))
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
                        rid=rid, names=names, priority=priority, messages=messages,
                        add_generation_prompt=add_prompt,
-                       continue_final_message=continue_final, echo=echo)
+                       continue_final_message=continue_final, echo=echo,
+                       template_kwargs=kwargs)
+
+
+def template_request(messages: list[Any], add_generation_prompt: bool,
+                     continue_final_message: bool = False,
+                     template_kwargs: dict[str, Any] | None = None,
+                     ) -> tokenizer_pb2.ChatTemplateRequest:
+    """What the tokenizer renders a chat from (for a chat completion, and for /v1/tokenize)."""
+    return tokenizer_pb2.ChatTemplateRequest(
+        messages_json=orjson.dumps(messages).decode(),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        template_kwargs_json=orjson.dumps(template_kwargs).decode() if template_kwargs else "")
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

@@ -165,6 +165,17 @@ def test_priority_and_kept_stop_strings() -> None:
     _refusal(parse_chat, {"messages": USER, "priority": "high"})
 
 
+def test_chat_template_kwargs() -> None:
+    req = parse_chat(_body({"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}))
+    assert req.template_kwargs == {"enable_thinking": False}
+    assert parse_chat(_body({"messages": USER, "chat_template_kwargs": None})).template_kwargs == {}
+    for kwargs, start in (([1], "chat_template_kwargs: must be an object"),
+                          ({"messages": []}, "chat_template_kwargs.messages: is set by the server"),
+                          ({"eos_token": ""}, "chat_template_kwargs.eos_token: is set by")):
+        err = _refusal(parse_chat, {"messages": USER, "chat_template_kwargs": kwargs})
+        assert err.message.startswith(start), err.message
+
+
 def test_integral_floats_count_as_integers() -> None:
     """3.0 where an integer belongs is that integer, as in the native routes' protobuf JSON
     and in vLLM's and SGLang's pydantic models; 2.5 is refused (above)."""

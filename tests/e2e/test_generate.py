@@ -231,3 +231,38 @@ def test_the_schedulers_engine_thread_has_its_own_os_name(mesh):
     names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
     assert "meshlm-engine" in names
     assert any(name != "meshlm-engine" for name in names)  # the event loop's thread, at least
+
+
+def test_logit_bias_bans_and_forces_tokens(stub, mesh):
+    """SGLang's native logit_bias ({"<id>": bias}) over HTTP, meshlm's field 103 over gRPC, and
+    OpenAI's on /v1/completions: -100 keeps a token out, +100 all but forces it."""
+    base = mesh.addresses.gateway_http
+
+    def native(bias: dict[str, float]) -> dict:
+        r = httpx.post(f"{base}/generate", timeout=60, json={"text": "Once upon a time",
+                       "sampling_params": {"temperature": 0, "max_new_tokens": 4,
+                                           "ignore_eos": True, "logit_bias": bias}})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = native({})["output_ids"][0]
+    assert native({str(first): -100})["output_ids"][0] != first
+    forced = native({"77": 100})
+    assert forced["output_ids"] == [77] * 4
+    msgs = list(stub.TextGenerate(text_request("Once upon a time", stream=False, max_new_tokens=4,
+                                               ignore_eos=True, logit_bias={77: 100.0})))
+    assert msgs[-1].text == forced["text"]
+    openai = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "logit_bias": {"77": 100}}).json()
+    assert openai["choices"][0]["text"] == forced["text"]
+    bad = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "prompt": "a", "logit_bias": {"77": 1000}})
+    assert bad.status_code == 400
+    assert bad.json()["error"]["message"] == \
+        "logit_bias: the bias of token 77 must be in [-100, 100], got 1000"
+    oov = httpx.post(f"{base}/generate", timeout=60, json={
+        "text": "a", "sampling_params": {"logit_bias": {"99999": 1}}})
+    assert oov.status_code == 400
+    assert oov.json()["error"]["message"].startswith(
+        "sampling_params.logit_bias: token id 99999 is out of range")

@@ -29,6 +29,7 @@ def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
         top_logprobs_num=p.top_logprobs_num if p.return_logprob else 0,
         logprob_start_len=p.logprob_start_len if p.return_logprob else -1,
         token_ids_logprob=tuple(p.token_ids_logprob) if p.return_logprob else (),
+        logit_bias=tuple(sorted(p.logit_bias.items())),
     )
 
 

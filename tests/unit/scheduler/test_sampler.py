@@ -174,3 +174,21 @@ def test_top_k_top_p_support_matches_full_sort(vocab: int) -> None:
         want = reference_support(logits[i], ks[i] if ks[i] < vocab else 0, ps[i])
         # float32 vs float64 cumulative sums may disagree on the one token at the cut
         assert (got <= want or want <= got) and len(got ^ want) <= 1, (i, got ^ want)
+
+
+def test_logit_bias_is_added_per_row_before_anything_else() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]] * 3)
+    rows = [SamplingParams(temperature=0.0, logit_bias=((1, 100.0),)),  # all but forced
+            SamplingParams(temperature=0.0, logit_bias=((0, -100.0), (2, 3.0))),
+            SamplingParams(temperature=0.0)]  # no bias: untouched beside the others
+    b = batch(rows)
+    assert b.bias is not None and b.all_greedy
+    assert not rows[0].plain_greedy and rows[2].plain_greedy
+    assert sample(logits, b) == [1, 2, 0]
+    # Sampled rows too: -100 leaves a token e^-95 of the rest's mass, never drawn here.
+    hot = [SamplingParams(temperature=1.0, logit_bias=((0, -100.0),))] * 64
+    assert 0 not in sample(torch.zeros(64, V).index_fill_(1, torch.tensor([0]), 5.0), batch(hot))
+    # min_new_tokens' ban wins over a bias that would lift the eos.
+    eos_up = SamplingParams(temperature=0.0, min_new_tokens=2, logit_bias=((0, 100.0),))
+    assert sample(torch.zeros(1, V), batch([eos_up], generated=[0])) != [0]
+    assert SamplingParams(logit_bias=((3, float("nan")),)).problem() is not None

@@ -145,7 +145,7 @@ def _sampling(body: JsonBody, max_tokens_key: str) -> tuple[pb.SamplingParams, d
             setattr(p, key, flag)
     if body.boolean("include_stop_str_in_output"):  # vLLM's name
         p.no_stop_trim = True
-    body.unsupported("logit_bias")
+    _logit_bias(p, body.get("logit_bias"))
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise unimplemented("response_format", "constrained decoding is not supported yet; "
@@ -154,6 +154,22 @@ def _sampling(body: JsonBody, max_tokens_key: str) -> tuple[pb.SamplingParams, d
         if body.get(key) is not None:
             raise unimplemented(key, "constrained decoding is not supported yet")
     return p, names
+
+
+def _logit_bias(p: pb.SamplingParams, value: Any) -> None:
+    """OpenAI's {"<token id>": bias}; the ranges are the gateway's validation's."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", "must be an object of token ids and biases, such as "
+                                    '{"42": -100}')
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) > _INT32:
+            raise invalid("logit_bias", f"{show(key)} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise invalid("logit_bias", f"the bias of token {key} must be a number, "
+                                        f"got {show(bias)}")
+        p.logit_bias[int(key)] = bias
 
 
 def _stop(value: Any) -> list[str]:

@@ -38,6 +38,8 @@ DEFAULT_MAX_NEW_TOKENS = 128
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_N = 16  # samples of one prompt (sampling_params.n)
+MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 _RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -132,6 +134,7 @@ def normalize_sampling(
             f"must be in [0, max_new_tokens={max_new_tokens}], got {min_new_tokens}",
         )
     _check_stop(p, field_prefix)
+    _check_logit_bias(p, field_prefix)
     if p.HasField("n") and not 1 <= p.n <= MAX_N:
         raise invalid(name("n"), f"must be in [1, {MAX_N}] (samples of the prompt), got {p.n}")
     for f in ("json_schema", "regex", "guided_decoding"):
@@ -156,6 +159,7 @@ def normalize_sampling(
         ignore_eos=p.ignore_eos,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
         no_stop_trim=p.no_stop_trim,
+        logit_bias=dict(p.logit_bias),
     )
     if p.HasField("seed"):
         out.seed = p.seed
@@ -175,6 +179,28 @@ def _check_stop(p: sglang_pb2.SamplingParams, prefix: str) -> None:
     for i, t in enumerate(p.stop_token_ids):
         if t < 0:
             raise invalid(f"{prefix}.stop_token_ids[{i}]", f"must be >= 0, got {t}")
+
+
+def _check_logit_bias(p: sglang_pb2.SamplingParams, prefix: str) -> None:
+    bias = p.logit_bias
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"{prefix}.logit_bias",
+                      f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+    for token, value in bias.items():
+        if token < 0:
+            raise invalid(f"{prefix}.logit_bias", f"token id {token} is negative")
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:  # NaN fails too
+            raise invalid(f"{prefix}.logit_bias",
+                          f"the bias of token {token} must be in [-100, 100], got {_num(value)}")
+
+
+def check_sampling_ids(sampling: common_pb2.SamplingParams, limits: Limits) -> None:
+    """The token ids sampling names (stop_token_ids, logit_bias) are the model's."""
+    check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
+    for token in sampling.logit_bias:
+        if token >= limits.vocab_size:
+            raise invalid("sampling_params.logit_bias", f"token id {token} is out of range "
+                          f"[0, {limits.vocab_size}): out-of-vocabulary")
 
 
 def check_rid(rid: str, field_path: str = "rid") -> None:
@@ -282,7 +308,7 @@ def validate_text_generate(req: sglang_pb2.TextGenerateRequest, limits: Limits) 
     sampling = normalize_sampling(
         req.sampling_params if req.HasField("sampling_params") else None
     )
-    check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
+    check_sampling_ids(sampling, limits)
     return _validated(req, sampling, limits, text=text, input_ids=None)
 
 
@@ -295,7 +321,7 @@ def validate_generate(req: sglang_pb2.GenerateRequest, limits: Limits) -> Valida
     check_prompt_length(len(req.input_ids), sampling.max_new_tokens, limits)  # before each id
     ids = list(req.input_ids)
     check_token_ids(ids, limits, "input_ids")
-    check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
+    check_sampling_ids(sampling, limits)
     return _validated(req, sampling, limits, text=None, input_ids=ids)
 
 
@@ -306,7 +332,7 @@ def validate_chat(req: sglang_pb2.GenerateRequest, chat: tokenizer_pb2.ChatTempl
     sampling = normalize_sampling(
         req.sampling_params if req.HasField("sampling_params") else None
     )
-    check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
+    check_sampling_ids(sampling, limits)
     v = _validated(req, sampling, limits, text=None, input_ids=None)
     v.chat, v.fill_max_new_tokens = chat, fill_max_new_tokens
     return v

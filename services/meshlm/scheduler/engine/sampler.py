@@ -1,10 +1,10 @@
 """Sampler: one batched step from logits to next tokens, each row with its own parameters.
 
-Order, as in vLLM: min_new_tokens masking, repetition / frequency / presence penalties,
-greedy argmax (temperature 0), then temperature, top-k, top-p (over what top-k left), min-p
-and a draw. The draw inverts each row's CDF at one uniform number; a seeded row takes its
-number from a generator seeded with (seed, tokens generated so far), so its tokens depend
-only on the seed and the logits: not on the batch, nor on a preemption and recompute.
+Order, as in vLLM: logit bias, min_new_tokens masking, repetition / frequency / presence
+penalties, greedy argmax (temperature 0), then temperature, top-k, top-p (over what top-k
+left), min-p and a draw. The draw inverts each row's CDF at one uniform number; a seeded row
+takes its number from a generator seeded with (seed, tokens generated so far), so its tokens
+depend only on the seed and the logits: not on the batch, nor on a preemption and recompute.
 Top-k/top-p use `topk` over a few candidates and sort the whole vocabulary only when a
 nucleus is wider than the candidates (a full sort is slow on CPU).
 """
@@ -36,6 +36,7 @@ class SamplingBatch:
     frequency: Tensor | None  # [B]
     presence: Tensor | None  # [B]
     banned: tuple[Tensor, Tensor] | None  # (rows, token ids) set to -inf: min_new_tokens
+    bias: tuple[Tensor, Tensor, Tensor] | None  # (rows, token ids, values) added: logit_bias
     generators: list[torch.Generator | None]  # per row; None = the shared random stream
 
     @property
@@ -56,7 +57,14 @@ class SamplingBatch:
         greedy = [p.greedy for p in params]
         ban_rows: list[int] = []
         ban_ids: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
         for i, (p, n) in enumerate(zip(params, num_generated, strict=True)):
+            for token, value in p.logit_bias:
+                bias_rows.append(i)
+                bias_ids.append(token)
+                bias_values.append(value)
             if n < p.min_new_tokens:
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
                 ids = {t for t in ids if 0 <= t < vocab_size}
@@ -94,6 +102,15 @@ class SamplingBatch:
                     torch.tensor(ban_ids, dtype=torch.long, device=device),
                 )
                 if ban_rows
+                else None
+            ),
+            bias=(
+                (
+                    torch.tensor(bias_rows, dtype=torch.long, device=device),
+                    torch.tensor(bias_ids, dtype=torch.long, device=device),
+                    torch.tensor(bias_values, dtype=torch.float32, device=device),
+                )
+                if bias_rows
                 else None
             ),
             generators=[
@@ -134,6 +151,9 @@ class Sampler:
         """`seen` [B, V] bool marks prompt + output tokens (repetition penalty); `counts`
         [B, V] counts output tokens (frequency/presence). Needed only when the batch uses
         those penalties. `logits` may be modified in place."""
+        if batch.bias is not None:
+            rows, ids, values = batch.bias
+            logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
         if batch.banned is not None:
             logits[batch.banned] = float("-inf")
         logits = self.penalize(logits, batch, seen, counts)

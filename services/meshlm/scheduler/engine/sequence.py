@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from dataclasses import dataclass, field
 
 from meshlm.scheduler.engine.block_manager import BlockTable
@@ -40,6 +41,9 @@ class SamplingParams:
     # With return_logprob: the logprobs of these ids at each output position, and at the prompt
     # positions with logprobs (SGLang's token_ids_logprob; scoring asks for its label tokens).
     token_ids_logprob: tuple[int, ...] = ()
+    # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias; -100
+    # bans a token, +100 all but forces it). Logprobs stay the model's own.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -52,7 +56,7 @@ class SamplingParams:
         Asked every step for every row, so kept (these fields do not change once queued)."""
         return (self.temperature < GREEDY_EPS and self.repetition_penalty == 1.0
                 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
-                and not self.return_logprob)
+                and not self.return_logprob and not self.logit_bias)
 
     def problem(self) -> str | None:
         """Why these parameters are unusable, or None when they are fine."""
@@ -74,6 +78,8 @@ class SamplingParams:
             return "logprob_start_len must be >= -1"
         if any(t < 0 for t in self.token_ids_logprob):
             return "token_ids_logprob must be token ids >= 0"
+        if any(t < 0 or not math.isfinite(b) for t, b in self.logit_bias):
+            return "logit_bias must map token ids >= 0 to finite numbers"
         return None
 
 
@@ -243,6 +249,8 @@ class Sequence:
             return f"prompt token id out of range [0, {vocab_size})"
         if vocab_size is not None and any(t >= vocab_size for t in self.params.token_ids_logprob):
             return f"token_ids_logprob: token id out of range [0, {vocab_size})"
+        if vocab_size is not None and any(t >= vocab_size for t, _ in self.params.logit_bias):
+            return f"logit_bias: token id out of range [0, {vocab_size})"
         if self.embed is None and not can_generate:
             return "this model serves embeddings only (it has no language-model head)"
         return self.params.problem()

@@ -105,7 +105,10 @@ def test_chat_content_parts_are_flattened_and_other_keys_kept() -> None:
     ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs: must be in [0, 20]"),
     ({"messages": USER, "logprobs": 1}, "logprobs: must be true or false"),
     ({"messages": USER, "tools": [{"type": "function"}]}, "tools: is not supported (no function"),
-    ({"messages": USER, "logit_bias": {"5": 1}}, "logit_bias: is not supported"),
+    ({"messages": USER, "logit_bias": [5]}, "logit_bias: must be an object"),
+    ({"messages": USER, "logit_bias": {"a5": 1}}, 'logit_bias: "a5" is not a token id'),
+    ({"messages": USER, "logit_bias": {"-5": 1}}, 'logit_bias: "-5" is not a token id'),
+    ({"messages": USER, "logit_bias": {"5": "1"}}, "logit_bias: the bias of token 5 must be a n"),
     ({"messages": USER, "best_of": 2}, "best_of: unknown field"),
     ({"messages": USER, "stop_token_ids": [-1]}, "stop_token_ids: must be a list of token ids"),
     ({"messages": USER, "continue_final_message": True, "add_generation_prompt": True},
@@ -174,6 +177,17 @@ def test_chat_template_kwargs() -> None:
                           ({"eos_token": ""}, "chat_template_kwargs.eos_token: is set by")):
         err = _refusal(parse_chat, {"messages": USER, "chat_template_kwargs": kwargs})
         assert err.message.startswith(start), err.message
+
+
+def test_logit_bias_reaches_the_public_request() -> None:
+    req = parse_completion(_body({"prompt": "a", "logit_bias": {"42": -100, "7": 2.5}}))
+    assert dict(public_request(req, "a").sampling_params.logit_bias) == {42: -100.0, 7: 2.5}
+    # The range is the gateway's validation's, named as the client wrote it.
+    chat = parse_chat(_body({"messages": USER, "logit_bias": {"5": 101}}))
+    with pytest.raises(MeshError) as info:
+        validate_text_generate(public_request(chat, "x"), LIMITS)
+    assert renamed(info.value, chat.names).message == \
+        "logit_bias: the bias of token 5 must be in [-100, 100], got 101"
 
 
 def test_integral_floats_count_as_integers() -> None:

@@ -102,6 +102,10 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str, grpc.StatusCode]] = [
     ({"n": -1}, "n", INVALID),
     ({"json_schema": "{}"}, "json_schema", UNIMPLEMENTED),
     ({"regex": "a+"}, "regex", UNIMPLEMENTED),
+    ({"logit_bias": {5: 100.5}}, "logit_bias", INVALID),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias", INVALID),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias", INVALID),
+    ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "logit_bias", INVALID),
 ]
 
 
@@ -225,7 +229,18 @@ BAD_REQUESTS: list[tuple[Any, str, grpc.StatusCode]] = [
         "sampling_params.n",
         INVALID,
     ),
+    (
+        pb.GenerateRequest(input_ids=[1], sampling_params=pb.SamplingParams(logit_bias={100: 1})),
+        "sampling_params.logit_bias",
+        INVALID,
+    ),
 ]
+
+
+def test_logit_bias_reaches_the_internal_params() -> None:
+    v = validate_generate(pb.GenerateRequest(input_ids=[1], sampling_params=pb.SamplingParams(
+        logit_bias={99: -100, 3: 2.5})), LIMITS)
+    assert dict(v.sampling.logit_bias) == {99: -100.0, 3: 2.5}
 
 
 @pytest.mark.parametrize(("req", "name", "code"), BAD_REQUESTS)

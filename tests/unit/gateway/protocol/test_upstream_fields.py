@@ -16,7 +16,8 @@ from sglang.runtime.v1 import sglang_pb2
 MESHLM_OWN = {
     "SamplingParams": """
         optional bool skip_special_tokens = 100
-        optional bool no_stop_trim = 102""",
+        optional bool no_stop_trim = 102
+        map<int32,float> logit_bias = 103""",
     "TextGenerateRequest": "repeated int32 token_ids_logprob = 101",
     "TextGenerateResponse": "repeated int32 output_ids = 100",
     "GenerateRequest": """

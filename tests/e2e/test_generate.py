@@ -233,7 +233,7 @@ def test_the_schedulers_engine_thread_has_its_own_os_name(mesh):
     assert any(name != "meshlm-engine" for name in names)  # the event loop's thread, at least
 
 
-def test_logit_bias_bans_and_forces_tokens(stub, mesh):
+def test_logit_bias_and_allowed_token_ids(stub, mesh):
     """SGLang's native logit_bias ({"<id>": bias}) over HTTP, meshlm's field 103 over gRPC, and
     OpenAI's on /v1/completions: -100 keeps a token out, +100 all but forces it."""
     base = mesh.addresses.gateway_http
@@ -256,6 +256,17 @@ def test_logit_bias_bans_and_forces_tokens(stub, mesh):
         "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
         "logit_bias": {"77": 100}}).json()
     assert openai["choices"][0]["text"] == forced["text"]
+    # vLLM's allowed_token_ids (meshlm's field 104): only those are drawn, sampling or not.
+    for temperature in (0, 1):
+        r = httpx.post(f"{base}/generate", timeout=60, json={"input_ids": [5, 6, 7],
+                       "sampling_params": {"temperature": temperature, "max_new_tokens": 16,
+                                           "ignore_eos": True, "allowed_token_ids": [77, 78]}})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["output_ids"]) == 16 and set(r.json()["output_ids"]) <= {77, 78}
+    only = httpx.post(f"{base}/v1/completions", timeout=60, json={
+        "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "allowed_token_ids": [77]}).json()
+    assert only["choices"][0]["text"] == forced["text"]
     bad = httpx.post(f"{base}/v1/completions", timeout=60, json={
         "prompt": "a", "logit_bias": {"77": 1000}})
     assert bad.status_code == 400

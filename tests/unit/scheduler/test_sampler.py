@@ -192,3 +192,16 @@ def test_logit_bias_is_added_per_row_before_anything_else() -> None:
     eos_up = SamplingParams(temperature=0.0, min_new_tokens=2, logit_bias=((0, 100.0),))
     assert sample(torch.zeros(1, V), batch([eos_up], generated=[0])) != [0]
     assert SamplingParams(logit_bias=((3, float("nan")),)).problem() is not None
+
+
+def test_allowed_token_ids_restrict_a_row_before_the_bias() -> None:
+    logits = torch.arange(V, dtype=torch.float32).repeat(3, 1)  # the last id is the argmax
+    rows = [SamplingParams(temperature=0.0, allowed_token_ids=(1, 2)),
+            SamplingParams(temperature=0.0, allowed_token_ids=(1, 2), logit_bias=((1, 5.0),)),
+            SamplingParams(temperature=0.0)]
+    b = batch(rows)
+    assert b.allowed is not None and not rows[0].plain_greedy
+    assert sample(logits, b) == [2, 1, V - 1]
+    drawn = sample(torch.zeros(200, V), batch([SamplingParams(allowed_token_ids=(3, 5))] * 200))
+    assert set(drawn) == {3, 5}
+    assert SamplingParams(allowed_token_ids=(-1,)).problem() is not None

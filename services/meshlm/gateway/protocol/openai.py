@@ -10,13 +10,13 @@ API; its messages are put back into OpenAI's names with `names`. The typed field
 
 Accepted beside OpenAI's fields (as SGLang and vLLM accept them): top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, rid, priority
-(SGLang's order: larger first) and no_stop_trim (vLLM's include_stop_str_in_output: a matched
-stop string stays in the text); on chat, vLLM's add_generation_prompt, continue_final_message
-(the last message left open and continued; not with add_generation_prompt: true, which is
-otherwise the default), echo (the reply starts with the last message's content when that
-message is the assistant's) and chat_template_kwargs (the template's own variables).
-Constrained decoding, by OpenAI's response_format or by SGLang's and vLLM's own fields, is
-UNIMPLEMENTED, as on the other routes.
+(SGLang's order: larger first), no_stop_trim (vLLM's include_stop_str_in_output: a matched
+stop string stays in the text) and vLLM's allowed_token_ids; on chat, vLLM's
+add_generation_prompt, continue_final_message (the last message left open and continued; not
+with add_generation_prompt: true, which is otherwise the default), echo (the reply starts with
+the last message's content when that message is the assistant's) and chat_template_kwargs
+(the template's own variables). Constrained decoding, by OpenAI's response_format or by
+SGLang's and vLLM's own fields, is UNIMPLEMENTED, as on the other routes.
 """
 
 from __future__ import annotations
@@ -133,12 +133,12 @@ def _sampling(body: JsonBody, max_tokens_key: str) -> tuple[pb.SamplingParams, d
     if seed is not None:
         p.seed = seed
     p.stop.extend(_stop(body.get("stop")))
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t <= _INT32
-                                                     for t in stop_ids):
-            raise invalid("stop_token_ids", "must be a list of token ids")
-        p.stop_token_ids.extend(stop_ids)
+    for key in ("stop_token_ids", "allowed_token_ids"):  # the second is vLLM's
+        ids = body.get(key)
+        if ids is not None:
+            if not isinstance(ids, list) or not all(is_int(t) and 0 <= t <= _INT32 for t in ids):
+                raise invalid(key, "must be a list of token ids")
+            getattr(p, key).extend(ids)
     for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
         flag = body.boolean(key)
         if flag is not None:

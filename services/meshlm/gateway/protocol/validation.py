@@ -160,6 +160,7 @@ def normalize_sampling(
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
         no_stop_trim=p.no_stop_trim,
         logit_bias=dict(p.logit_bias),
+        allowed_token_ids=sorted(set(p.allowed_token_ids)),
     )
     if p.HasField("seed"):
         out.seed = p.seed
@@ -195,8 +196,10 @@ def _check_logit_bias(p: sglang_pb2.SamplingParams, prefix: str) -> None:
 
 
 def check_sampling_ids(sampling: common_pb2.SamplingParams, limits: Limits) -> None:
-    """The token ids sampling names (stop_token_ids, logit_bias) are the model's."""
+    """The token ids sampling names (stop_token_ids, logit_bias, allowed_token_ids) are the
+    model's."""
     check_token_ids(list(sampling.stop_token_ids), limits, "sampling_params.stop_token_ids")
+    check_token_ids(list(sampling.allowed_token_ids), limits, "sampling_params.allowed_token_ids")
     for token in sampling.logit_bias:
         if token >= limits.vocab_size:
             raise invalid("sampling_params.logit_bias", f"token id {token} is out of range "

@@ -1,10 +1,11 @@
 """Sampler: one batched step from logits to next tokens, each row with its own parameters.
 
-Order, as in vLLM: logit bias, min_new_tokens masking, repetition / frequency / presence
-penalties, greedy argmax (temperature 0), then temperature, top-k, top-p (over what top-k
-left), min-p and a draw. The draw inverts each row's CDF at one uniform number; a seeded row
-takes its number from a generator seeded with (seed, tokens generated so far), so its tokens
-depend only on the seed and the logits: not on the batch, nor on a preemption and recompute.
+Order, as in vLLM: allowed token ids, logit bias, min_new_tokens masking, repetition /
+frequency / presence penalties, greedy argmax (temperature 0), then temperature, top-k, top-p
+(over what top-k left), min-p and a draw. The draw inverts each row's CDF at one uniform
+number; a seeded row takes its number from a generator seeded with (seed, tokens generated so
+far), so its tokens depend only on the seed and the logits: not on the batch, nor on a
+preemption and recompute.
 Top-k/top-p use `topk` over a few candidates and sort the whole vocabulary only when a
 nucleus is wider than the candidates (a full sort is slow on CPU).
 """
@@ -37,6 +38,7 @@ class SamplingBatch:
     presence: Tensor | None  # [B]
     banned: tuple[Tensor, Tensor] | None  # (rows, token ids) set to -inf: min_new_tokens
     bias: tuple[Tensor, Tensor, Tensor] | None  # (rows, token ids, values) added: logit_bias
+    allowed: tuple[Tensor, Tensor] | None  # (rows [R], mask [R, V]): allowed_token_ids
     generators: list[torch.Generator | None]  # per row; None = the shared random stream
 
     @property
@@ -104,6 +106,7 @@ class SamplingBatch:
                 if ban_rows
                 else None
             ),
+            allowed=_allowed(params, vocab_size, device),
             bias=(
                 (
                     torch.tensor(bias_rows, dtype=torch.long, device=device),
@@ -118,6 +121,19 @@ class SamplingBatch:
                 for seed, n, g in zip(seeds, num_generated, greedy, strict=True)
             ],
         )
+
+
+def _allowed(params: list[SamplingParams], vocab_size: int,
+             device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The rows that restrict their tokens, and for each a mask of the ids they allow."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    for j, i in enumerate(rows):
+        ids = [t for t in params[i].allowed_token_ids if 0 <= t < vocab_size]
+        mask[j, torch.tensor(ids, dtype=torch.long, device=device)] = True
+    return torch.tensor(rows, dtype=torch.long, device=device), mask
 
 
 def argmax_rows(logits: Tensor) -> Tensor:
@@ -151,6 +167,9 @@ class Sampler:
         """`seen` [B, V] bool marks prompt + output tokens (repetition penalty); `counts`
         [B, V] counts output tokens (frequency/presence). Needed only when the batch uses
         those penalties. `logits` may be modified in place."""
+        if batch.allowed is not None:
+            rows, mask = batch.allowed
+            logits[rows] = logits[rows].masked_fill(~mask, NEG_INF)
         if batch.bias is not None:
             rows, ids, values = batch.bias
             logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)

@@ -44,6 +44,9 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before anything else (OpenAI's logit_bias; -100
     # bans a token, +100 all but forces it). Logprobs stay the model's own.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Only these ids may be drawn (vLLM's allowed_token_ids; empty: any): the others' logits are
+    # -inf before anything else. Logprobs stay the model's own.
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -56,7 +59,8 @@ class SamplingParams:
         Asked every step for every row, so kept (these fields do not change once queued)."""
         return (self.temperature < GREEDY_EPS and self.repetition_penalty == 1.0
                 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
-                and not self.return_logprob and not self.logit_bias)
+                and not self.return_logprob and not self.logit_bias
+                and not self.allowed_token_ids)
 
     def problem(self) -> str | None:
         """Why these parameters are unusable, or None when they are fine."""
@@ -80,6 +84,8 @@ class SamplingParams:
             return "token_ids_logprob must be token ids >= 0"
         if any(t < 0 or not math.isfinite(b) for t, b in self.logit_bias):
             return "logit_bias must map token ids >= 0 to finite numbers"
+        if any(t < 0 for t in self.allowed_token_ids):
+            return "allowed_token_ids must be token ids >= 0"
         return None
 
 
@@ -251,6 +257,8 @@ class Sequence:
             return f"token_ids_logprob: token id out of range [0, {vocab_size})"
         if vocab_size is not None and any(t >= vocab_size for t, _ in self.params.logit_bias):
             return f"logit_bias: token id out of range [0, {vocab_size})"
+        if vocab_size is not None and any(t >= vocab_size for t in self.params.allowed_token_ids):
+            return f"allowed_token_ids: token id out of range [0, {vocab_size})"
         if self.embed is None and not can_generate:
             return "this model serves embeddings only (it has no language-model head)"
         return self.params.problem()

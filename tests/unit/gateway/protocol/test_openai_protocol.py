@@ -190,6 +190,20 @@ def test_logit_bias_reaches_the_public_request() -> None:
         "logit_bias: the bias of token 5 must be in [-100, 100], got 101"
 
 
+def test_allowed_token_ids() -> None:
+    req = parse_completion(_body({"prompt": "a", "allowed_token_ids": [9, 3, 9]}))
+    assert list(public_request(req, "a").sampling_params.allowed_token_ids) == [9, 3, 9]
+    v = validate_text_generate(public_request(req, "a"), LIMITS)
+    assert list(v.sampling.allowed_token_ids) == [3, 9]  # a set, in order
+    err = _refusal(parse_chat, {"messages": USER, "allowed_token_ids": [1, "2"]})
+    assert err.message == "allowed_token_ids: must be a list of token ids"
+    chat = parse_chat(_body({"messages": USER, "allowed_token_ids": [5, 100]}))
+    with pytest.raises(MeshError) as info:
+        validate_text_generate(public_request(chat, "x"), LIMITS)
+    assert renamed(info.value, chat.names).message.startswith(
+        "allowed_token_ids[1]: token id 100 is out of range [0, 100)")
+
+
 def test_integral_floats_count_as_integers() -> None:
     """3.0 where an integer belongs is that integer, as in the native routes' protobuf JSON
     and in vLLM's and SGLang's pydantic models; 2.5 is refused (above)."""

@@ -86,6 +86,14 @@ def test_chat_streaming_role_first_then_content_finish_and_usage(client, model) 
     plain = list(client.chat.completions.create(model=model, messages=USER, max_tokens=3,
                                                 stream=True))
     assert all(c.usage is None and c.choices for c in plain)
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    running = list(client.chat.completions.create(
+        model=model, messages=USER, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in running)
+    counts = [c.usage.completion_tokens for c in running]
+    assert counts == sorted(counts) and counts[0] < counts[-1] == whole.usage.completion_tokens
+    assert {c.usage.prompt_tokens for c in running} == {whole.usage.prompt_tokens}
 
 
 def test_chat_n_samples_with_a_seed_repeat_and_differ(client, model) -> None:

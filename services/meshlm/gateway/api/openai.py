@@ -112,6 +112,7 @@ class OpenAIRPCs:
         v.return_text = True
         answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
                             stream=req.stream, include_usage=req.include_usage,
+                            continuous_usage=req.continuous_usage,
                             top_logprobs=req.top_logprobs, echo=req.echo_text)
         async for chunk in self._answer(req, [(v, req.names)], answer):
             yield chunk
@@ -131,6 +132,7 @@ class OpenAIRPCs:
         answer = CompletionAnswer(model=model, created=int(time.time()), n=req.n,
                                   prompts=len(runs), stream=req.stream,
                                   include_usage=req.include_usage,
+                                  continuous_usage=req.continuous_usage,
                                   top_logprobs=req.top_logprobs, echo=echo)
         async for chunk in self._answer(req, runs, answer):
             yield chunk

@@ -60,6 +60,7 @@ class GenerationRequest:
     rid: str | None
     names: dict[str, str] = field(default_factory=dict)  # gateway field -> the client's
     priority: int | None = None
+    continuous_usage: bool = False  # the usage so far in every streamed chunk
 
     @property
     def n(self) -> int:
@@ -182,20 +183,24 @@ def _stop(value: Any) -> list[str]:
     raise invalid("stop", "must be a string or a list of strings")
 
 
-def _stream(body: JsonBody) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
+def _stream(body: JsonBody) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage): vLLM's continuous_usage_stats puts the usage
+    so far in every chunk, with include_usage."""
     stream = bool(body.boolean("stream"))
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise invalid("stream_options", "is only allowed when stream is true")
     if not isinstance(options, dict):
         raise invalid("stream_options", "must be an object")
-    usage = options.get("include_usage", False)
-    if not isinstance(usage, bool):
-        raise invalid("stream_options.include_usage", "must be true or false")
-    return stream, usage
+    flags = []
+    for key in ("include_usage", "continuous_usage_stats"):
+        flag = options.get(key, False)
+        if not isinstance(flag, bool):
+            raise invalid(f"stream_options.{key}", "must be true or false")
+        flags.append(flag)
+    return stream, flags[0], flags[0] and flags[1]
 
 
 def chat_rendering(add_generation_prompt: bool | None,
@@ -220,7 +225,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     key = "max_completion_tokens" if given else "max_tokens"
     b.read.update(("max_tokens", "max_completion_tokens"))
     sampling, names = _sampling(b, key)
-    stream, include_usage = _stream(b)
+    stream, include_usage, continuous = _stream(b)
     logprobs = b.boolean("logprobs")
     top = b.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
@@ -241,7 +246,8 @@ def parse_chat(body: bytes) -> ChatRequest:
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
-                       rid=rid, names=names, priority=priority, messages=messages,
+                       rid=rid, names=names, priority=priority, continuous_usage=continuous,
+                       messages=messages,
                        add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo,
                        template_kwargs=kwargs)
@@ -302,7 +308,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     sampling, names = _sampling(b, "max_tokens")
     if not sampling.HasField("max_new_tokens"):
         sampling.max_new_tokens = COMPLETION_MAX_TOKENS
-    stream, include_usage = _stream(b)
+    stream, include_usage, continuous = _stream(b)
     logprobs = b.integer("logprobs", 0, MAX_TOP_LOGPROBS)
     names["top_logprobs_num"] = "logprobs"
     echo = bool(b.boolean("echo"))
@@ -317,8 +323,8 @@ def parse_completion(body: bytes) -> CompletionRequest:
     b.check_unknown()
     return CompletionRequest(model=model, sampling=sampling, stream=stream,
                              include_usage=include_usage, top_logprobs=logprobs, rid=rid,
-                             names=names, priority=priority, prompts=prompts, batch=batch,
-                             echo=echo)
+                             names=names, priority=priority, continuous_usage=continuous,
+                             prompts=prompts, batch=batch, echo=echo)
 
 
 def prompts_of(value: Any, key: str) -> tuple[list[Prompt], bool]:

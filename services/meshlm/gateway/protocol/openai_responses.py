@@ -16,7 +16,8 @@ the echoed content); then one chunk per update that brings text, with its tokens
 still holds back wait for it, so every chunk with text carries the logprobs of the tokens
 that made it. A choice's last chunk carries its finish_reason together with its last text
 and logprobs (as SGLang's completions and vLLM's do), never an empty chunk of its own. With
-include_usage every chunk has "usage": null and `usage_chunk()` (no choices) ends the stream.
+include_usage every chunk has "usage": null (the usage so far with vLLM's
+continuous_usage_stats) and `usage_chunk()` (no choices) ends the stream.
 
 The id is the request's rid ("chatcmpl-<rid>", "cmpl-<rid>"); usage counts each prompt once
 (its first sample's cached_tokens) and every sample's completion tokens.
@@ -52,12 +53,14 @@ class Answer:
     id_prefix = ""
 
     def __init__(self, *, model: str, created: int, n: int, prompts: int, stream: bool,
-                 include_usage: bool, top_logprobs: int | None) -> None:
+                 include_usage: bool, top_logprobs: int | None,
+                 continuous_usage: bool = False) -> None:
         self.model = model
         self.created = created
         self.n = n
         self.stream = stream
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.top_logprobs = top_logprobs
         self.id = ""
         count = n * prompts
@@ -138,7 +141,7 @@ class Answer:
         chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
                  "model": self.model, "choices": [choice]}
         if self.include_usage:
-            chunk["usage"] = None
+            chunk["usage"] = self.usage() if self.continuous_usage else None
         return chunk
 
     # -- per kind ----------------------------------------------------------------------------

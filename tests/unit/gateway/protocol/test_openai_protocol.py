@@ -204,6 +204,18 @@ def test_allowed_token_ids() -> None:
         "allowed_token_ids[1]: token id 100 is out of range [0, 100)")
 
 
+def test_continuous_usage_stats_needs_include_usage() -> None:
+    def continuous(options: dict[str, Any]) -> bool:
+        return parse_chat(_body({"messages": USER, "stream": True,
+                                 "stream_options": options})).continuous_usage
+    assert continuous({"include_usage": True, "continuous_usage_stats": True})
+    assert not continuous({"continuous_usage_stats": True})
+    assert not continuous({"include_usage": True})
+    err = _refusal(parse_chat, {"messages": USER, "stream": True,
+                                "stream_options": {"continuous_usage_stats": 1}})
+    assert err.message == "stream_options.continuous_usage_stats: must be true or false"
+
+
 def test_integral_floats_count_as_integers() -> None:
     """3.0 where an integer belongs is that integer, as in the native routes' protobuf JSON
     and in vLLM's and SGLang's pydantic models; 2.5 is refused (above)."""

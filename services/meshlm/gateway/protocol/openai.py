@@ -14,9 +14,11 @@ repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 stop string stays in the text) and vLLM's allowed_token_ids; on chat, vLLM's
 add_generation_prompt, continue_final_message (the last message left open and continued; not
 with add_generation_prompt: true, which is otherwise the default), echo (the reply starts with
-the last message's content when that message is the assistant's) and chat_template_kwargs
-(the template's own variables). Constrained decoding, by OpenAI's response_format or by
-SGLang's and vLLM's own fields, is UNIMPLEMENTED, as on the other routes.
+the last message's content when that message is the assistant's), chat_template_kwargs (the
+template's own variables) and SGLang's separate_reasoning and stream_reasoning (no effect: no
+reasoning parser, as in SGLang without one). Constrained decoding, by OpenAI's
+response_format or by SGLang's and vLLM's own fields, is UNIMPLEMENTED, as on the other
+routes.
 """
 
 from __future__ import annotations
@@ -243,6 +245,10 @@ def parse_chat(body: bytes) -> ChatRequest:
     rid = b.string("rid")
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     kwargs = checked_template_kwargs(b.get(TEMPLATE_KWARGS))
+    # SGLang's reasoning switches: without a reasoning parser (SGLang's --reasoning-parser;
+    # meshlm has none) they change nothing there either, and reasoning_content stays null.
+    b.boolean("separate_reasoning")
+    b.boolean("stream_reasoning")
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,

@@ -216,6 +216,12 @@ def test_continuous_usage_stats_needs_include_usage() -> None:
     assert err.message == "stream_options.continuous_usage_stats: must be true or false"
 
 
+def test_sglang_reasoning_switches_are_taken() -> None:
+    parse_chat(_body({"messages": USER, "separate_reasoning": True, "stream_reasoning": False}))
+    err = _refusal(parse_chat, {"messages": USER, "separate_reasoning": "yes"})
+    assert err.message.startswith("separate_reasoning: must be true or false")
+
+
 def test_integral_floats_count_as_integers() -> None:
     """3.0 where an integer belongs is that integer, as in the native routes' protobuf JSON
     and in vLLM's and SGLang's pydantic models; 2.5 is refused (above)."""

@@ -65,6 +65,32 @@ def test_chat_applies_the_checkpoints_template_and_generates(client, model, stub
     assert choice.message.content == same.choices[0].text and choice.message.content
 
 
+def test_add_special_tokens_as_vllm(client, model, mesh, stub) -> None:
+    """vLLM's add_special_tokens: on by default for a completion's text (the bos), off for a
+    chat (its template writes its own); either way round when asked, /v1/tokenize alike."""
+    text = "Once upon a time"
+    bare = len(stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=False)).tokens)
+
+    def completion(**extra: object) -> int:
+        return client.completions.create(model=model, prompt=text, max_tokens=1,
+                                         extra_body=extra).usage.prompt_tokens
+
+    assert completion() == completion(add_special_tokens=True) == bare + 1
+    assert completion(add_special_tokens=False) == bare
+
+    def chat(**extra: object) -> int:
+        return client.chat.completions.create(model=model, messages=USER, max_tokens=1,
+                                              extra_body=extra).usage.prompt_tokens
+
+    templated = chat()
+    assert chat(add_special_tokens=False) == templated
+    assert chat(add_special_tokens=True) == templated + 1  # a second bos, as asked
+    counts = [httpx.post(f"{mesh.addresses.gateway_http}/v1/tokenize", timeout=60,
+                         json={"messages": USER, **extra}).json()["count"]
+              for extra in ({}, {"add_special_tokens": True})]
+    assert counts == [templated, templated + 1]
+
+
 def test_chat_streaming_role_first_then_content_finish_and_usage(client, model) -> None:
     whole = client.chat.completions.create(model=model, messages=USER, max_tokens=12,
                                            temperature=0)

@@ -149,8 +149,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                         len(r.chat.messages_json), rendered_or_refused, self._tok, r.chat)
                 if isinstance(rendered, Refused):
                     ids[i] = rendered
-                else:  # the templates write their own special tokens (bos)
-                    texts[i] = rendered, False
+                else:  # the templates write their own special tokens (bos), as a rule
+                    texts[i] = rendered, r.chat.add_special_tokens
         # add_special_tokens is per request; group so each group is one encode_batch call.
         for special in (True, False):
             group = [i for i, (_, flag) in texts.items() if flag == special]
@@ -229,8 +229,9 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     ) -> tokenizer_pb2.ChatTemplateResponse:
         text = await self.workers.run(len(request.messages_json), render_chat, self._tok,
                                       request)
-        # Templates write their own special tokens (bos).
-        tokens = await self.workers.run(len(text), self._tok.encode, text, False)
+        # Templates write their own special tokens (bos), unless more are asked for.
+        tokens = await self.workers.run(len(text), self._tok.encode, text,
+                                        request.add_special_tokens)
         return tokenizer_pb2.ChatTemplateResponse(tokens=tokens)
 
     async def GetInfo(self, request: common_pb2.GetInfoRequest,

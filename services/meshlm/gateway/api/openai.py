@@ -101,7 +101,8 @@ class OpenAIRPCs:
         check_batch(req.n, limits.max_batch, "n")
         check_prompt_chars(text_chars(req.messages), limits, "messages")
         chat = template_request(req.messages, req.add_generation_prompt,
-                                req.continue_final_message, req.template_kwargs)
+                                req.continue_final_message, req.template_kwargs,
+                                req.add_special_tokens)
         # The prompt: `chat`, rendered by the tokenizer, which also sets the default
         # max_tokens; until then the largest room a prompt can leave stands in for it.
         public = public_request(req, [], max_new_tokens=limits.max_model_len - 1)
@@ -125,7 +126,9 @@ class OpenAIRPCs:
         for i, prompt in enumerate(req.prompts):
             key = f"prompt[{i}]" if req.batch else "prompt"
             names = {**req.names, "text": key, "input_ids": key, "logprob_start_len": key}
-            runs.append((_validated(public_request(req, prompt), limits, names), names))
+            v = _validated(public_request(req, prompt), limits, names)
+            v.add_special_tokens = req.add_special_tokens
+            runs.append((v, names))
         echo = None
         if req.echo:
             echo = await asyncio.gather(*(self._prompt_text(p) for p in req.prompts))

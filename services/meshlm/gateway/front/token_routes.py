@@ -5,8 +5,9 @@ both prefixes. Bodies as SGLang's and vLLM's:
 - tokenize: {"prompt": str | [str, ...], "add_special_tokens": true} or {"messages": [...],
   "add_generation_prompt": true, "continue_final_message": false, "chat_template_kwargs": {}}
   (a chat, rendered by the checkpoint's template with those variables; continuing leaves the
-  final message open) -> {"tokens", "count", "max_model_len"} (lists for a list of prompts).
-  The empty prompt is valid: its tokens are the special ones it gets, if any.
+  final message open; add_special_tokens, false for a chat, adds the tokenizer's on top) ->
+  {"tokens", "count", "max_model_len"} (lists for a list of prompts). The empty prompt is
+  valid: its tokens are the special ones it gets, if any.
 - detokenize: {"tokens": [id, ...] | [[id, ...], ...], "skip_special_tokens": true} ->
   {"text": str | [str, ...]}; no tokens give "".
 """
@@ -76,9 +77,6 @@ class _TokenHandlers:
     async def _chat(self, doc: dict[str, Any]) -> dict[str, Any]:
         if "prompt" in doc:
             raise invalid("messages", "give prompt or messages, not both")
-        if "add_special_tokens" in doc:
-            raise invalid("add_special_tokens", "is for a prompt; a chat's template places "
-                                                "its special tokens")
         messages = doc["messages"]
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) for m in messages):
@@ -87,7 +85,9 @@ class _TokenHandlers:
             bool_field(doc, "add_generation_prompt", True) if "add_generation_prompt" in doc
             else None, bool_field(doc, "continue_final_message", False))
         kwargs = checked_template_kwargs(doc.get(TEMPLATE_KWARGS))
-        tokens = await self.api.tokens.chat_tokens(messages, add_prompt, keep_open, kwargs)
+        special = bool_field(doc, "add_special_tokens", False)  # the template writes its own
+        tokens = await self.api.tokens.chat_tokens(messages, add_prompt, keep_open, kwargs,
+                                                   special)
         model = await self.api.core.model_info()
         return {"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len}
 

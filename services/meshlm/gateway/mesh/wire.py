@@ -22,7 +22,8 @@ def tokenizer_request(v: ValidatedRequest, child: Child, route: common_pb2.Route
         route=route, arrival_time=arrival, embed=v.embed, after=child.after,
         deadline=deadline.wire(expires), priority=v.priority,
     )
-    msg = tokenizer_pb2.GenerateRequest(meta=meta, trace=trace, add_special_tokens=True,
+    msg = tokenizer_pb2.GenerateRequest(meta=meta, trace=trace,
+                                        add_special_tokens=v.add_special_tokens,
                                         max_model_len=max_model_len)
     if v.text is not None:
         msg.text = v.text

@@ -76,6 +76,7 @@ class ChatRequest(GenerationRequest):
     continue_final_message: bool = False
     echo: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's bos on top of the template's
 
     @property
     def echo_text(self) -> str | None:
@@ -92,6 +93,7 @@ class CompletionRequest(GenerationRequest):
     prompts: list[Prompt] = field(default_factory=list)
     batch: bool = False  # the prompt was a list of prompts
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM's: for text prompts (token ids are sent as given)
 
 
 @dataclass
@@ -245,6 +247,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     rid = b.string("rid")
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     kwargs = checked_template_kwargs(b.get(TEMPLATE_KWARGS))
+    special = bool(b.boolean("add_special_tokens"))
     # SGLang's reasoning switches: without a reasoning parser (SGLang's --reasoning-parser;
     # meshlm has none) they change nothing there either, and reasoning_content stays null.
     b.boolean("separate_reasoning")
@@ -256,19 +259,20 @@ def parse_chat(body: bytes) -> ChatRequest:
                        messages=messages,
                        add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo,
-                       template_kwargs=kwargs)
+                       template_kwargs=kwargs, add_special_tokens=special)
 
 
 def template_request(messages: list[Any], add_generation_prompt: bool,
                      continue_final_message: bool = False,
                      template_kwargs: dict[str, Any] | None = None,
-                     ) -> tokenizer_pb2.ChatTemplateRequest:
+                     add_special_tokens: bool = False) -> tokenizer_pb2.ChatTemplateRequest:
     """What the tokenizer renders a chat from (for a chat completion, and for /v1/tokenize)."""
     return tokenizer_pb2.ChatTemplateRequest(
         messages_json=orjson.dumps(messages).decode(),
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
-        template_kwargs_json=orjson.dumps(template_kwargs).decode() if template_kwargs else "")
+        template_kwargs_json=orjson.dumps(template_kwargs).decode() if template_kwargs else "",
+        add_special_tokens=add_special_tokens)
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:
@@ -326,11 +330,13 @@ def parse_completion(body: bytes) -> CompletionRequest:
     if rid is not None and batch:
         raise invalid("rid", "give a rid only with a single prompt")
     priority = b.integer("priority", -_INT32 - 1, _INT32)
+    special = b.boolean("add_special_tokens")
     b.check_unknown()
     return CompletionRequest(model=model, sampling=sampling, stream=stream,
                              include_usage=include_usage, top_logprobs=logprobs, rid=rid,
                              names=names, priority=priority, continuous_usage=continuous,
-                             prompts=prompts, batch=batch, echo=echo)
+                             prompts=prompts, batch=batch, echo=echo,
+                             add_special_tokens=special is not False)
 
 
 def prompts_of(value: Any, key: str) -> tuple[list[Prompt], bool]:

@@ -77,6 +77,7 @@ class ValidatedRequest:
     # max_tokens, so max_new_tokens is the room its prompt leaves (set there).
     chat: tokenizer_pb2.ChatTemplateRequest | None = None
     fill_max_new_tokens: bool = False
+    add_special_tokens: bool = True  # a text prompt's, when encoded (a chat's: in `chat`)
 
 
 def unimplemented(field_path: str, problem: str) -> MeshError:

@@ -222,6 +222,14 @@ def test_sglang_reasoning_switches_are_taken() -> None:
     assert err.message.startswith("separate_reasoning: must be true or false")
 
 
+def test_add_special_tokens_defaults_as_vllm() -> None:
+    assert not parse_chat(_body({"messages": USER})).add_special_tokens
+    assert parse_chat(_body({"messages": USER, "add_special_tokens": True})).add_special_tokens
+    assert parse_completion(_body({"prompt": "a"})).add_special_tokens
+    assert not parse_completion(_body({"prompt": "a",
+                                       "add_special_tokens": False})).add_special_tokens
+
+
 def test_integral_floats_count_as_integers() -> None:
     """3.0 where an integer belongs is that integer, as in the native routes' protobuf JSON
     and in vLLM's and SGLang's pydantic models; 2.5 is refused (above)."""

@@ -76,8 +76,11 @@ class JsonBody:
             raise invalid(key, f"is not supported{why}")
 
     def check_unknown(self) -> None:
-        for key in self.doc:
-            if key not in self.read and key not in _IGNORED:
+        """Refuse a field no read asked for; a null one is "not given" (as every field's null
+        is here, and as SGLang's and vLLM's own extra fields are when a client sends their
+        defaults as null)."""
+        for key, value in self.doc.items():
+            if key not in self.read and key not in _IGNORED and value is not None:
                 raise invalid(key, "unknown field")
 
 

@@ -158,6 +158,8 @@ def _sampling(body: JsonBody, max_tokens_key: str) -> tuple[pb.SamplingParams, d
     for key in _CONSTRAINTS:
         if body.get(key) is not None:
             raise unimplemented(key, "constrained decoding is not supported yet")
+    if body.get("lora_path") is not None:  # SGLang's
+        raise unimplemented("lora_path", "LoRA adapters are not supported: one set of weights")
     return p, names
 
 

@@ -230,6 +230,16 @@ def test_add_special_tokens_defaults_as_vllm() -> None:
                                        "add_special_tokens": False})).add_special_tokens
 
 
+def test_a_null_field_is_not_given_even_when_unknown() -> None:
+    parse_chat(_body({"messages": USER, "bootstrap_host": None, "lora_path": None}))
+    parse_completion(_body({"prompt": "a", "cache_salt": None}))
+    err = _refusal(parse_completion, {"prompt": "a", "cache_salt": "x"})
+    assert err.message == "cache_salt: unknown field"
+    with pytest.raises(MeshError) as info:
+        parse_chat(_body({"messages": USER, "lora_path": "/adapters/a"}))
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+
+
 def test_integral_floats_count_as_integers() -> None:
     """3.0 where an integer belongs is that integer, as in the native routes' protobuf JSON
     and in vLLM's and SGLang's pydantic models; 2.5 is refused (above)."""

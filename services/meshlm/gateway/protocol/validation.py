@@ -40,6 +40,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_N = 16  # samples of one prompt (sampling_params.n)
 MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary's ids
 _RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -136,6 +137,9 @@ def normalize_sampling(
         )
     _check_stop(p, field_prefix)
     _check_logit_bias(p, field_prefix)
+    if len(p.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise invalid(name("allowed_token_ids"), f"at most {MAX_ALLOWED_TOKEN_IDS} token ids, "
+                                                 f"got {len(p.allowed_token_ids)}")
     if p.HasField("n") and not 1 <= p.n <= MAX_N:
         raise invalid(name("n"), f"must be in [1, {MAX_N}] (samples of the prompt), got {p.n}")
     for f in ("json_schema", "regex", "guided_decoding"):

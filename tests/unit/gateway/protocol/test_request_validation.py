@@ -106,6 +106,7 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str, grpc.StatusCode]] = [
     ({"logit_bias": {5: float("nan")}}, "logit_bias", INVALID),
     ({"logit_bias": {-1: 1.0}}, "logit_bias", INVALID),
     ({"logit_bias": dict.fromkeys(range(1025), 1.0)}, "logit_bias", INVALID),
+    ({"allowed_token_ids": [1] * (2**18 + 1)}, "allowed_token_ids", INVALID),
 ]
 
 

@@ -29,8 +29,8 @@ def decode_state(header: common_pb2.RequestHeader, tokenizer: Tokenizer,
 
 
 def text_output(out: detokenizer_pb2.TokenOutput) -> gateway_pb2.TextOutput:
-    """What passes through as it came: the token ids, the counts, the embedding and the
-    logprobs (their texts are added later); no text, not finished."""
+    """What passes through as it came: the token ids, the counts, the embedding, the
+    logprobs (their texts are added later) and the prompt's ids; no text, not finished."""
     text_out = gateway_pb2.TextOutput(
         rid=out.rid, token_ids=out.token_ids, prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
@@ -39,6 +39,8 @@ def text_output(out: detokenizer_pb2.TokenOutput) -> gateway_pb2.TextOutput:
         text_out.embedding.extend(out.embedding)
     if out.HasField("logprobs"):
         text_out.logprobs.CopyFrom(out.logprobs)
+    if out.header.prompt_ids:  # the first output of a request that asked for them
+        text_out.prompt_ids.extend(out.header.prompt_ids)
     return text_out
 
 

@@ -37,7 +37,8 @@ class Tracked:
     header_sent: bool = False
     silent: bool = False  # finished elsewhere (stop string): its abort output is not sent
     first_token_at: float | None = None
-    prompt_ids: list[int] = field(default_factory=list)  # kept until prompt logprobs are sent
+    # Kept until sent: with the prompt logprobs, or in the header (return_prompt_ids).
+    prompt_ids: list[int] = field(default_factory=list)
     # Status code of an engine refusal: a generation request to an embedding-only model is
     # FAILED_PRECONDITION (the model cannot do it), any other refusal INVALID_ARGUMENT.
     error_code: Code = Code.INVALID_ARGUMENT

@@ -37,11 +37,12 @@ def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
 def tracked_of(req: scheduler_pb2.TokenizedRequest, span: trace.Span) -> Tracked:
     """What the engine loop keeps of a request for its outputs: its meta (a copy: a reference
     would keep the whole received batch alive), and its prompt when prompt logprobs will need
-    their ids."""
+    their ids or the client asked for them back (return_prompt_ids)."""
     meta = common_pb2.RequestMeta()
     meta.CopyFrom(req.meta)
     tracked = Tracked(meta=meta, prompt_tokens=len(req.input_ids), span=span)
-    if meta.sampling.return_logprob and meta.sampling.logprob_start_len >= 0:
+    if meta.return_prompt_ids or (meta.sampling.return_logprob
+                                  and meta.sampling.logprob_start_len >= 0):
         tracked.prompt_ids = list(req.input_ids)
     return tracked
 
@@ -64,7 +65,8 @@ def plain_item(out: StepOutput) -> Plain:
 
 def token_output(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutput:
     """StepOutput -> wire. The first output of a request carries its header (`tracked` then
-    records it as sent), and the prompt ids go out once, with the prompt logprobs."""
+    records it as sent, with the prompt's ids when the client asked for them back), and the
+    prompt ids go out once, with the prompt logprobs."""
     msg = detokenizer_pb2.TokenOutput(
         rid=out.rid, token_ids=out.new_token_ids, finished=out.finished,
         finish_reason=out.finish_reason or "", prompt_tokens=out.prompt_tokens,
@@ -77,15 +79,19 @@ def token_output(out: StepOutput, tracked: Tracked) -> detokenizer_pb2.TokenOutp
         msg.error.message = out.error
     if out.embedding is not None:
         msg.embedding.extend(out.embedding)
-    if has_logprobs(out):
-        fill_logprobs(msg.logprobs, out, tracked.prompt_ids)
-        if out.input_logprobs:
-            tracked.prompt_ids = []
     if not tracked.header_sent:
         tracked.header_sent = True
         msg.header.meta.CopyFrom(tracked.meta)
         msg.header.prompt_tokens = tracked.prompt_tokens
         msg.header.trace.update(carrier_of(tracked.span))
+        if tracked.meta.return_prompt_ids:
+            msg.header.prompt_ids.extend(tracked.prompt_ids)
+    if has_logprobs(out):
+        fill_logprobs(msg.logprobs, out, tracked.prompt_ids)
+        if out.input_logprobs:
+            tracked.prompt_ids = []
+    elif not tracked.return_logprob:
+        tracked.prompt_ids = []  # sent in the header
     return msg
 
 

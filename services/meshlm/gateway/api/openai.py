@@ -111,10 +111,12 @@ class OpenAIRPCs:
         except MeshError as e:
             raise renamed(e, req.names) from None
         v.return_text = True
+        v.return_prompt_ids = req.return_token_ids
         answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
                             stream=req.stream, include_usage=req.include_usage,
                             continuous_usage=req.continuous_usage,
-                            top_logprobs=req.top_logprobs, echo=req.echo_text)
+                            top_logprobs=req.top_logprobs, echo=req.echo_text,
+                            token_ids=req.return_token_ids, tokens_as_ids=req.tokens_as_ids)
         async for chunk in self._answer(req, [(v, req.names)], answer):
             yield chunk
 
@@ -128,6 +130,7 @@ class OpenAIRPCs:
             names = {**req.names, "text": key, "input_ids": key, "logprob_start_len": key}
             v = _validated(public_request(req, prompt), limits, names)
             v.add_special_tokens = req.add_special_tokens
+            v.return_prompt_ids = req.return_token_ids
             runs.append((v, names))
         echo = None
         if req.echo:
@@ -136,7 +139,9 @@ class OpenAIRPCs:
                                   prompts=len(runs), stream=req.stream,
                                   include_usage=req.include_usage,
                                   continuous_usage=req.continuous_usage,
-                                  top_logprobs=req.top_logprobs, echo=echo)
+                                  top_logprobs=req.top_logprobs, echo=echo,
+                                  token_ids=req.return_token_ids,
+                                  tokens_as_ids=req.tokens_as_ids)
         async for chunk in self._answer(req, runs, answer):
             yield chunk
 

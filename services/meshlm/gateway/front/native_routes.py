@@ -2,7 +2,8 @@
 /get_server_info (and SGLang's current /model_info, /server_info), /get_load, /abort_request,
 /pause_generation, /continue_generation, the profiling routes (/start_profile, /stop_profile,
 /start_request_profile, /stop_request_profile) and /update_weights_from_disk, with SGLang's bodies
-and reply shapes (its http_server.py; ../shared/seeds/003_*.txt for the route surface).
+and reply shapes (its http_server.py; ../shared/seeds/003_*.txt for the route surface); and
+vLLM's /load and /version.
 /tokenize and /detokenize are `front/token_routes.py`.
 
 The handlers are thin: parse the body, call the GatewayAPI method that the gRPC RPC calls, shape
@@ -57,6 +58,8 @@ def native_routes(api: Any) -> list[BaseRoute]:
         Route("/get_server_info", json_endpoint(h.get_server_info), methods=get),
         Route("/server_info", json_endpoint(h.get_server_info), methods=get),
         Route("/get_load", json_endpoint(h.get_load), methods=get),
+        Route("/load", json_endpoint(h.server_load), methods=get),  # vLLM's
+        Route("/version", json_endpoint(h.version), methods=get),  # vLLM's
         Route("/abort_request", json_endpoint(h.abort_request), methods=post),
         Route("/pause_generation", json_endpoint(h.pause_generation), methods=post),
         Route("/continue_generation", json_endpoint(h.continue_generation), methods=post),
@@ -133,6 +136,15 @@ class _NativeHandlers:
             req.dp_rank = _query_int(params["dp_rank"], "dp_rank")
         reply = await self.api.info.GetLoad(req, call_context(request))
         return [_load(entry) for entry in _parsed(reply.json_info)]
+
+    async def server_load(self, request: Request) -> dict[str, Any]:
+        """vLLM's {"server_load": n}: the requests this gateway has in flight (each prompt of
+        a batch and each of n samples counted), whatever route or transport they came by."""
+        return {"server_load": len(self.api.core.table.requests)}
+
+    async def version(self, request: Request) -> dict[str, Any]:
+        """vLLM's {"version": ...}: meshlm's."""
+        return {"version": _version()}
 
     async def abort_request(self, request: Request) -> dict[str, Any]:
         """{"rid": ..., "abort_all": bool} -> {"success": true, "aborted": how many requests

@@ -34,6 +34,7 @@ class Update:
     cached_tokens: int
     logprobs: common_pb2.Logprobs | None = None  # for token_ids (and the prompt, first)
     embedding: list[float] | None = None  # an embedding request's result
+    prompt_ids: list[int] | None = None  # the prompt's ids (return_prompt_ids), first only
 
 
 @dataclass
@@ -50,6 +51,7 @@ class PendingRequest:
     _counts: tuple[int, int, int] = (0, 0, 0)
     _logprobs: common_pb2.Logprobs | None = None
     _embedding: list[float] | None = None
+    _prompt_ids: list[int] | None = None
     _news: bool = False
     # Set on news; shared by the children of one request (see `next_updates`).
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -82,6 +84,8 @@ class PendingRequest:
         self._counts = (out.prompt_tokens, out.completion_tokens, out.cached_tokens)
         if out.embedding:
             self._embedding = list(out.embedding)
+        if out.prompt_ids:
+            self._prompt_ids = list(out.prompt_ids)
         if out.finished:
             if out.finish_reason == "error":
                 code = out.error.code or grpc.StatusCode.INTERNAL.value[0]
@@ -104,8 +108,9 @@ class PendingRequest:
         self._news = False
         prompt, completion, cached = self._counts
         update = Update("".join(self._text), self._ids, self._final, self._error, prompt,
-                        completion, cached, self._logprobs, self._embedding)  # positional: faster
-        self._text, self._ids, self._logprobs = [], [], None
+                        completion, cached, self._logprobs, self._embedding,
+                        self._prompt_ids)  # positional: faster
+        self._text, self._ids, self._logprobs, self._prompt_ids = [], [], None, None
         if update.final is not None or update.error is not None:
             self.done = True
         return update

@@ -82,7 +82,8 @@ class Choices:
 
 
 def merge_updates(updates: list[Update]) -> Update:
-    """One update with the text, ids and logprobs of several, counts from the last."""
+    """One update with the text, ids and logprobs of several, counts from the last, the
+    prompt's ids from the first that has them."""
     last = updates[-1]
     logprobs = None
     for u in updates:
@@ -94,4 +95,6 @@ def merge_updates(updates: list[Update]) -> Update:
                   token_ids=[t for u in updates for t in u.token_ids], final=last.final,
                   error=last.error, prompt_tokens=last.prompt_tokens,
                   completion_tokens=last.completion_tokens, cached_tokens=last.cached_tokens,
-                  logprobs=logprobs, embedding=last.embedding)
+                  logprobs=logprobs, embedding=last.embedding,
+                  prompt_ids=next((u.prompt_ids for u in updates if u.prompt_ids is not None),
+                                  None))

@@ -11,7 +11,9 @@ API; its messages are put back into OpenAI's names with `names`. The typed field
 Accepted beside OpenAI's fields (as SGLang and vLLM accept them): top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, rid, priority
 (SGLang's order: larger first), no_stop_trim (vLLM's include_stop_str_in_output: a matched
-stop string stays in the text) and vLLM's allowed_token_ids; on chat, vLLM's
+stop string stays in the text) and vLLM's allowed_token_ids, return_token_ids (the output's
+and the prompt's ids in the answer) and return_tokens_as_token_ids (logprobs name tokens
+"token_id:<id>"); on chat, vLLM's
 add_generation_prompt, continue_final_message (the last message left open and continued; not
 with add_generation_prompt: true, which is otherwise the default), echo (the reply starts with
 the last message's content when that message is the assistant's), chat_template_kwargs (the
@@ -63,6 +65,8 @@ class GenerationRequest:
     names: dict[str, str] = field(default_factory=dict)  # gateway field -> the client's
     priority: int | None = None
     continuous_usage: bool = False  # the usage so far in every streamed chunk
+    return_token_ids: bool = False  # vLLM's: output and prompt ids in the answer
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
 
     @property
     def n(self) -> int:
@@ -209,6 +213,12 @@ def _stream(body: JsonBody) -> tuple[bool, bool, bool]:
     return stream, flags[0], flags[0] and flags[1]
 
 
+def _ids_options(b: JsonBody) -> dict[str, bool]:
+    """vLLM's return_token_ids and return_tokens_as_token_ids, as GenerationRequest fields."""
+    return {"return_token_ids": bool(b.boolean("return_token_ids")),
+            "tokens_as_ids": bool(b.boolean("return_tokens_as_token_ids"))}
+
+
 def chat_rendering(add_generation_prompt: bool | None,
                    continue_final_message: bool) -> tuple[bool, bool]:
     """(add_generation_prompt, continue_final_message) as vLLM settles them: the generation
@@ -254,6 +264,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     # meshlm has none) they change nothing there either, and reasoning_content stays null.
     b.boolean("separate_reasoning")
     b.boolean("stream_reasoning")
+    ids = _ids_options(b)
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
@@ -261,7 +272,7 @@ def parse_chat(body: bytes) -> ChatRequest:
                        messages=messages,
                        add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo,
-                       template_kwargs=kwargs, add_special_tokens=special)
+                       template_kwargs=kwargs, add_special_tokens=special, **ids)
 
 
 def template_request(messages: list[Any], add_generation_prompt: bool,
@@ -333,12 +344,13 @@ def parse_completion(body: bytes) -> CompletionRequest:
         raise invalid("rid", "give a rid only with a single prompt")
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     special = b.boolean("add_special_tokens")
+    ids = _ids_options(b)
     b.check_unknown()
     return CompletionRequest(model=model, sampling=sampling, stream=stream,
                              include_usage=include_usage, top_logprobs=logprobs, rid=rid,
                              names=names, priority=priority, continuous_usage=continuous,
                              prompts=prompts, batch=batch, echo=echo,
-                             add_special_tokens=special is not False)
+                             add_special_tokens=special is not False, **ids)
 
 
 def prompts_of(value: Any, key: str) -> tuple[list[Prompt], bool]:

@@ -9,6 +9,10 @@ top_logprobs entry is {token: logprob} for the `logprobs` most likely tokens and
 echoed prompt's tokens come first, the first of them without a logprob (null, and null in
 top_logprobs).
 
+With vLLM's return_tokens_as_token_ids (`as_ids`) every token is named "token_id:<id>"
+instead of by its text (distinct tokens that decode alike stay apart); chat's `bytes` and
+completions' `text_offset` still follow the text.
+
 Values are float32 (numpy scalars; `dumps` writes their shortest form).
 """
 
@@ -30,23 +34,32 @@ def dumps(value: Any) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def _entry(text: str, logprob: Any) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def labels(texts: Sequence[str], ids: Sequence[int], as_ids: bool) -> Sequence[str]:
+    """How the tokens are named: their texts, or "token_id:<id>" (`as_ids`)."""
+    return [f"token_id:{t}" for t in ids] if as_ids else texts
 
 
-def _top(top: common_pb2.TopLogprobs) -> list[tuple[str, Any]]:
+def _entry(label: str, text: str, logprob: Any) -> dict[str, Any]:
+    return {"token": label, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _top(top: common_pb2.TopLogprobs, as_ids: bool) -> list[tuple[str, str, Any]]:
+    """(label, text, logprob) of a position's most likely tokens."""
     values = np.asarray(top.logprobs, dtype=np.float32)
-    return list(zip(top.texts, values, strict=False))
+    return list(zip(labels(top.texts, top.token_ids, as_ids), top.texts, values, strict=False))
 
 
-def chat_logprobs(lp: common_pb2.Logprobs | None, top: int) -> dict[str, Any]:
-    """The logprobs of one chat choice's (or chunk's) output tokens."""
+def chat_logprobs(lp: common_pb2.Logprobs | None, top: int, ids: Sequence[int] = (),
+                  as_ids: bool = False) -> dict[str, Any]:
+    """The logprobs of one chat choice's (or chunk's) output tokens, `ids`."""
     lp = lp or _EMPTY
     values = np.asarray(lp.output_logprobs, dtype=np.float32)
+    names = labels(lp.output_texts, ids, as_ids)
     content = []
-    for i, (text, value) in enumerate(zip(lp.output_texts, values, strict=False)):
-        entry = _entry(text, value)
-        entry["top_logprobs"] = ([_entry(t, v) for t, v in _top(lp.output_top[i])]
+    for i, (name, text, value) in enumerate(zip(names, lp.output_texts, values, strict=False)):
+        entry = _entry(name, text, value)
+        entry["top_logprobs"] = ([_entry(*alternative) for alternative
+                                  in _top(lp.output_top[i], as_ids)]
                                  if top and i < len(lp.output_top) else [])
         content.append(entry)
     return {"content": content, "refusal": None}
@@ -56,38 +69,47 @@ class CompletionLogprobs:
     """One completions choice's logprobs, built chunk by chunk: `text_offset` runs on from
     where the previous chunk ended."""
 
-    def __init__(self, top: int, offset: int = 0) -> None:
+    def __init__(self, top: int, offset: int = 0, as_ids: bool = False) -> None:
         self.top = top
         self.offset = offset
+        self.as_ids = as_ids
 
-    def add(self, lp: common_pb2.Logprobs | None, echo: bool) -> dict[str, Any]:
-        """The entries of one update: the prompt's first when `echo`, then the output's."""
+    def add(self, lp: common_pb2.Logprobs | None, echo: bool,
+            ids: Sequence[int] = ()) -> dict[str, Any]:
+        """The entries of one update (output tokens `ids`): the prompt's first when `echo`,
+        then the output's."""
         lp = lp or _EMPTY
         tokens: list[str] = []
+        texts: list[str] = []
         values: list[Any] = []
         tops: list[dict[str, Any] | None] = []
         if echo:
-            self._extend(tokens, values, tops, lp.input_texts, lp.input_logprobs, lp.input_top,
-                         first_is_none=lp.input_start == 0)
-        self._extend(tokens, values, tops, lp.output_texts, lp.output_logprobs, lp.output_top)
+            self._extend(tokens, texts, values, tops, lp.input_texts, lp.input_token_ids,
+                         lp.input_logprobs, lp.input_top, first_is_none=lp.input_start == 0)
+        self._extend(tokens, texts, values, tops, lp.output_texts, ids, lp.output_logprobs,
+                     lp.output_top)
         offsets = []
-        for text in tokens:
+        for text in texts:
             offsets.append(self.offset)
             self.offset += len(text)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
-    def _extend(self, tokens: list[str], values: list[Any], tops: list[dict[str, Any] | None],
-                texts: Sequence[str], logprobs: Sequence[float],
-                top: Sequence[common_pb2.TopLogprobs], first_is_none: bool = False) -> None:
+    def _extend(self, tokens: list[str], texts: list[str], values: list[Any],
+                tops: list[dict[str, Any] | None], new_texts: Sequence[str], ids: Sequence[int],
+                logprobs: Sequence[float], top: Sequence[common_pb2.TopLogprobs],
+                first_is_none: bool = False) -> None:
         array = np.asarray(logprobs, dtype=np.float32)
-        for i, (text, value) in enumerate(zip(texts, array, strict=False)):
+        names = labels(new_texts, ids, self.as_ids)
+        for i, (name, value) in enumerate(zip(names, array, strict=False)):
             none = (i == 0 and first_is_none) or bool(np.isnan(value))
-            tokens.append(text)
+            tokens.append(name)
+            texts.append(new_texts[i])
             values.append(None if none else value)
             if none:
                 tops.append(None)
                 continue
-            alternatives = dict(_top(top[i])) if self.top and i < len(top) else {}
-            alternatives.setdefault(text, value)  # the chosen token, when not among them
+            alternatives = ({label: v for label, _, v in _top(top[i], self.as_ids)}
+                            if self.top and i < len(top) else {})
+            alternatives.setdefault(name, value)  # the chosen token, when not among them
             tops.append(alternatives)

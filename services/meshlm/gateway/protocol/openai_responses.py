@@ -19,6 +19,11 @@ and logprobs (as SGLang's completions and vLLM's do), never an empty chunk of it
 include_usage every chunk has "usage": null (the usage so far with vLLM's
 continuous_usage_stats) and `usage_chunk()` (no choices) ends the stream.
 
+With vLLM's return_token_ids (`token_ids`) every choice (and stream chunk) carries its
+output's "token_ids", and the prompt's ids come once: completions' choices carry
+"prompt_token_ids" (in each choice's first chunk when streaming), chat has it at the top (in
+the stream's first chunk). Absent otherwise, not null.
+
 The id is the request's rid ("chatcmpl-<rid>", "cmpl-<rid>"); usage counts each prompt once
 (its first sample's cached_tokens) and every sample's completion tokens.
 
@@ -29,14 +34,13 @@ Embeddings: {"object": "list", "data": [{"object": "embedding", "index", "embedd
 from __future__ import annotations
 
 from base64 import b64encode
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.protocol.choices import merge_updates
 from meshlm.gateway.protocol.openai_logprobs import CompletionLogprobs, chat_logprobs
-from meshlm.v1 import common_pb2
 
 Chunk = dict[str, Any]
 
@@ -54,7 +58,8 @@ class Answer:
 
     def __init__(self, *, model: str, created: int, n: int, prompts: int, stream: bool,
                  include_usage: bool, top_logprobs: int | None,
-                 continuous_usage: bool = False) -> None:
+                 continuous_usage: bool = False, token_ids: bool = False,
+                 tokens_as_ids: bool = False) -> None:
         self.model = model
         self.created = created
         self.n = n
@@ -62,6 +67,8 @@ class Answer:
         self.include_usage = include_usage
         self.continuous_usage = continuous_usage
         self.top_logprobs = top_logprobs
+        self.token_ids = token_ids  # vLLM's return_token_ids
+        self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
         self.id = ""
         count = n * prompts
         self.updates: list[Update | None] = [None] * count  # not streaming: merged, final
@@ -69,7 +76,7 @@ class Answer:
         self.done = False  # every choice has finished (kept, not computed: read per update)
         self._running = count
         self._started = [False] * count
-        self._held: list[common_pb2.Logprobs | None] = [None] * count  # tokens without text
+        self._held: list[list[Update]] = [[] for _ in range(count)]  # tokens without text
         self._completion_tokens = [0] * count
         self._prompt_tokens = [0] * prompts
         self._cached_tokens = [0] * prompts
@@ -95,10 +102,10 @@ class Answer:
         chunks = []
         if not self._started[index]:
             self._started[index] = True
-            chunks += [self._chunk(c) for c in self._first_choices(index)]
+            chunks += self._first_chunks(index, update)
         reason = self.finish[index]
         if reason is None and not self._has_text(index, update):
-            self._hold(index, update.logprobs)
+            self._held[index].append(update)
             return chunks
         chunks.append(self._chunk(self._stream_choice(index, self._with_held(index, update),
                                                       reason)))
@@ -120,22 +127,11 @@ class Answer:
         return {"id": self.id, "object": self.chunk_object, "created": self.created,
                 "model": self.model, "choices": [], "usage": self.usage()}
 
-    def _hold(self, index: int, logprobs: common_pb2.Logprobs | None) -> None:
-        """Keep the logprobs of tokens whose text has not come yet, for the chunk it comes in."""
-        if logprobs is None:
-            return
-        held = self._held[index]
-        if held is None:
-            held = self._held[index] = common_pb2.Logprobs()
-        held.MergeFrom(logprobs)  # repeated fields append, in order
-
     def _with_held(self, index: int, update: Update) -> Update:
-        held, self._held[index] = self._held[index], None
-        if held is None:
-            return update
-        if update.logprobs is not None:
-            held.MergeFrom(update.logprobs)
-        return replace(update, logprobs=held)
+        """`update` with the tokens held before it, whose text had not come (their ids and
+        logprobs go in the chunk their text comes in)."""
+        held, self._held[index] = self._held[index], []
+        return merge_updates([*held, update]) if held else update
 
     def _chunk(self, choice: Chunk) -> Chunk:
         chunk = {"id": self.id, "object": self.chunk_object, "created": self.created,
@@ -146,8 +142,8 @@ class Answer:
 
     # -- per kind ----------------------------------------------------------------------------
 
-    def _first_choices(self, index: int) -> list[Chunk]:
-        """Choices of the chunks that open choice `index`'s stream."""
+    def _first_chunks(self, index: int, update: Update) -> list[Chunk]:
+        """The chunks that open choice `index`'s stream (`update` is its first)."""
         return []
 
     def _has_text(self, index: int, update: Update) -> bool:
@@ -174,26 +170,44 @@ class ChatAnswer(Answer):
     def __init__(self, *, echo: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.echo = echo
+        self._prompt_ids_sent = False
+
+    def response(self) -> Chunk:
+        body = super().response()
+        if self.token_ids:
+            first = self.updates[0]
+            body["prompt_token_ids"] = (first.prompt_ids if first is not None else None) or []
+        return body
 
     def _logprobs(self, update: Update) -> dict[str, Any] | None:
         if self.top_logprobs is None:
             return None
-        return chat_logprobs(update.logprobs, self.top_logprobs)
+        return chat_logprobs(update.logprobs, self.top_logprobs, update.token_ids,
+                             self.tokens_as_ids)
 
-    def _first_choices(self, index: int) -> list[Chunk]:
-        first = [_delta(index, {"role": "assistant", "content": ""})]
+    def _first_chunks(self, index: int, update: Update) -> list[Chunk]:
+        first = [self._chunk(_delta(index, {"role": "assistant", "content": ""}))]
+        if self.token_ids and not self._prompt_ids_sent and update.prompt_ids is not None:
+            self._prompt_ids_sent = True  # in the stream's first chunk only
+            first[0]["prompt_token_ids"] = update.prompt_ids
         if self.echo:
-            first.append(_delta(index, {"content": self.echo}))
+            first.append(self._chunk(_delta(index, {"content": self.echo})))
         return first
 
     def _stream_choice(self, index: int, update: Update, reason: str | None) -> Chunk:
-        return _delta(index, {"content": update.text}, self._logprobs(update), reason)
+        choice = _delta(index, {"content": update.text}, self._logprobs(update), reason)
+        if self.token_ids:
+            choice["token_ids"] = update.token_ids
+        return choice
 
     def _full_choice(self, index: int, update: Update) -> Chunk:
         message = {"role": "assistant", "content": (self.echo or "") + update.text,
                    "reasoning_content": None}
-        return {"index": index, "message": message, "logprobs": self._logprobs(update),
-                "finish_reason": self.finish[index]}
+        choice = {"index": index, "message": message, "logprobs": self._logprobs(update),
+                  "finish_reason": self.finish[index]}
+        if self.token_ids:
+            choice["token_ids"] = update.token_ids
+        return choice
 
 
 def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
@@ -215,8 +229,8 @@ class CompletionAnswer(Answer):
         super().__init__(**kwargs)
         self.echo = echo
         top = self.top_logprobs
-        self._logprobs = [CompletionLogprobs(top) if top is not None else None
-                          for _ in self.updates]
+        self._logprobs = [CompletionLogprobs(top, as_ids=self.tokens_as_ids)
+                          if top is not None else None for _ in self.updates]
         self._echoed = [False] * len(self.updates)
 
     def _text_and_logprobs(self, index: int, update: Update) -> tuple[str, dict[str, Any] | None]:
@@ -226,20 +240,31 @@ class CompletionAnswer(Answer):
             self._echoed[index] = True
             text = self.echo[index // self.n] + text
         builder = self._logprobs[index]
-        logprobs = builder.add(update.logprobs, echo) if builder is not None else None
+        logprobs = (builder.add(update.logprobs, echo, update.token_ids)
+                    if builder is not None else None)
         return text, logprobs
+
+    def _with_ids(self, choice: Chunk, update: Update, whole: bool) -> Chunk:
+        """return_token_ids: the output's ids, and the prompt's (`whole`: always; streaming:
+        in the choice's first chunk, the update that brings them)."""
+        if self.token_ids:
+            if whole or update.prompt_ids is not None:
+                choice["prompt_token_ids"] = update.prompt_ids or []
+            choice["token_ids"] = update.token_ids
+        return choice
 
     def _has_text(self, index: int, update: Update) -> bool:
         return bool(update.text) or (self.echo is not None and not self._echoed[index])
 
     def _stream_choice(self, index: int, update: Update, reason: str | None) -> Chunk:
         text, logprobs = self._text_and_logprobs(index, update)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return self._with_ids({"index": index, "text": text, "logprobs": logprobs,
+                               "finish_reason": reason}, update, whole=False)
 
     def _full_choice(self, index: int, update: Update) -> Chunk:
         text, logprobs = self._text_and_logprobs(index, update)
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": self.finish[index]}
+        return self._with_ids({"index": index, "text": text, "logprobs": logprobs,
+                               "finish_reason": self.finish[index]}, update, whole=True)
 
 
 def embedding_body(model: str, vectors: list[list[float]], prompt_tokens: int, *,

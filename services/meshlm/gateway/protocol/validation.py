@@ -79,6 +79,7 @@ class ValidatedRequest:
     chat: tokenizer_pb2.ChatTemplateRequest | None = None
     fill_max_new_tokens: bool = False
     add_special_tokens: bool = True  # a text prompt's, when encoded (a chat's: in `chat`)
+    return_prompt_ids: bool = False  # the prompt's ids come back with the first output
 
 
 def unimplemented(field_path: str, problem: str) -> MeshError:

@@ -59,6 +59,7 @@ def merge(earlier: StepOutput, later: StepOutput) -> StepOutput:
                                    + later.output_token_ids_logprobs),
         input_logprob_start=first.input_logprob_start,
         input_logprobs=first.input_logprobs,
+        input_ranks=first.input_ranks,
         input_top_logprobs=first.input_top_logprobs,
         input_token_ids_logprobs=first.input_token_ids_logprobs,
     )

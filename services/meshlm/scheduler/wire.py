@@ -113,6 +113,7 @@ def fill_logprobs(msg: common_pb2.Logprobs, out: StepOutput, prompt_ids: Sequenc
         msg.input_start = start
         msg.input_token_ids.extend(prompt_ids[start:start + len(out.input_logprobs)])
         msg.input_logprobs.extend(math.nan if x is None else x for x in out.input_logprobs)
+        msg.input_ranks.extend(out.input_ranks)
         msg.input_top.extend(_top_pb(t) for t in out.input_top_logprobs)
         msg.input_token_ids_logprobs.extend(_top_pb(t) for t in out.input_token_ids_logprobs)
 

@@ -104,6 +104,12 @@ def test_engine_logprobs_of_the_prompt_and_the_position_after_it(
     assert len(out.input_token_ids_logprobs) == len(ids)
     for p in range(1, len(ids)):
         _close(out.input_token_ids_logprobs[p], _pairs(logp[p - 1]))
+    # Each prompt token's rank (1 = the most likely), within the reference's rounding.
+    assert len(out.input_ranks) == len(ids) and out.input_ranks[0] == 0
+    for p in range(1, len(ids)):
+        row, target = logp[p - 1], logp[p - 1, ids[p]]
+        assert int((row > target + 1e-4).sum()) + 1 <= out.input_ranks[p]
+        assert out.input_ranks[p] <= int((row >= target - 1e-4).sum())
     # The request beside it draws as usual, its first position the one after the same prompt.
     first = outs["g"][0]
     assert len(first.new_token_ids) == 1 and first.new_token_ids[0] == logp[-1].argmax().item()

@@ -141,6 +141,27 @@ def test_tracked_keeps_the_prompt_only_for_prompt_logprobs() -> None:
     assert tracked_of(req, trace.INVALID_SPAN).prompt_ids == [1, 2, 3]
 
 
+def test_the_prompt_ids_go_back_in_the_header_when_asked() -> None:
+    meta = common_pb2.RequestMeta(rid="r", return_prompt_ids=True,
+                                  route=common_pb2.Route(detokenizer="d"))
+    tracked = tracked_of(scheduler_pb2.TokenizedRequest(meta=meta, input_ids=[5, 6, 7]),
+                         trace.INVALID_SPAN)
+    first = token_output(_step(), tracked)
+    assert list(first.header.prompt_ids) == [5, 6, 7]
+    assert tracked.prompt_ids == []  # sent: not kept for the request's lifetime
+    meta.return_prompt_ids = False
+    plain = tracked_of(scheduler_pb2.TokenizedRequest(meta=meta, input_ids=[5, 6, 7]),
+                       trace.INVALID_SPAN)
+    assert not token_output(_step(), plain).header.prompt_ids
+
+
+def test_prompt_ranks_go_beside_the_prompt_logprobs() -> None:
+    msg = common_pb2.Logprobs()
+    fill_logprobs(msg, _step(input_logprob_start=0, input_logprobs=[None, -1.0, -2.0],
+                             input_ranks=[0, 3, 1]), [1, 2, 3])
+    assert list(msg.input_ranks) == [0, 3, 1]
+
+
 def test_the_first_outputs_header_carries_the_requests_meta_whole() -> None:
     meta = common_pb2.RequestMeta(
         rid="r", stream=True, return_text=True, arrival_time=1.5, after="r0", deadline=9.0,

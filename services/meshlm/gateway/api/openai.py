@@ -116,7 +116,8 @@ class OpenAIRPCs:
                             stream=req.stream, include_usage=req.include_usage,
                             continuous_usage=req.continuous_usage,
                             top_logprobs=req.top_logprobs, echo=req.echo_text,
-                            token_ids=req.return_token_ids, tokens_as_ids=req.tokens_as_ids)
+                            token_ids=req.return_token_ids, tokens_as_ids=req.tokens_as_ids,
+                            prompt_logprobs=req.prompt_logprobs)
         async for chunk in self._answer(req, [(v, req.names)], answer):
             yield chunk
 
@@ -141,7 +142,8 @@ class OpenAIRPCs:
                                   continuous_usage=req.continuous_usage,
                                   top_logprobs=req.top_logprobs, echo=echo,
                                   token_ids=req.return_token_ids,
-                                  tokens_as_ids=req.tokens_as_ids)
+                                  tokens_as_ids=req.tokens_as_ids,
+                                  prompt_logprobs=req.prompt_logprobs)
         async for chunk in self._answer(req, runs, answer):
             yield chunk
 

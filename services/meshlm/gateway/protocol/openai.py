@@ -12,8 +12,8 @@ Accepted beside OpenAI's fields (as SGLang and vLLM accept them): top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, rid, priority
 (SGLang's order: larger first), no_stop_trim (vLLM's include_stop_str_in_output: a matched
 stop string stays in the text) and vLLM's allowed_token_ids, return_token_ids (the output's
-and the prompt's ids in the answer) and return_tokens_as_token_ids (logprobs name tokens
-"token_id:<id>"); on chat, vLLM's
+and the prompt's ids in the answer), return_tokens_as_token_ids (logprobs name tokens
+"token_id:<id>") and prompt_logprobs (not streaming); on chat, vLLM's
 add_generation_prompt, continue_final_message (the last message left open and continued; not
 with add_generation_prompt: true, which is otherwise the default), echo (the reply starts with
 the last message's content when that message is the assistant's), chat_template_kwargs (the
@@ -67,6 +67,7 @@ class GenerationRequest:
     continuous_usage: bool = False  # the usage so far in every streamed chunk
     return_token_ids: bool = False  # vLLM's: output and prompt ids in the answer
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top ones
 
     @property
     def n(self) -> int:
@@ -213,10 +214,18 @@ def _stream(body: JsonBody) -> tuple[bool, bool, bool]:
     return stream, flags[0], flags[0] and flags[1]
 
 
-def _ids_options(b: JsonBody) -> dict[str, bool]:
-    """vLLM's return_token_ids and return_tokens_as_token_ids, as GenerationRequest fields."""
+def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
+    """vLLM's return_token_ids, return_tokens_as_token_ids and prompt_logprobs, as
+    GenerationRequest fields. prompt_logprobs come in the whole answer only: refused with
+    stream, but 0 is taken there and changes nothing, as in vLLM."""
+    k = b.integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+    if k is not None and stream:
+        if k:
+            raise invalid("prompt_logprobs", "is not available when stream is true")
+        k = None
     return {"return_token_ids": bool(b.boolean("return_token_ids")),
-            "tokens_as_ids": bool(b.boolean("return_tokens_as_token_ids"))}
+            "tokens_as_ids": bool(b.boolean("return_tokens_as_token_ids")),
+            "prompt_logprobs": k}
 
 
 def chat_rendering(add_generation_prompt: bool | None,
@@ -264,7 +273,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     # meshlm has none) they change nothing there either, and reasoning_content stays null.
     b.boolean("separate_reasoning")
     b.boolean("stream_reasoning")
-    ids = _ids_options(b)
+    vllm = _vllm_options(b, stream)
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
@@ -272,7 +281,7 @@ def parse_chat(body: bytes) -> ChatRequest:
                        messages=messages,
                        add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo,
-                       template_kwargs=kwargs, add_special_tokens=special, **ids)
+                       template_kwargs=kwargs, add_special_tokens=special, **vllm)
 
 
 def template_request(messages: list[Any], add_generation_prompt: bool,
@@ -344,13 +353,13 @@ def parse_completion(body: bytes) -> CompletionRequest:
         raise invalid("rid", "give a rid only with a single prompt")
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     special = b.boolean("add_special_tokens")
-    ids = _ids_options(b)
+    vllm = _vllm_options(b, stream)
     b.check_unknown()
     return CompletionRequest(model=model, sampling=sampling, stream=stream,
                              include_usage=include_usage, top_logprobs=logprobs, rid=rid,
                              names=names, priority=priority, continuous_usage=continuous,
                              prompts=prompts, batch=batch, echo=echo,
-                             add_special_tokens=special is not False, **ids)
+                             add_special_tokens=special is not False, **vllm)
 
 
 def prompts_of(value: Any, key: str) -> tuple[list[Prompt], bool]:
@@ -387,7 +396,8 @@ def public_request(
 ) -> pb.TextGenerateRequest | pb.GenerateRequest:
     """The public request for one prompt: its sampling params (with `max_new_tokens` when the
     client gave none), logprob options (the tokens' texts included; prompt logprobs from
-    position 0 for an echoed completion), rid and priority."""
+    position 0 for an echoed completion and for prompt_logprobs, the top ones as many as the
+    larger of the two asks), rid and priority."""
     sampling = pb.SamplingParams()
     sampling.CopyFrom(req.sampling)
     if max_new_tokens is not None and not sampling.HasField("max_new_tokens"):
@@ -397,11 +407,12 @@ def public_request(
         out = pb.TextGenerateRequest(text=prompt, sampling_params=sampling, stream=req.stream)
     else:
         out = pb.GenerateRequest(input_ids=prompt, sampling_params=sampling, stream=req.stream)
-    if req.top_logprobs is not None:
+    top, prompt_top = req.top_logprobs, req.prompt_logprobs
+    if top is not None or prompt_top is not None:
         out.return_logprob = True
-        out.top_logprobs_num = req.top_logprobs
+        out.top_logprobs_num = max(top or 0, prompt_top or 0)
         out.return_text_in_logprobs = True
-        if isinstance(req, CompletionRequest) and req.echo:
+        if prompt_top is not None or (isinstance(req, CompletionRequest) and req.echo):
             out.logprob_start_len = 0
     if req.rid is not None:
         out.rid = req.rid

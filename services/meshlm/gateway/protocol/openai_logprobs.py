@@ -9,6 +9,10 @@ top_logprobs entry is {token: logprob} for the `logprobs` most likely tokens and
 echoed prompt's tokens come first, the first of them without a logprob (null, and null in
 top_logprobs).
 
+vLLM's prompt_logprobs: one entry per prompt position, null at position 0, else
+{"<id>": {"logprob", "rank", "decoded_token"}} for the prompt's own token (rank 1 = the most
+likely) and the `prompt_logprobs` most likely ones.
+
 With vLLM's return_tokens_as_token_ids (`as_ids`) every token is named "token_id:<id>"
 instead of by its text (distinct tokens that decode alike stay apart); chat's `bytes` and
 completions' `text_offset` still follow the text.
@@ -59,7 +63,7 @@ def chat_logprobs(lp: common_pb2.Logprobs | None, top: int, ids: Sequence[int] =
     for i, (name, text, value) in enumerate(zip(names, lp.output_texts, values, strict=False)):
         entry = _entry(name, text, value)
         entry["top_logprobs"] = ([_entry(*alternative) for alternative
-                                  in _top(lp.output_top[i], as_ids)]
+                                  in _top(lp.output_top[i], as_ids)[:top]]
                                  if top and i < len(lp.output_top) else [])
         content.append(entry)
     return {"content": content, "refusal": None}
@@ -109,7 +113,30 @@ class CompletionLogprobs:
             if none:
                 tops.append(None)
                 continue
-            alternatives = ({label: v for label, _, v in _top(top[i], self.as_ids)}
+            alternatives = ({label: v for label, _, v in _top(top[i], self.as_ids)[:self.top]}
                             if self.top and i < len(top) else {})
             alternatives.setdefault(name, value)  # the chosen token, when not among them
             tops.append(alternatives)
+
+
+def prompt_logprobs(lp: common_pb2.Logprobs | None, k: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs of one prompt (its logprobs from position 0): per position, the
+    prompt token's logprob and rank and the `k` most likely tokens' (null at position 0)."""
+    lp = lp or _EMPTY
+    values = np.asarray(lp.input_logprobs, dtype=np.float32)
+    out: list[dict[str, Any] | None] = []
+    for i, (token, text, value) in enumerate(zip(lp.input_token_ids, lp.input_texts, values,
+                                                 strict=False)):
+        if (i == 0 and lp.input_start == 0) or np.isnan(value):
+            out.append(None)
+            continue
+        rank = lp.input_ranks[i] if i < len(lp.input_ranks) else None
+        entry = {str(token): {"logprob": value, "rank": rank, "decoded_token": text}}
+        if k and i < len(lp.input_top):
+            best = lp.input_top[i]
+            for place, (t, v, txt) in enumerate(zip(best.token_ids[:k], best.logprobs,
+                                                   best.texts, strict=False)):
+                entry.setdefault(str(t), {"logprob": np.float32(v), "rank": place + 1,
+                                          "decoded_token": txt})
+        out.append(entry)
+    return out

@@ -19,6 +19,9 @@ and logprobs (as SGLang's completions and vLLM's do), never an empty chunk of it
 include_usage every chunk has "usage": null (the usage so far with vLLM's
 continuous_usage_stats) and `usage_chunk()` (no choices) ends the stream.
 
+With vLLM's prompt_logprobs (not streaming) completions' choices carry "prompt_logprobs" and
+chat has it at the top (`openai_logprobs.prompt_logprobs`).
+
 With vLLM's return_token_ids (`token_ids`) every choice (and stream chunk) carries its
 output's "token_ids", and the prompt's ids come once: completions' choices carry
 "prompt_token_ids" (in each choice's first chunk when streaming), chat has it at the top (in
@@ -40,7 +43,11 @@ import numpy as np
 
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.choices import merge_updates
-from meshlm.gateway.protocol.openai_logprobs import CompletionLogprobs, chat_logprobs
+from meshlm.gateway.protocol.openai_logprobs import (
+    CompletionLogprobs,
+    chat_logprobs,
+    prompt_logprobs,
+)
 
 Chunk = dict[str, Any]
 
@@ -59,7 +66,7 @@ class Answer:
     def __init__(self, *, model: str, created: int, n: int, prompts: int, stream: bool,
                  include_usage: bool, top_logprobs: int | None,
                  continuous_usage: bool = False, token_ids: bool = False,
-                 tokens_as_ids: bool = False) -> None:
+                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None) -> None:
         self.model = model
         self.created = created
         self.n = n
@@ -69,6 +76,7 @@ class Answer:
         self.top_logprobs = top_logprobs
         self.token_ids = token_ids  # vLLM's return_token_ids
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
+        self.prompt_logprobs = prompt_logprobs  # vLLM's: top ones per prompt position
         self.id = ""
         count = n * prompts
         self.updates: list[Update | None] = [None] * count  # not streaming: merged, final
@@ -174,9 +182,12 @@ class ChatAnswer(Answer):
 
     def response(self) -> Chunk:
         body = super().response()
+        first = self.updates[0]
         if self.token_ids:
-            first = self.updates[0]
             body["prompt_token_ids"] = (first.prompt_ids if first is not None else None) or []
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs(first.logprobs if first is not None else None,
+                                                      self.prompt_logprobs)
         return body
 
     def _logprobs(self, update: Update) -> dict[str, Any] | None:
@@ -263,8 +274,11 @@ class CompletionAnswer(Answer):
 
     def _full_choice(self, index: int, update: Update) -> Chunk:
         text, logprobs = self._text_and_logprobs(index, update)
-        return self._with_ids({"index": index, "text": text, "logprobs": logprobs,
-                               "finish_reason": self.finish[index]}, update, whole=True)
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": self.finish[index]}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(update.logprobs, self.prompt_logprobs)
+        return self._with_ids(choice, update, whole=True)
 
 
 def embedding_body(model: str, vectors: list[list[float]], prompt_tokens: int, *,

@@ -22,6 +22,13 @@ def chosen_and_top(logp: Tensor, tokens: list[int], k: int
     return chosen, top(logp, k)
 
 
+def ranks(logp: Tensor, tokens: list[int]) -> list[int]:
+    """Per row of `logp` [N, V]: the rank of its token, 1 for the most likely (how many
+    tokens are at least as likely as it, itself included)."""
+    index = torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None]
+    return (logp >= logp.gather(1, index)).sum(dim=-1).tolist()
+
+
 def top(logp: Tensor, k: int) -> list[TopLogprobs]:
     """Per row of `logp` [N, V]: its k most likely (token, logprob), best first ([] if k 0)."""
     if not k:

@@ -22,7 +22,13 @@ from meshlm.scheduler.engine.kv_cache import (
     build_attention_meta,
     long_tensor,
 )
-from meshlm.scheduler.engine.logprobs import chosen_and_top, log_softmax, of_token_ids, top
+from meshlm.scheduler.engine.logprobs import (
+    chosen_and_top,
+    log_softmax,
+    of_token_ids,
+    ranks,
+    top,
+)
 from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch, argmax_rows
 from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, Sequence
 from meshlm.scheduler.kernels.native import Kernels
@@ -187,15 +193,18 @@ class ModelRunner:
         self, items: list[ScheduledSeq], logits: Tensor, targets: list[tuple[int, int]],
         results: list[ItemResult],
     ) -> None:
-        """Row r of `logits` scores prompt token targets[r] of item targets[r][0]: its logprob,
-        the top ones and the asked ids' there (rows of one item come in position order)."""
+        """Row r of `logits` scores prompt token targets[r] of item targets[r][0]: its logprob
+        and rank, the top ones and the asked ids' there (rows of one item come in position
+        order)."""
         tokens = [t for _, t in targets]
         logp = log_softmax(logits)
         chosen, tops = chosen_and_top(logp, tokens, max(
             (items[i].seq.params.top_logprobs_num for i, _ in targets), default=0
         ))
+        rank = ranks(logp, tokens)
         for row, (i, _) in enumerate(targets):
             results[i].input_logprobs.append(chosen[row])
+            results[i].input_ranks.append(rank[row])
             k = items[i].seq.params.top_logprobs_num
             if k:
                 results[i].input_top_logprobs.append(tops[row][:k])
@@ -277,6 +286,7 @@ def _first_prompt_position(items: list[ScheduledSeq], results: list[ItemResult])
         seq = item.seq
         if item.start == 0 and seq.input_logprob_start == 0 and seq.wants_prompt_logprobs:
             result.input_logprobs.append(None)
+            result.input_ranks.append(0)
             if seq.params.top_logprobs_num:
                 result.input_top_logprobs.append([])
             if seq.params.token_ids_logprob:

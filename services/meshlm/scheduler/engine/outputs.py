@@ -25,6 +25,7 @@ def step_output(
             out.input_logprobs, out.input_top_logprobs = (
                 seq.input_logprobs, seq.input_top_logprobs
             )
+            out.input_ranks = seq.input_ranks
             out.input_token_ids_logprobs = seq.input_token_ids_logprobs
     seq.first_output_sent = True
     return out

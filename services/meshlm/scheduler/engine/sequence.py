@@ -130,6 +130,7 @@ class Sequence:
     priority: int = 0  # the client's: larger values are admitted first (waiting.py)
     # Prompt logprobs gathered chunk by chunk, sent with the first output.
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_ranks: list[int] = field(default_factory=list)
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
     first_output_sent: bool = False
@@ -195,6 +196,7 @@ class Sequence:
         """A computed chunk's prompt logprobs, kept for the first output."""
         if self.wants_prompt_logprobs:
             self.input_logprobs += result.input_logprobs
+            self.input_ranks += result.input_ranks
             self.input_top_logprobs += result.input_top_logprobs
             self.input_token_ids_logprobs += result.input_token_ids_logprobs
 
@@ -203,7 +205,7 @@ class Sequence:
         gone, its prompt logprobs are gathered again."""
         if not self.first_output_sent:
             self.input_logprobs, self.input_top_logprobs = [], []
-            self.input_token_ids_logprobs = []
+            self.input_ranks, self.input_token_ids_logprobs = [], []
 
     def release_followers(self) -> list[Sequence]:
         """This one's prompt is computed (or it ended): its followers, in order, held no more."""
@@ -314,6 +316,7 @@ class ItemResult:
     logprob: float | None = None
     top_logprobs: TopLogprobs | None = None
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_ranks: list[int] = field(default_factory=list)  # 1 = most likely; 0 at position 0
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)  # [] at position 0
     # An embedding request's result: the pooled, normalised vector, or a classifier's logits.
@@ -352,6 +355,7 @@ class StepOutput:
     # prompt positions [input_logprob_start, prompt_tokens); position 0 has no logprob (None).
     input_logprob_start: int = 0
     input_logprobs: list[float | None] = field(default_factory=list)
+    input_ranks: list[int] = field(default_factory=list)  # each prompt token's; 0 at position 0
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # With token_ids_logprob: per new token, (id, logprob) of each asked id, in asked order; on
     # the first output, the same per prompt position of input_logprobs ([] at position 0).

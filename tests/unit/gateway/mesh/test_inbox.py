@@ -27,6 +27,14 @@ async def test_mailbox_coalesces_until_read():
     assert update.text == "end" and update.final.finish_reason == "stop" and req.done
 
 
+async def test_the_prompt_ids_come_with_the_first_update_only():
+    req = _req()
+    req.deliver(gateway_pb2.TextOutput(rid="r", text="a", token_ids=[4], prompt_ids=[1, 2]))
+    assert (await req.next()).prompt_ids == [1, 2]
+    req.deliver(gateway_pb2.TextOutput(rid="r", text="b", token_ids=[5]))
+    assert (await req.next()).prompt_ids is None
+
+
 async def test_error_output_and_fail_become_mesh_errors():
     req = _req()
     req.deliver(gateway_pb2.TextOutput(rid="r", finished=True, finish_reason="error",

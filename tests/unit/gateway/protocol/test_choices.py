@@ -67,6 +67,13 @@ def test_merge_keeps_the_embedding() -> None:
     assert merge_updates([u]).embedding == [0.6, 0.8]
 
 
+def test_merge_keeps_the_prompt_ids_of_the_first_update() -> None:
+    first, later = _update([1]), _update([2], "stop")
+    first.prompt_ids = [9, 8]
+    assert merge_updates([first, later]).prompt_ids == [9, 8]
+    assert merge_updates([later]).prompt_ids is None
+
+
 def test_done_counts_each_child_once() -> None:
     choices = Choices(2, stream=True)
     choices.add(0, _update([1], "stop"))

@@ -372,3 +372,28 @@ def test_any_json_parses_or_is_refused_by_name(doc: Any) -> None:
         if parse is parse_completion:
             for prompt in req.prompts:  # type: ignore[union-attr]
                 public_request(req, prompt)  # type: ignore[arg-type]
+
+
+def test_vllm_token_ids_and_prompt_logprobs_options() -> None:
+    req = parse_completion(_body({"prompt": "a", "return_token_ids": True,
+                                  "return_tokens_as_token_ids": True, "prompt_logprobs": 3,
+                                  "logprobs": 1, "echo": True}))
+    assert req.return_token_ids and req.tokens_as_ids and req.prompt_logprobs == 3
+    public = public_request(req, "a")
+    # One top count serves both asks (the larger); the answer cuts each to its own.
+    assert public.return_logprob and public.top_logprobs_num == 3
+    assert public.logprob_start_len == 0 and public.return_text_in_logprobs
+    alone = public_request(parse_chat(_body({"messages": USER, "prompt_logprobs": 0})), [])
+    assert alone.return_logprob and alone.top_logprobs_num == 0 and alone.logprob_start_len == 0
+    plain = parse_chat(_body({"messages": USER}))
+    assert not plain.return_token_ids and not plain.tokens_as_ids
+    assert plain.prompt_logprobs is None and not public_request(plain, []).return_logprob
+    # Not streamed: refused with stream, but 0 there is taken and does nothing (vLLM's).
+    err = _refusal(parse_completion, {"prompt": "a", "stream": True, "prompt_logprobs": 1})
+    assert err.message == "prompt_logprobs: is not available when stream is true"
+    streamed = parse_chat(_body({"messages": USER, "stream": True, "prompt_logprobs": 0}))
+    assert streamed.prompt_logprobs is None
+    assert _refusal(parse_chat, {"messages": USER, "prompt_logprobs": -1}).message.startswith(
+        "prompt_logprobs: must be in [0, ")
+    assert _refusal(parse_chat, {"messages": USER, "return_token_ids": 1}).message.startswith(
+        "return_token_ids: must be true or false")

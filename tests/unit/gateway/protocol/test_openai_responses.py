@@ -12,7 +12,12 @@ import numpy as np
 import orjson
 
 from meshlm.gateway.mesh.inbox import Update
-from meshlm.gateway.protocol.openai_logprobs import CompletionLogprobs, chat_logprobs, dumps
+from meshlm.gateway.protocol.openai_logprobs import (
+    CompletionLogprobs,
+    chat_logprobs,
+    dumps,
+    prompt_logprobs,
+)
 from meshlm.gateway.protocol.openai_responses import (
     ChatAnswer,
     CompletionAnswer,
@@ -215,3 +220,96 @@ def test_embedding_body_float_and_base64() -> None:
                     "usage": {"prompt_tokens": 5, "total_tokens": 5}}
     encoded = embedding_body("m", vectors, 5, base64=True)["data"][1]["embedding"]
     assert np.frombuffer(base64.b64decode(encoded), dtype="<f4").tolist() == [1.0, 0.0]
+
+
+# ---- vLLM's return_token_ids, return_tokens_as_token_ids and prompt_logprobs ----------------
+
+
+def _with_prompt(update: Update, ids: list[int]) -> Update:
+    update.prompt_ids = ids
+    return update
+
+
+def test_token_ids_in_whole_replies() -> None:
+    chat = _answer(token_ids=True)
+    chat.add(0, _with_prompt(_update("Hi", [4, 5], done="stop"), [1, 2, 3]), {"id": "r"})
+    body = chat.response()
+    assert body["prompt_token_ids"] == [1, 2, 3] and body["choices"][0]["token_ids"] == [4, 5]
+    completion = _answer(CompletionAnswer, token_ids=True, n=2)
+    for sample in (0, 1):
+        completion.add(0, _with_prompt(_update("x", [6 + sample], done="length"), [1, 2]),
+                       {"id": f"r-{sample}", "index": str(sample)})
+    assert [(c["prompt_token_ids"], c["token_ids"]) for c in completion.response()["choices"]] == [
+        ([1, 2], [6]), ([1, 2], [7])]
+    plain = _answer(CompletionAnswer)
+    plain.add(0, _with_prompt(_update("x", [6], done="length"), [1, 2]), {"id": "r"})
+    assert "token_ids" not in plain.response()["choices"][0]
+    assert "prompt_token_ids" not in plain.response()["choices"][0]
+
+
+def test_streamed_token_ids_wait_with_their_held_tokens() -> None:
+    """The prompt's ids come in the first chunk (chat: at its top; completions: in each
+    choice's first); a token whose text is held back gives its id to the chunk with the
+    text, beside its logprobs."""
+    answer = _answer(CompletionAnswer, stream=True, token_ids=True, top_logprobs=0,
+                     tokens_as_ids=True)
+    chunks = answer.add(0, _with_prompt(_update("", [7], logprobs=_lp(["a"], [-1.0], [])),
+                                        [1, 2]), {"id": "r"})
+    assert chunks == []  # no text yet: held, ids and all
+    chunks += answer.add(0, _update("ab", [8], logprobs=_lp(["b"], [-2.0], [])), {"id": "r"})
+    chunks += answer.add(0, _update("c", [9], done="stop", logprobs=_lp(["c"], [-3.0], [])),
+                         {"id": "r"})
+    choices = [_json(c)["choices"][0] for c in chunks]
+    assert [c.get("prompt_token_ids") for c in choices] == [[1, 2], None]
+    assert [c["token_ids"] for c in choices] == [[7, 8], [9]]
+    assert [c["logprobs"]["tokens"] for c in choices] == [["token_id:7", "token_id:8"],
+                                                          ["token_id:9"]]
+    assert choices[0]["logprobs"]["text_offset"] == [0, 1]  # still the text's offsets
+    chat = _answer(stream=True, token_ids=True)
+    first = chat.add(0, _with_prompt(_update("Hi", [4]), [1, 2, 3]), {"id": "r"})
+    later = chat.add(0, _update("!", [5], done="stop"), {"id": "r"})
+    assert first[0]["prompt_token_ids"] == [1, 2, 3] and "token_ids" not in first[0]["choices"][0]
+    assert [c["choices"][0]["token_ids"] for c in first[1:] + later] == [[4], [5]]
+    assert all("prompt_token_ids" not in c for c in first[1:] + later)
+
+
+def test_tokens_as_ids_name_every_token_by_its_id() -> None:
+    lp = _lp(["Hé"], [-0.5], [[("Hé", -0.5), ("x", -2.0)]])
+    [entry] = _json(chat_logprobs(lp, 2, [42], as_ids=True))["content"]
+    assert entry["token"] == "token_id:42" and entry["bytes"] == [72, 195, 169]
+    assert [t["token"] for t in entry["top_logprobs"]] == ["token_id:0", "token_id:1"]
+    completion = _json(CompletionLogprobs(top=1, as_ids=True).add(lp, echo=False, ids=[42]))
+    assert completion["tokens"] == ["token_id:42"]
+    assert completion["top_logprobs"] == [{"token_id:0": -0.5, "token_id:42": -0.5}]
+
+
+def test_tops_are_cut_to_what_each_ask_wanted() -> None:
+    """prompt_logprobs may ask the engine for more top entries than logprobs did."""
+    lp = _lp(["a"], [-0.5], [[("a", -0.5), ("b", -1.0), ("c", -2.0)]])
+    assert len(chat_logprobs(lp, 1)["content"][0]["top_logprobs"]) == 1
+    assert _json(CompletionLogprobs(top=2).add(lp, echo=False))["top_logprobs"] == [
+        {"a": -0.5, "b": -1.0}]
+
+
+def test_prompt_logprobs_have_the_prompt_token_its_rank_and_the_most_likely() -> None:
+    lp = common_pb2.Logprobs(input_start=0, input_token_ids=[1, 5, 6],
+                             input_texts=["<s>", "Hi", "!"],
+                             input_logprobs=[float("nan"), -4.0, -0.5], input_ranks=[0, 9, 1])
+    lp.input_top.add()  # position 0 has none
+    lp.input_top.add(token_ids=[7, 8], logprobs=[-0.25, -1.0], texts=["Yo", "Hey"])
+    lp.input_top.add(token_ids=[6, 8], logprobs=[-0.5, -1.5], texts=["!", "Hey"])
+    assert _json(prompt_logprobs(lp, 1)) == [
+        None,
+        {"5": {"logprob": -4.0, "rank": 9, "decoded_token": "Hi"},
+         "7": {"logprob": -0.25, "rank": 1, "decoded_token": "Yo"}},
+        {"6": {"logprob": -0.5, "rank": 1, "decoded_token": "!"}},
+    ]
+    assert _json(prompt_logprobs(lp, 0))[1] == {
+        "5": {"logprob": -4.0, "rank": 9, "decoded_token": "Hi"}}
+    answer = _answer(CompletionAnswer, prompt_logprobs=0)
+    answer.add(0, _update("x", [3], done="length", logprobs=lp), {"id": "r"})
+    assert len(answer.response()["choices"][0]["prompt_logprobs"]) == 3
+    chat = _answer(prompt_logprobs=0)
+    chat.add(0, _update("x", [3], done="length", logprobs=lp), {"id": "r"})
+    body = chat.response()
+    assert len(body["prompt_logprobs"]) == 3 and body["choices"][0]["logprobs"] is None

@@ -1,0 +1,214 @@
+"""vLLM's extensions of the OpenAI routes, end to end with the official `openai` package:
+return_token_ids (the output's and the prompt's ids, carried back through the mesh with the
+first output), return_tokens_as_token_ids ("token_id:<id>" in logprobs), prompt_logprobs
+(each prompt token's logprob and rank, and the most likely ones), and the /version and /load
+routes, as vLLM's own server tests read them."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from helpers import chatml, openai_client, wait_until
+
+from meshlm.launch.mesh import Mesh
+from sglang.runtime.v1 import sglang_pb2 as pb
+
+PROMPT = "Hello, world! How are you today?"
+USER = [{"role": "user", "content": "Repeat after me: I love cats"}]
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai_client(mesh)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def tokens(stub, text: str, special: bool = True) -> list[int]:
+    return list(stub.Tokenize(pb.TokenizeRequest(text=text, add_special_tokens=special)).tokens)
+
+
+def decoded(stub, ids: list[int]) -> str:
+    return stub.Detokenize(pb.DetokenizeRequest(tokens=ids)).text
+
+
+def ids_of(labels: list[str]) -> list[int]:
+    assert all(label.startswith("token_id:") for label in labels), labels
+    return [int(label.removeprefix("token_id:")) for label in labels]
+
+
+# ---- return_token_ids ------------------------------------------------------------------------
+
+
+def test_completion_returns_its_prompt_and_output_ids(client, model, stub) -> None:
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0,
+                                      extra_body={"return_token_ids": True})
+    choice = reply.choices[0].model_dump()
+    assert choice["prompt_token_ids"] == tokens(stub, PROMPT)
+    assert len(choice["token_ids"]) == reply.usage.completion_tokens == 10
+    assert decoded(stub, choice["token_ids"]) == choice["text"]
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=3,
+                                      extra_body={"return_token_ids": False}).model_dump()
+    assert "token_ids" not in plain["choices"][0]
+    assert "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_a_batch_of_prompts_each_with_its_own_ids(client, model, stub) -> None:
+    prompts = ["The sea", "A robot may not injure"]
+    reply = client.completions.create(model=model, prompt=prompts, max_tokens=3, n=2,
+                                      extra_body={"return_token_ids": True})
+    for choice in reply.choices:
+        dump = choice.model_dump()
+        assert dump["prompt_token_ids"] == tokens(stub, prompts[choice.index // 2])
+        assert len(dump["token_ids"]) == 3
+
+
+def test_chat_returns_the_rendered_prompts_ids(client, model, stub) -> None:
+    reply = client.chat.completions.create(model=model, messages=USER, max_tokens=8,
+                                           temperature=0, extra_body={"return_token_ids": True})
+    dump = reply.model_dump()
+    assert dump["prompt_token_ids"] == tokens(stub, chatml(USER), special=False)
+    assert decoded(stub, dump["choices"][0]["token_ids"]) == reply.choices[0].message.content
+    plain = client.chat.completions.create(model=model, messages=USER, max_tokens=2).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_streamed_ids_line_up_with_the_logprobs(client, model, stub) -> None:
+    stream = client.completions.create(
+        model=model, prompt="Tell me a short fact about Python:", max_tokens=30, temperature=0,
+        stream=True, logprobs=1, n=2,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    logprob_ids: dict[int, list[int]] = {0: [], 1: []}
+    prompts: dict[int, list[list[int]]] = {0: [], 1: []}
+    for chunk in stream:
+        choice = chunk.choices[0].model_dump()
+        if "prompt_token_ids" in choice:
+            prompts[choice["index"]].append(choice["prompt_token_ids"])
+        ids[choice["index"]] += choice["token_ids"]
+        logprob_ids[choice["index"]] += ids_of(choice["logprobs"]["tokens"])
+    expected = tokens(stub, "Tell me a short fact about Python:")
+    for index in (0, 1):
+        assert prompts[index] == [expected]  # once, in the choice's first chunk
+        assert len(ids[index]) == 30 and ids[index] == logprob_ids[index]
+
+
+def test_a_streamed_chat_gives_the_prompt_once_then_each_chunks_ids(client, model, stub) -> None:
+    stream = client.chat.completions.create(model=model, messages=USER, max_tokens=20,
+                                            temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True})
+    chunks = [chunk.model_dump() for chunk in stream]
+    assert chunks[0]["prompt_token_ids"] == tokens(stub, chatml(USER), special=False)
+    assert all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    content = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks)
+    ids = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+    assert len(ids) == 20 and decoded(stub, ids) == content
+
+
+# ---- return_tokens_as_token_ids and prompt_logprobs --------------------------------------------
+
+
+def test_echo_logprobs_prompt_logprobs_and_ids_agree(client, model, stub) -> None:
+    """vLLM's comparison: with echo, the logprobs' ids are the prompt's then the output's."""
+    reply = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=20, temperature=0, echo=True, logprobs=1,
+        extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True,
+                    "prompt_logprobs": 1})
+    choice = reply.choices[0].model_dump()
+    labelled = ids_of(choice["logprobs"]["tokens"])
+    assert labelled == choice["prompt_token_ids"] + choice["token_ids"]
+    for position in choice["logprobs"]["top_logprobs"][1:]:
+        assert 1 <= len(position) <= 2 and all(k.startswith("token_id:") for k in position)
+    prompt = choice["prompt_logprobs"]
+    assert len(prompt) == len(choice["prompt_token_ids"]) and prompt[0] is None
+    for token, position, value in zip(choice["prompt_token_ids"][1:], prompt[1:],
+                                      choice["logprobs"]["token_logprobs"][1:], strict=False):
+        assert str(token) in position and position[str(token)]["logprob"] == pytest.approx(value)
+        assert 1 <= len(position) <= 2
+        best = min(position.values(), key=lambda entry: entry["rank"])
+        assert best["rank"] == 1 and best["logprob"] == max(e["logprob"] for e in
+                                                            position.values())
+
+
+def test_prompt_logprobs_ranks_agree_with_the_most_likely(client, model) -> None:
+    """A prompt token among the 20 most likely has its place there as its rank; one outside
+    ranks below 20."""
+    reply = client.completions.create(model=model, prompt="The cat sat on the mat and then",
+                                      max_tokens=1, extra_body={"prompt_logprobs": 20})
+    prompt = reply.choices[0].model_dump()["prompt_logprobs"]
+    assert reply.choices[0].logprobs is None  # prompt_logprobs alone asks for nothing else
+    assert prompt[0] is None and len(prompt) == reply.usage.prompt_tokens
+    for position in prompt[1:]:
+        by_rank = sorted(position.values(), key=lambda entry: entry["rank"])
+        top = [e for e in by_rank if e["rank"] <= 20]
+        assert [e["rank"] for e in top[:20]] == list(range(1, 21))
+        values = [e["logprob"] for e in top]
+        assert values == sorted(values, reverse=True)
+        for entry in position.values():
+            assert isinstance(entry["decoded_token"], str)
+            if entry["rank"] > 20:
+                assert entry["logprob"] <= values[-1]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_chat_prompt_logprobs_at_the_top(client, model, stub, k) -> None:
+    reply = client.chat.completions.create(model=model, messages=USER, max_tokens=2,
+                                           extra_body={"prompt_logprobs": k}).model_dump()
+    prompt = reply["prompt_logprobs"]
+    assert len(prompt) == reply["usage"]["prompt_tokens"] and prompt[0] is None
+    rendered = tokens(stub, chatml(USER), special=False)
+    for token, position in zip(rendered[1:], prompt[1:], strict=True):
+        assert str(token) in position and 1 <= len(position) <= k + 1
+    plain = client.chat.completions.create(model=model, messages=USER, max_tokens=2).model_dump()
+    assert "prompt_logprobs" not in plain
+
+
+def test_prompt_logprobs_refusals_and_the_streamed_zero(client, model) -> None:
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                  extra_body={"prompt_logprobs": -1})
+    with pytest.raises(openai.BadRequestError, match="not available when stream"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                  extra_body={"return_token_ids": "yes"})
+    # 0 with stream is taken and changes nothing, as in vLLM.
+    chunks = list(client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                            stream=True, extra_body={"prompt_logprobs": 0}))
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# ---- /version and /load ----------------------------------------------------------------------
+
+
+def test_version_is_the_servers(mesh) -> None:
+    base = mesh.addresses.gateway_http
+    r = httpx.get(f"{base}/version", timeout=10)
+    info = httpx.get(f"{base}/get_server_info", timeout=10).json()
+    assert r.status_code == 200 and r.json() == {"version": info["version"]}
+    assert info["version"] not in ("", "unknown")
+
+
+def test_load_counts_the_requests_in_flight(mesh, client, model) -> None:
+    url = f"{mesh.addresses.gateway_http}/load"
+
+    def load() -> int:
+        r = httpx.get(url, timeout=10)
+        assert r.status_code == 200
+        return int(r.json()["server_load"])
+
+    wait_until(lambda: load() == 0, timeout=30, what="no request in flight")
+    stream = client.completions.create(model=model, prompt="Once", max_tokens=2000,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))  # running now
+    assert load() == 1
+    stream.close()  # the client leaves: the request ends in the mesh
+    wait_until(lambda: load() == 0, timeout=30, what="the request ended")
+    assert json.loads(httpx.get(url, timeout=10).text) == {"server_load": 0}

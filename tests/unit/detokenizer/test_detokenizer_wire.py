@@ -1,0 +1,22 @@
+"""The detokenizer's wire conversion: what passes through from a scheduler's output to its
+gateway's, untouched."""
+
+from __future__ import annotations
+
+from meshlm.detokenizer.wire import text_output
+from meshlm.v1 import common_pb2, detokenizer_pb2
+
+
+def test_ids_counts_logprobs_and_the_prompts_ids_pass_through() -> None:
+    out = detokenizer_pb2.TokenOutput(
+        rid="r", token_ids=[7, 8], prompt_tokens=3, completion_tokens=2, cached_tokens=1,
+        logprobs=common_pb2.Logprobs(output_logprobs=[-0.5, -0.25]),
+        header=common_pb2.RequestHeader(prompt_ids=[1, 2, 3]))
+    text_out = text_output(out)
+    assert list(text_out.token_ids) == [7, 8] and list(text_out.prompt_ids) == [1, 2, 3]
+    assert (text_out.prompt_tokens, text_out.completion_tokens, text_out.cached_tokens) == (
+        3, 2, 1)
+    assert list(text_out.logprobs.output_logprobs) == [-0.5, -0.25]
+    assert not text_out.text and not text_out.finished
+    later = text_output(detokenizer_pb2.TokenOutput(rid="r", token_ids=[9]))
+    assert not later.prompt_ids and not later.HasField("logprobs")

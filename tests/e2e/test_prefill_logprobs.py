@@ -6,7 +6,7 @@ its meta_info has the prompt logprobs from logprob_start_len and, for the positi
 prompt, the top and asked ids' logprobs (SGLang's prefill-only scoring). token_ids_logprob asks
 for given ids' logprobs at every output position and at the prompt positions with logprobs
 (output_token_ids_logprobs, input_token_ids_logprobs); an id outside the vocabulary is refused
-("out-of-vocabulary"), and on /generate a nested list for one prompt ("flat list of
+("out of vocabulary"), and on /generate a nested list for one prompt ("flat list of
 integers")."""
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ def test_grpc_prefill_without_logprobs_warms_the_prefix_cache(stub):
 
 
 @pytest.mark.parametrize("call", ["TextGenerate", "Generate"])
-@pytest.mark.parametrize(("ids", "words"), [([1, OUT_OF_VOCABULARY], "out-of-vocabulary"),
+@pytest.mark.parametrize(("ids", "words"), [([1, OUT_OF_VOCABULARY], "out of vocabulary"),
                                             ([-1], "non-negative")])
 def test_grpc_token_ids_outside_the_vocabulary_are_refused(stub, call, ids, words):
     for return_logprob in (True, False):  # checked even where it would be ignored
@@ -219,9 +219,9 @@ def test_native_batch_takes_one_list_per_prompt(mesh, stub):
     ({"text": PROMPT, "return_logprob": True, "token_ids_logprob": [[1, 2]]},
      "token_ids_logprob", "flat list of integers"),
     ({"text": PROMPT, "return_logprob": True, "token_ids_logprob": [3, OUT_OF_VOCABULARY]},
-     "token_ids_logprob[1]", "out-of-vocabulary"),
+     "token_ids_logprob[1]", "out of vocabulary"),
     ({"text": PROMPT, "return_logprob": True, "token_ids_logprob": [2**40]},
-     "token_ids_logprob[0]", "out-of-vocabulary"),
+     "token_ids_logprob[0]", "out of vocabulary"),
     ({"text": [PROMPT, PROMPT], "token_ids_logprob": [[1], [2], [3]]},
      "token_ids_logprob", "3 lists for 2 prompts"),
 ])
@@ -266,7 +266,7 @@ def test_transcoded_generate_token_ids_at_every_output_position(mesh, stub):
 
 
 @pytest.mark.parametrize(("asked", "words"), [([[1, 2]], "flat list of integers"),
-                                              ([OUT_OF_VOCABULARY], "out-of-vocabulary")])
+                                              ([OUT_OF_VOCABULARY], "out of vocabulary")])
 def test_transcoded_refusals(mesh, asked, words):
     body = {"text": PROMPT, "return_logprob": True, "token_ids_logprob": asked}
     r = httpx.post(f"{mesh.addresses.gateway_http}/v1/runtime/text_generate", json=body,

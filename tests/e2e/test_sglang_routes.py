@@ -115,7 +115,7 @@ def test_negative_ids_are_refused_saying_non_negative(http, stub):
         r = http.post(path, json={"tokens": [5, -1]})
         assert r.status_code == 400 and "non-negative" in r.text, r.text
     r = http.post("/detokenize", json={"tokens": [5, 10**6]})
-    assert r.status_code == 400 and "out-of-vocabulary" in r.text
+    assert r.status_code == 400 and "out of vocabulary" in r.text
 
 
 # -- abort and load ----------------------------------------------------------------------------

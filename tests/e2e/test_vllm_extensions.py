@@ -1,8 +1,9 @@
 """vLLM's extensions of the OpenAI routes, end to end with the official `openai` package:
 return_token_ids (the output's and the prompt's ids, carried back through the mesh with the
 first output), return_tokens_as_token_ids ("token_id:<id>" in logprobs), prompt_logprobs
-(each prompt token's logprob and rank, and the most likely ones), and the /version and /load
-routes, as vLLM's own server tests read them."""
+(each prompt token's logprob and rank, and the most likely ones), truncate_prompt_tokens with
+truncation_side, use_beam_search refused, and the /version and /load routes, as vLLM's own
+server tests read them."""
 
 from __future__ import annotations
 
@@ -183,6 +184,60 @@ def test_prompt_logprobs_refusals_and_the_streamed_zero(client, model) -> None:
     chunks = list(client.completions.create(model=model, prompt="hi", max_tokens=2,
                                             stream=True, extra_body={"prompt_logprobs": 0}))
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# ---- truncate_prompt_tokens ------------------------------------------------------------------
+
+
+def test_truncation_side_controls_which_ids_are_kept(client, model) -> None:
+    ids = list(range(8))
+    for side, kept in (("right", ids[:4]), ("left", ids[-4:])):
+        reply = client.completions.create(
+            model=model, prompt=ids, max_tokens=1, temperature=0,
+            extra_body={"return_token_ids": True, "truncate_prompt_tokens": 4,
+                        "truncation_side": side})
+        assert reply.choices[0].model_dump()["prompt_token_ids"] == kept
+        assert reply.usage.prompt_tokens == 4
+
+
+def test_a_text_prompt_too_long_for_the_context_fits_once_cut(client, model, stub) -> None:
+    info = client.models.list().data[0].model_dump()
+    context = info["max_model_len"]
+    long = "many different words here " * (context // 2)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=model, prompt=long, max_tokens=2)
+    reply = client.completions.create(
+        model=model, prompt=long, max_tokens=2,
+        extra_body={"truncate_prompt_tokens": 16, "return_token_ids": True})
+    assert reply.choices[0].model_dump()["prompt_token_ids"] == tokens(stub, long)[-16:]
+    # A chat's rendered prompt is cut too: to leave room for its 2 tokens it fits exactly;
+    # -1 (max_model_len) cuts it to the whole context, which leaves none.
+    messages = [{"role": "user", "content": long}]
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=2,
+        extra_body={"truncate_prompt_tokens": context - 2, "truncation_side": "right"})
+    assert chat.usage.prompt_tokens == context - 2 and chat.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                       extra_body={"truncate_prompt_tokens": -1})
+
+
+def test_truncation_and_beam_search_refusals(client, model) -> None:
+    with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens: must be at most"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 10**6})
+    with pytest.raises(openai.BadRequestError, match="truncation_side"):
+        client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": 1,
+                                              "truncation_side": "middle"})
+    with pytest.raises(openai.APIStatusError, match="use_beam_search") as info:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, n=2,
+                                  extra_body={"use_beam_search": True})
+    assert info.value.status_code == 501
+    reply = client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                      extra_body={"use_beam_search": False,
+                                                  "length_penalty": 1.0})
+    assert reply.choices[0].finish_reason == "length"
 
 
 # ---- /version and /load ----------------------------------------------------------------------

@@ -10,6 +10,7 @@ so one that cannot fit is refused without encoding all of it."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -133,8 +134,10 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     async def _tokenize(self, requests: Sequence[tokenizer_pb2.GenerateRequest]
                         ) -> list[list[int] | TooLong | Refused]:
         """Each request's prompt ids (given, or encoded on a worker thread; a chat rendered by
-        the template first), TooLong, or Refused (a chat the template refused)."""
-        ids: list[list[int] | TooLong | Refused] = [list(r.input_ids.ids) for r in requests]
+        the template first; cut when the client asked, truncate_prompt_tokens), TooLong, or
+        Refused (a chat the template refused)."""
+        ids: list[list[int] | TooLong | Refused] = [wire.truncated(r, list(r.input_ids.ids))
+                                                    for r in requests]
         texts: dict[int, tuple[str | tuple[str, str], bool]] = {}  # to encode, with specials?
         chats: dict[str, str | Refused] = {}  # n samples of one chat: rendered once
         for i, r in enumerate(requests):
@@ -151,17 +154,20 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                     ids[i] = rendered
                 else:  # the templates write their own special tokens (bos), as a rule
                     texts[i] = rendered, r.chat.add_special_tokens
-        # add_special_tokens is per request; group so each group is one encode_batch call.
-        for special in (True, False):
-            group = [i for i, (_, flag) in texts.items() if flag == special]
+        # add_special_tokens is per request; group so each group is one encode_batch call. A
+        # prompt to be cut is encoded whole (never TooLong: the gateway bounds its characters).
+        for special, cut in ((True, False), (False, False), (True, True), (False, True)):
+            group = [i for i, (_, flag) in texts.items()
+                     if flag == special and bool(requests[i].truncate_prompt_tokens) == cut]
             if not group:
                 continue
             chunk = [texts[i][0] for i in group]
             chars = sum(len(t) if isinstance(t, str) else len(t[0]) + len(t[1]) for t in chunk)
+            limit = sys.maxsize if cut else self._tok.max_model_len - 1
             encoded = await self.workers.run(chars, encode_prompts, self._tok, chunk, special,
-                                             self._tok.max_model_len - 1)
+                                             limit)
             for i, e in zip(group, encoded, strict=True):
-                ids[i] = e
+                ids[i] = wire.truncated(requests[i], e) if isinstance(e, list) else e
         return ids
 
     async def _forward(self, requests: list[tokenizer_pb2.GenerateRequest]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import grpc
 
+from meshlm.common import context_length
 from meshlm.v1 import common_pb2, scheduler_pb2, tokenizer_pb2
 
 
@@ -22,6 +23,12 @@ def prompt_chars(req: tokenizer_pb2.GenerateRequest) -> int:
 def prompt_text(req: tokenizer_pb2.GenerateRequest) -> str | tuple[str, str]:
     """A text request's text, or its (text, text_pair) pair (cross-encoder input)."""
     return (req.text, req.text_pair) if req.text_pair else req.text
+
+
+def truncated(req: tokenizer_pb2.GenerateRequest, ids: list[int]) -> list[int]:
+    """`ids` cut as the client asked (truncate_prompt_tokens): the last ones kept, or the
+    first ones (truncate_right)."""
+    return context_length.truncated(ids, req.truncate_prompt_tokens, req.truncate_right)
 
 
 def tokenized(req: tokenizer_pb2.GenerateRequest, ids: list[int],

@@ -200,3 +200,33 @@ async def test_a_chat_in_the_stream_is_rendered_and_encoded_there(tok: TextToken
 async def _collect(replies: AsyncIterator[tokenizer_pb2.RejectionBatch]
                    ) -> list[tokenizer_pb2.Rejection]:
     return [r for batch in [b async for b in replies] for r in batch.rejections]
+
+
+async def test_a_prompt_cut_as_asked_fits_and_keeps_the_side_asked(tok: TextTokenizer) -> None:
+    """truncate_prompt_tokens: a prompt far over the context is cut (not refused) before the
+    context is checked, keeping its last ids, or its first with truncate_right; given ids are
+    cut alike."""
+    workers = Workers(big_chars=BIG)
+    servicer, scheduler = _servicer(tok, workers)
+    queue: asyncio.Queue[tokenizer_pb2.GenerateBatch | None] = asyncio.Queue()
+    long = "many different words here " * 20_000
+    whole = tok.encode("one two three four five six")
+    last, first = _request("last", long), _request("first", "one two three four five six")
+    last.truncate_prompt_tokens = first.truncate_prompt_tokens = 3
+    first.truncate_right = True
+    ids = tokenizer_pb2.GenerateRequest(
+        input_ids=tokenizer_pb2.TokenIds(ids=[5, 6, 7, 8]), truncate_prompt_tokens=2,
+        meta=common_pb2.RequestMeta(rid="ids", route=common_pb2.Route(scheduler="s:1"),
+                                    sampling=common_pb2.SamplingParams(max_new_tokens=4,
+                                                                       logprob_start_len=-1)))
+    try:
+        await queue.put(tokenizer_pb2.GenerateBatch(requests=[last, first, ids]))
+        await queue.put(None)
+        rejections = await asyncio.wait_for(
+            _collect(servicer.Submit(_batches(queue), None)), 60)  # type: ignore[arg-type]
+        assert rejections == []
+        assert list(scheduler.items["last"].input_ids) == tok.encode(long)[-3:]
+        assert list(scheduler.items["first"].input_ids) == whole[:3]
+        assert list(scheduler.items["ids"].input_ids) == [7, 8]
+    finally:
+        workers.close()

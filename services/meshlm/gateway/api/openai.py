@@ -25,7 +25,8 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from typing import Any, TypeVar
 
-from meshlm.common.errors import MeshError
+from meshlm.common.context_length import truncated
+from meshlm.common.errors import MeshError, invalid
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.api.generation import GenerationRPCs
@@ -112,6 +113,7 @@ class OpenAIRPCs:
             raise renamed(e, req.names) from None
         v.return_text = True
         v.return_prompt_ids = req.return_token_ids
+        v.truncate, v.truncate_right = truncation(req, limits), req.truncate_right
         answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
                             stream=req.stream, include_usage=req.include_usage,
                             continuous_usage=req.continuous_usage,
@@ -125,13 +127,17 @@ class OpenAIRPCs:
         limits = await self.core.limits()
         model = served_model(self.core, req.model)
         check_batch(len(req.prompts) * req.n, limits.max_batch, "prompt")
+        cut = truncation(req, limits)
         runs = []
         for i, prompt in enumerate(req.prompts):
             key = f"prompt[{i}]" if req.batch else "prompt"
             names = {**req.names, "text": key, "input_ids": key, "logprob_start_len": key}
+            if isinstance(prompt, list):  # cut here too, for the gateway's own checks
+                prompt = truncated(prompt, cut, req.truncate_right)
             v = _validated(public_request(req, prompt), limits, names)
             v.add_special_tokens = req.add_special_tokens
             v.return_prompt_ids = req.return_token_ids
+            v.truncate, v.truncate_right = cut, req.truncate_right
             runs.append((v, names))
         echo = None
         if req.echo:
@@ -197,6 +203,18 @@ def served_model(core: GatewayCore, model: str | None) -> str:
     if model is not None and model != served:
         raise model_not_found(model, served)
     return served
+
+
+def truncation(req: GenerationRequest, limits: Limits) -> int:
+    """How many prompt ids vLLM's truncate_prompt_tokens keeps (0: no cut; -1: the context
+    length); more than the context length is refused."""
+    keep = req.truncate
+    if keep is None:
+        return 0
+    if keep > limits.max_model_len:
+        raise invalid("truncate_prompt_tokens", f"must be at most max_model_len "
+                                                f"({limits.max_model_len}), got {keep}")
+    return limits.max_model_len if keep == -1 else keep
 
 
 def _validated(public: pb.TextGenerateRequest | pb.GenerateRequest, limits: Limits,

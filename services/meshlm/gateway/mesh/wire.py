@@ -25,7 +25,9 @@ def tokenizer_request(v: ValidatedRequest, child: Child, route: common_pb2.Route
     )
     msg = tokenizer_pb2.GenerateRequest(meta=meta, trace=trace,
                                         add_special_tokens=v.add_special_tokens,
-                                        max_model_len=max_model_len)
+                                        max_model_len=max_model_len,
+                                        truncate_prompt_tokens=v.truncate,
+                                        truncate_right=v.truncate_right)
     if v.text is not None:
         msg.text = v.text
         if v.text_pair is not None:

@@ -104,7 +104,7 @@ def _check_asked(value: Any, field: str, *, batch: bool) -> None:
         raise invalid(field, f"must be a flat list of integers (token ids); {where}")
     for i, t in enumerate(value):
         if not -_INT32 <= t < _INT32:
-            why = "token ids are non-negative" if t < 0 else "out-of-vocabulary"
+            why = "token ids are non-negative" if t < 0 else "out of vocabulary"
             raise invalid(f"{field}[{i}]", f"token id {t} is out of range: {why}")
 
 

@@ -13,7 +13,10 @@ repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 (SGLang's order: larger first), no_stop_trim (vLLM's include_stop_str_in_output: a matched
 stop string stays in the text) and vLLM's allowed_token_ids, return_token_ids (the output's
 and the prompt's ids in the answer), return_tokens_as_token_ids (logprobs name tokens
-"token_id:<id>") and prompt_logprobs (not streaming); on chat, vLLM's
+"token_id:<id>"), prompt_logprobs (not streaming), truncate_prompt_tokens with
+truncation_side (the prompt's ids cut to fit, the last ones kept by default), and
+use_beam_search: false and length_penalty (beam search's, no effect without it; true is
+UNIMPLEMENTED); on chat, vLLM's
 add_generation_prompt, continue_final_message (the last message left open and continued; not
 with add_generation_prompt: true, which is otherwise the default), echo (the reply starts with
 the last message's content when that message is the assistant's), chat_template_kwargs (the
@@ -68,6 +71,8 @@ class GenerationRequest:
     return_token_ids: bool = False  # vLLM's: output and prompt ids in the answer
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>" in logprobs
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top ones
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens (-1: the context length)
+    truncate_right: bool = False  # vLLM's truncation_side "right": the first ones kept
 
     @property
     def n(self) -> int:
@@ -215,17 +220,28 @@ def _stream(body: JsonBody) -> tuple[bool, bool, bool]:
 
 
 def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
-    """vLLM's return_token_ids, return_tokens_as_token_ids and prompt_logprobs, as
-    GenerationRequest fields. prompt_logprobs come in the whole answer only: refused with
-    stream, but 0 is taken there and changes nothing, as in vLLM."""
+    """vLLM's return_token_ids, return_tokens_as_token_ids, prompt_logprobs,
+    truncate_prompt_tokens and truncation_side, as GenerationRequest fields. prompt_logprobs
+    come in the whole answer only: refused with stream, but 0 is taken there and changes
+    nothing, as in vLLM."""
     k = b.integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     if k is not None and stream:
         if k:
             raise invalid("prompt_logprobs", "is not available when stream is true")
         k = None
+    truncate = b.integer("truncate_prompt_tokens", -1, _INT32)
+    if truncate == 0:
+        raise invalid("truncate_prompt_tokens", "must be -1 (max_model_len) or at least 1, got 0")
+    if b.boolean("use_beam_search"):
+        raise unimplemented("use_beam_search", "beam search is not supported; draw n samples "
+                                               "instead")
+    b.number("length_penalty")  # beam search's alone: no effect without it, as in vLLM
+    side = b.string("truncation_side")
+    if side not in (None, "left", "right"):
+        raise invalid("truncation_side", f"must be \"left\" or \"right\", got {show(side)}")
     return {"return_token_ids": bool(b.boolean("return_token_ids")),
             "tokens_as_ids": bool(b.boolean("return_tokens_as_token_ids")),
-            "prompt_logprobs": k}
+            "prompt_logprobs": k, "truncate": truncate, "truncate_right": side == "right"}
 
 
 def chat_rendering(add_generation_prompt: bool | None,
@@ -354,6 +370,9 @@ def parse_completion(body: bytes) -> CompletionRequest:
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     special = b.boolean("add_special_tokens")
     vllm = _vllm_options(b, stream)
+    if echo and vllm["truncate"] is not None:
+        raise invalid("echo", "cannot be combined with truncate_prompt_tokens (the prompt "
+                              "echoed would not be the one computed)")
     b.check_unknown()
     return CompletionRequest(model=model, sampling=sampling, stream=stream,
                              include_usage=include_usage, top_logprobs=logprobs, rid=rid,

@@ -80,6 +80,10 @@ class ValidatedRequest:
     fill_max_new_tokens: bool = False
     add_special_tokens: bool = True  # a text prompt's, when encoded (a chat's: in `chat`)
     return_prompt_ids: bool = False  # the prompt's ids come back with the first output
+    # vLLM's truncate_prompt_tokens: the tokenizer cuts the prompt's ids to this many (0: no
+    # cut), keeping the last ones, or the first ones with truncate_right.
+    truncate: int = 0
+    truncate_right: bool = False
 
 
 def unimplemented(field_path: str, problem: str) -> MeshError:
@@ -209,7 +213,7 @@ def check_sampling_ids(sampling: common_pb2.SamplingParams, limits: Limits) -> N
     for token in sampling.logit_bias:
         if token >= limits.vocab_size:
             raise invalid("sampling_params.logit_bias", f"token id {token} is out of range "
-                          f"[0, {limits.vocab_size}): out-of-vocabulary")
+                          f"[0, {limits.vocab_size}): out of vocabulary")
 
 
 def check_rid(rid: str, field_path: str = "rid") -> None:
@@ -221,7 +225,7 @@ def check_token_ids(ids: list[int], limits: Limits, field_path: str) -> None:
     """Every id in [0, vocab_size)."""
     for i, t in enumerate(ids):
         if not 0 <= t < limits.vocab_size:
-            why = "token ids are non-negative" if t < 0 else "out-of-vocabulary"
+            why = "token ids are non-negative" if t < 0 else "out of vocabulary"
             raise invalid(f"{field_path}[{i}]",
                           f"token id {t} is out of range [0, {limits.vocab_size}): {why}")
 

@@ -54,7 +54,7 @@ def test_token_ids_logprob_outside_the_vocabulary_is_refused(asked: bool) -> Non
     err = _error(validate_text_generate, pb.TextGenerateRequest(
         text="a", return_logprob=asked, token_ids_logprob=[3, 100]), LIMITS)
     assert err.message.startswith("token_ids_logprob[1]: ")
-    assert err.message.endswith("out-of-vocabulary")
+    assert err.message.endswith("out of vocabulary")
     err = _error(validate_generate, pb.GenerateRequest(
         input_ids=[1], return_logprob=asked, token_ids_logprob=[-1]), LIMITS)
     assert err.message.startswith("token_ids_logprob[0]: ") and "non-negative" in err.message
@@ -84,7 +84,7 @@ def test_native_token_ids_logprob_one_prompt_and_a_batch() -> None:
     ({"text": ["a", "b"], "token_ids_logprob": [[1]]}, "token_ids_logprob", "1 lists for 2"),
     ({"text": ["a", "b"], "token_ids_logprob": [[1], [[2]]]}, "token_ids_logprob[1]",
      "flat list of integers"),
-    ({"text": "a", "token_ids_logprob": [2**40]}, "token_ids_logprob[0]", "out-of-vocabulary"),
+    ({"text": "a", "token_ids_logprob": [2**40]}, "token_ids_logprob[0]", "out of vocabulary"),
     ({"text": "a", "token_ids_logprob": [-(2**40)]}, "token_ids_logprob[0]", "non-negative"),
 ])
 def test_native_token_ids_logprob_refusals(body: dict[str, Any], field: str, words: str) -> None:

@@ -397,3 +397,24 @@ def test_vllm_token_ids_and_prompt_logprobs_options() -> None:
         "prompt_logprobs: must be in [0, ")
     assert _refusal(parse_chat, {"messages": USER, "return_token_ids": 1}).message.startswith(
         "return_token_ids: must be true or false")
+
+
+def test_vllm_truncation_and_beam_search_options() -> None:
+    req = parse_completion(_body({"prompt": [1, 2, 3], "truncate_prompt_tokens": 2,
+                                  "truncation_side": "right"}))
+    assert req.truncate == 2 and req.truncate_right
+    chat = parse_chat(_body({"messages": USER, "truncate_prompt_tokens": -1}))
+    assert chat.truncate == -1 and not chat.truncate_right  # the last ones kept by default
+    assert parse_chat(_body({"messages": USER})).truncate is None
+    assert _refusal(parse_chat, {"messages": USER, "truncate_prompt_tokens": 0}).message == (
+        "truncate_prompt_tokens: must be -1 (max_model_len) or at least 1, got 0")
+    assert _refusal(parse_chat, {"messages": USER, "truncation_side": "middle"}).message == (
+        'truncation_side: must be "left" or "right", got "middle"')
+    assert _refusal(parse_completion, {"prompt": "a", "echo": True,
+                                       "truncate_prompt_tokens": 2}).message.startswith(
+        "echo: cannot be combined with truncate_prompt_tokens")
+    parse_chat(_body({"messages": USER, "use_beam_search": False, "length_penalty": 1.5}))
+    with pytest.raises(MeshError) as info:
+        parse_completion(_body({"prompt": "a", "use_beam_search": True}))
+    assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.message.startswith("use_beam_search: ")

@@ -284,7 +284,7 @@ def test_tokenize_and_detokenize() -> None:
     validate_detokenize(pb.DetokenizeRequest(), LIMITS)
     err = _error(validate_detokenize, pb.DetokenizeRequest(tokens=[5, 100]), LIMITS)
     assert err.message.startswith("tokens[1]: ") and err.code == INVALID
-    assert err.message.endswith("out-of-vocabulary")
+    assert err.message.endswith("out of vocabulary")
     err = _error(validate_detokenize, pb.DetokenizeRequest(tokens=[5, -3]), LIMITS)
     assert err.message.startswith("tokens[1]: ") and "non-negative" in err.message
 

@@ -1,7 +1,8 @@
 """vLLM's extensions of the OpenAI routes, end to end with the official `openai` package:
 return_token_ids (the output's and the prompt's ids, carried back through the mesh with the
 first output), return_tokens_as_token_ids ("token_id:<id>" in logprobs), prompt_logprobs
-(each prompt token's logprob and rank, and the most likely ones), truncate_prompt_tokens with
+(each prompt token's logprob and rank, and the most likely ones), logprob_token_ids (the asked
+ids listed in place of the most likely), truncate_prompt_tokens with
 truncation_side, use_beam_search refused, and the /version and /load routes, as vLLM's own
 server tests read them."""
 
@@ -155,6 +156,41 @@ def test_prompt_logprobs_ranks_agree_with_the_most_likely(client, model) -> None
             assert isinstance(entry["decoded_token"], str)
             if entry["rank"] > 20:
                 assert entry["logprob"] <= values[-1]
+
+
+def test_logprob_token_ids_are_listed_after_the_chosen_token(client, model) -> None:
+    asked = [100, 1000, 5]
+    reply = client.chat.completions.create(
+        model=model, messages=USER, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=3, extra_body={"logprob_token_ids": asked,
+                                    "return_tokens_as_token_ids": True})
+    natural = client.chat.completions.create(
+        model=model, messages=USER, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=20, extra_body={"return_tokens_as_token_ids": True})
+    for entry, plain in zip(reply.choices[0].logprobs.content,
+                            natural.choices[0].logprobs.content, strict=True):
+        assert entry.token == plain.token  # greedy: the same tokens
+        listed = ids_of([t.token for t in entry.top_logprobs])
+        assert listed[0] == ids_of([entry.token])[0]
+        assert entry.top_logprobs[0].logprob == entry.logprob
+        assert set(listed) == {listed[0], *asked} and len(listed) == len(set(listed))
+        # An asked id among the 20 most likely has the same logprob there.
+        best = dict(zip(ids_of([t.token for t in plain.top_logprobs]),
+                        [t.logprob for t in plain.top_logprobs], strict=True))
+        for token, t in zip(listed, entry.top_logprobs, strict=True):
+            assert t.logprob <= 0
+            if token in best:
+                assert t.logprob == pytest.approx(best[token], abs=1e-4)
+    completion = client.completions.create(model=model, prompt=PROMPT, max_tokens=3,
+                                           logprobs=0, extra_body={"logprob_token_ids": [7]})
+    for position in completion.choices[0].logprobs.top_logprobs:
+        assert 1 <= len(position) <= 2
+    with pytest.raises(openai.BadRequestError, match=r"logprob_token_ids\[0\]: .*vocabulary"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=3, logprobs=0,
+                                  extra_body={"logprob_token_ids": [10**6]})
+    with pytest.raises(openai.BadRequestError, match="logprob_token_ids: needs logprobs"):
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=3,
+                                  extra_body={"logprob_token_ids": [7]})
 
 
 @pytest.mark.parametrize("k", [0, 1])

@@ -119,7 +119,8 @@ class OpenAIRPCs:
                             continuous_usage=req.continuous_usage,
                             top_logprobs=req.top_logprobs, echo=req.echo_text,
                             token_ids=req.return_token_ids, tokens_as_ids=req.tokens_as_ids,
-                            prompt_logprobs=req.prompt_logprobs)
+                            prompt_logprobs=req.prompt_logprobs,
+                            asked_ids=bool(req.logprob_ids))
         async for chunk in self._answer(req, [(v, req.names)], answer):
             yield chunk
 
@@ -149,7 +150,8 @@ class OpenAIRPCs:
                                   top_logprobs=req.top_logprobs, echo=echo,
                                   token_ids=req.return_token_ids,
                                   tokens_as_ids=req.tokens_as_ids,
-                                  prompt_logprobs=req.prompt_logprobs)
+                                  prompt_logprobs=req.prompt_logprobs,
+                                  asked_ids=bool(req.logprob_ids))
         async for chunk in self._answer(req, runs, answer):
             yield chunk
 

@@ -13,7 +13,8 @@ repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids,
 (SGLang's order: larger first), no_stop_trim (vLLM's include_stop_str_in_output: a matched
 stop string stays in the text) and vLLM's allowed_token_ids, return_token_ids (the output's
 and the prompt's ids in the answer), return_tokens_as_token_ids (logprobs name tokens
-"token_id:<id>"), prompt_logprobs (not streaming), truncate_prompt_tokens with
+"token_id:<id>"), logprob_token_ids (each position lists the chosen token and these, in place
+of the most likely ones), prompt_logprobs (not streaming), truncate_prompt_tokens with
 truncation_side (the prompt's ids cut to fit, the last ones kept by default), and
 use_beam_search: false and length_penalty (beam search's, no effect without it; true is
 UNIMPLEMENTED); on chat, vLLM's
@@ -73,6 +74,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs, with this many top ones
     truncate: int | None = None  # vLLM's truncate_prompt_tokens (-1: the context length)
     truncate_right: bool = False  # vLLM's truncation_side "right": the first ones kept
+    logprob_ids: list[int] = field(default_factory=list)  # vLLM's logprob_token_ids
 
     @property
     def n(self) -> int:
@@ -241,7 +243,29 @@ def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
         raise invalid("truncation_side", f"must be \"left\" or \"right\", got {show(side)}")
     return {"return_token_ids": bool(b.boolean("return_token_ids")),
             "tokens_as_ids": bool(b.boolean("return_tokens_as_token_ids")),
-            "prompt_logprobs": k, "truncate": truncate, "truncate_right": side == "right"}
+            "prompt_logprobs": k, "truncate": truncate, "truncate_right": side == "right",
+            "logprob_ids": _logprob_ids(b.get("logprob_token_ids"))}
+
+
+def _logprob_ids(value: Any) -> list[int]:
+    """vLLM's logprob_token_ids: the ids whose logprobs each position lists (with logprobs)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(is_int(t) and 0 <= t <= _INT32 for t in value):
+        raise invalid("logprob_token_ids", "must be a list of token ids")
+    if not value:
+        raise invalid("logprob_token_ids", "must not be an empty list")
+    if len(value) > MAX_TOP_LOGPROBS:
+        raise invalid("logprob_token_ids", f"at most {MAX_TOP_LOGPROBS} ids, got {len(value)}")
+    return value
+
+
+def _needs_logprobs(options: dict[str, Any], logprobs: bool, names: dict[str, str]) -> None:
+    """logprob_token_ids lists its ids in the logprobs: it needs them asked for."""
+    if options["logprob_ids"]:
+        if not logprobs:
+            raise invalid("logprob_token_ids", "needs logprobs to be set")
+        names["token_ids_logprob"] = "logprob_token_ids"
 
 
 def chat_rendering(add_generation_prompt: bool | None,
@@ -290,6 +314,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     b.boolean("separate_reasoning")
     b.boolean("stream_reasoning")
     vllm = _vllm_options(b, stream)
+    _needs_logprobs(vllm, bool(logprobs), names)
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
@@ -370,6 +395,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     special = b.boolean("add_special_tokens")
     vllm = _vllm_options(b, stream)
+    _needs_logprobs(vllm, logprobs is not None, names)
     if echo and vllm["truncate"] is not None:
         raise invalid("echo", "cannot be combined with truncate_prompt_tokens (the prompt "
                               "echoed would not be the one computed)")
@@ -429,7 +455,9 @@ def public_request(
     top, prompt_top = req.top_logprobs, req.prompt_logprobs
     if top is not None or prompt_top is not None:
         out.return_logprob = True
-        out.top_logprobs_num = max(top or 0, prompt_top or 0)
+        # The asked ids (logprob_token_ids) stand in for the most likely ones.
+        out.top_logprobs_num = max(0 if req.logprob_ids else top or 0, prompt_top or 0)
+        out.token_ids_logprob.extend(req.logprob_ids)
         out.return_text_in_logprobs = True
         if prompt_top is not None or (isinstance(req, CompletionRequest) and req.echo):
             out.logprob_start_len = 0

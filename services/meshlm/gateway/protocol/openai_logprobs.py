@@ -9,6 +9,9 @@ top_logprobs entry is {token: logprob} for the `logprobs` most likely tokens and
 echoed prompt's tokens come first, the first of them without a logprob (null, and null in
 top_logprobs).
 
+With vLLM's logprob_token_ids (`asked`) each position lists the chosen token and the asked
+ids' logprobs (in the asked order) in place of the most likely ones.
+
 vLLM's prompt_logprobs: one entry per prompt position, null at position 0, else
 {"<id>": {"logprob", "rank", "decoded_token"}} for the prompt's own token (rank 1 = the most
 likely) and the `prompt_logprobs` most likely ones.
@@ -54,7 +57,7 @@ def _top(top: common_pb2.TopLogprobs, as_ids: bool) -> list[tuple[str, str, Any]
 
 
 def chat_logprobs(lp: common_pb2.Logprobs | None, top: int, ids: Sequence[int] = (),
-                  as_ids: bool = False) -> dict[str, Any]:
+                  as_ids: bool = False, asked: bool = False) -> dict[str, Any]:
     """The logprobs of one chat choice's (or chunk's) output tokens, `ids`."""
     lp = lp or _EMPTY
     values = np.asarray(lp.output_logprobs, dtype=np.float32)
@@ -62,9 +65,16 @@ def chat_logprobs(lp: common_pb2.Logprobs | None, top: int, ids: Sequence[int] =
     content = []
     for i, (name, text, value) in enumerate(zip(names, lp.output_texts, values, strict=False)):
         entry = _entry(name, text, value)
-        entry["top_logprobs"] = ([_entry(*alternative) for alternative
-                                  in _top(lp.output_top[i], as_ids)[:top]]
-                                 if top and i < len(lp.output_top) else [])
+        if asked and i < len(lp.output_token_ids_logprobs):
+            chosen = ids[i] if i < len(ids) else None
+            listed = lp.output_token_ids_logprobs[i]
+            entry["top_logprobs"] = [dict(entry)] + [
+                _entry(*alternative) for token, alternative
+                in zip(listed.token_ids, _top(listed, as_ids), strict=False) if token != chosen]
+        else:
+            entry["top_logprobs"] = ([_entry(*alternative) for alternative
+                                      in _top(lp.output_top[i], as_ids)[:top]]
+                                     if top and i < len(lp.output_top) else [])
         content.append(entry)
     return {"content": content, "refusal": None}
 
@@ -73,10 +83,12 @@ class CompletionLogprobs:
     """One completions choice's logprobs, built chunk by chunk: `text_offset` runs on from
     where the previous chunk ended."""
 
-    def __init__(self, top: int, offset: int = 0, as_ids: bool = False) -> None:
+    def __init__(self, top: int, offset: int = 0, as_ids: bool = False,
+                 asked: bool = False) -> None:
         self.top = top
         self.offset = offset
         self.as_ids = as_ids
+        self.asked = asked  # logprob_token_ids: the asked ids' in place of the most likely
 
     def add(self, lp: common_pb2.Logprobs | None, echo: bool,
             ids: Sequence[int] = ()) -> dict[str, Any]:
@@ -89,9 +101,11 @@ class CompletionLogprobs:
         tops: list[dict[str, Any] | None] = []
         if echo:
             self._extend(tokens, texts, values, tops, lp.input_texts, lp.input_token_ids,
-                         lp.input_logprobs, lp.input_top, first_is_none=lp.input_start == 0)
+                         lp.input_logprobs,
+                         lp.input_token_ids_logprobs if self.asked else lp.input_top,
+                         first_is_none=lp.input_start == 0)
         self._extend(tokens, texts, values, tops, lp.output_texts, ids, lp.output_logprobs,
-                     lp.output_top)
+                     lp.output_token_ids_logprobs if self.asked else lp.output_top)
         offsets = []
         for text in texts:
             offsets.append(self.offset)
@@ -113,9 +127,14 @@ class CompletionLogprobs:
             if none:
                 tops.append(None)
                 continue
-            alternatives = ({label: v for label, _, v in _top(top[i], self.as_ids)[:self.top]}
-                            if self.top and i < len(top) else {})
-            alternatives.setdefault(name, value)  # the chosen token, when not among them
+            if self.asked:  # the chosen token first, then the asked ids'
+                alternatives = {name: value}
+                for label, _, v in (_top(top[i], self.as_ids) if i < len(top) else []):
+                    alternatives.setdefault(label, v)
+            else:
+                alternatives = ({label: v for label, _, v in _top(top[i], self.as_ids)[:self.top]}
+                                if self.top and i < len(top) else {})
+                alternatives.setdefault(name, value)  # the chosen token, when not among them
             tops.append(alternatives)
 
 

@@ -66,7 +66,8 @@ class Answer:
     def __init__(self, *, model: str, created: int, n: int, prompts: int, stream: bool,
                  include_usage: bool, top_logprobs: int | None,
                  continuous_usage: bool = False, token_ids: bool = False,
-                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None) -> None:
+                 tokens_as_ids: bool = False, prompt_logprobs: int | None = None,
+                 asked_ids: bool = False) -> None:
         self.model = model
         self.created = created
         self.n = n
@@ -77,6 +78,7 @@ class Answer:
         self.token_ids = token_ids  # vLLM's return_token_ids
         self.tokens_as_ids = tokens_as_ids  # vLLM's return_tokens_as_token_ids
         self.prompt_logprobs = prompt_logprobs  # vLLM's: top ones per prompt position
+        self.asked_ids = asked_ids  # vLLM's logprob_token_ids: listed in place of the top ones
         self.id = ""
         count = n * prompts
         self.updates: list[Update | None] = [None] * count  # not streaming: merged, final
@@ -194,7 +196,7 @@ class ChatAnswer(Answer):
         if self.top_logprobs is None:
             return None
         return chat_logprobs(update.logprobs, self.top_logprobs, update.token_ids,
-                             self.tokens_as_ids)
+                             self.tokens_as_ids, self.asked_ids)
 
     def _first_chunks(self, index: int, update: Update) -> list[Chunk]:
         first = [self._chunk(_delta(index, {"role": "assistant", "content": ""}))]
@@ -240,7 +242,8 @@ class CompletionAnswer(Answer):
         super().__init__(**kwargs)
         self.echo = echo
         top = self.top_logprobs
-        self._logprobs = [CompletionLogprobs(top, as_ids=self.tokens_as_ids)
+        self._logprobs = [CompletionLogprobs(top, as_ids=self.tokens_as_ids,
+                                             asked=self.asked_ids)
                           if top is not None else None for _ in self.updates]
         self._echoed = [False] * len(self.updates)
 

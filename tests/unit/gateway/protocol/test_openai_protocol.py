@@ -418,3 +418,20 @@ def test_vllm_truncation_and_beam_search_options() -> None:
         parse_completion(_body({"prompt": "a", "use_beam_search": True}))
     assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
     assert info.value.message.startswith("use_beam_search: ")
+
+
+def test_logprob_token_ids_need_logprobs_and_replace_the_top_ones() -> None:
+    req = parse_chat(_body({"messages": USER, "logprobs": True, "top_logprobs": 3,
+                            "logprob_token_ids": [5, 7]}))
+    public = public_request(req, [])
+    assert list(public.token_ids_logprob) == [5, 7] and public.top_logprobs_num == 0
+    assert req.names["token_ids_logprob"] == "logprob_token_ids"
+    completion = parse_completion(_body({"prompt": "a", "logprobs": 0,
+                                         "logprob_token_ids": [5]}))
+    assert completion.logprob_ids == [5]
+    for doc, words in (({"logprob_token_ids": [5]}, "needs logprobs to be set"),
+                       ({"logprobs": True, "logprob_token_ids": []}, "must not be an empty list"),
+                       ({"logprobs": True, "logprob_token_ids": [-1]}, "must be a list of token"),
+                       ({"logprobs": True, "logprob_token_ids": list(range(21))}, "at most 20")):
+        err = _refusal(parse_chat, {"messages": USER, **doc})
+        assert err.message.startswith("logprob_token_ids: " + words), err.message

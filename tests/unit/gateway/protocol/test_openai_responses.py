@@ -313,3 +313,13 @@ def test_prompt_logprobs_have_the_prompt_token_its_rank_and_the_most_likely() ->
     chat.add(0, _update("x", [3], done="length", logprobs=lp), {"id": "r"})
     body = chat.response()
     assert len(body["prompt_logprobs"]) == 3 and body["choices"][0]["logprobs"] is None
+
+
+def test_logprob_token_ids_list_the_chosen_token_then_the_asked_ones() -> None:
+    lp = _lp(["a"], [-0.5], [[("z", -0.1)]])  # the most likely: not listed when ids are asked
+    lp.output_token_ids_logprobs.add(token_ids=[9, 42], logprobs=[-3.0, -0.5], texts=["q", "a"])
+    [entry] = _json(chat_logprobs(lp, 0, [42], as_ids=True, asked=True))["content"]
+    assert [(t["token"], t["logprob"]) for t in entry["top_logprobs"]] == [
+        ("token_id:42", -0.5), ("token_id:9", -3.0)]  # the chosen one once, first
+    completion = _json(CompletionLogprobs(top=0, asked=True).add(lp, echo=False, ids=[42]))
+    assert completion["top_logprobs"] == [{"a": -0.5, "q": -3.0}]

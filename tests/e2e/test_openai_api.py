@@ -119,6 +119,12 @@ def test_chat_streaming_role_first_then_content_finish_and_usage(client, model) 
     assert all(c.usage is not None for c in running)
     counts = [c.usage.completion_tokens for c in running]
     assert counts == sorted(counts) and counts[0] < counts[-1] == whole.usage.completion_tokens
+    # As vLLM's tests read them: the role's chunk counts no token yet, each later chunk more
+    # than the one before, and the last (usage alone) as many as the finish's.
+    assert counts[0] == 0
+    for before, chunk in zip(running, running[1:], strict=False):
+        assert chunk.usage.completion_tokens > before.usage.completion_tokens or (
+            not chunk.choices and chunk.usage.completion_tokens == before.usage.completion_tokens)
     assert {c.usage.prompt_tokens for c in running} == {whole.usage.prompt_tokens}
 
 

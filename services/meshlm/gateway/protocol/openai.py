@@ -9,7 +9,8 @@ API; its messages are put back into OpenAI's names with `names`. The typed field
 `protocol/json_body.py`'s.
 
 Accepted beside OpenAI's fields (as SGLang and vLLM accept them): top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, rid, priority
+repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, rid (vLLM's
+request_id), priority
 (SGLang's order: larger first), no_stop_trim (vLLM's include_stop_str_in_output: a matched
 stop string stays in the text) and vLLM's allowed_token_ids, return_token_ids (the output's
 and the prompt's ids in the answer), return_tokens_as_token_ids (logprobs name tokens
@@ -17,7 +18,7 @@ and the prompt's ids in the answer), return_tokens_as_token_ids (logprobs name t
 of the most likely ones), prompt_logprobs (not streaming), truncate_prompt_tokens with
 truncation_side (the prompt's ids cut to fit, the last ones kept by default), and
 use_beam_search: false and length_penalty (beam search's, no effect without it; true is
-UNIMPLEMENTED); on chat, vLLM's
+UNIMPLEMENTED), spaces_between_special_tokens (slow tokenizers', no effect); on chat, vLLM's
 add_generation_prompt, continue_final_message (the last message left open and continued; not
 with add_generation_prompt: true, which is otherwise the default), echo (the reply starts with
 the last message's content when that message is the assistant's), chat_template_kwargs (the
@@ -238,6 +239,9 @@ def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
         raise unimplemented("use_beam_search", "beam search is not supported; draw n samples "
                                                "instead")
     b.number("length_penalty")  # beam search's alone: no effect without it, as in vLLM
+    # Slow (Python) tokenizers' alone: fast ones, the only kind meshlm loads, never put spaces
+    # between special tokens, as in vLLM with a fast tokenizer.
+    b.boolean("spaces_between_special_tokens")
     side = b.string("truncation_side")
     if side not in (None, "left", "right"):
         raise invalid("truncation_side", f"must be \"left\" or \"right\", got {show(side)}")
@@ -245,6 +249,18 @@ def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
             "tokens_as_ids": bool(b.boolean("return_tokens_as_token_ids")),
             "prompt_logprobs": k, "truncate": truncate, "truncate_right": side == "right",
             "logprob_ids": _logprob_ids(b.get("logprob_token_ids"))}
+
+
+def _rid(b: JsonBody, names: dict[str, str]) -> str | None:
+    """SGLang's rid, or vLLM's request_id (the same: the answer's id is "chatcmpl-<id>" or
+    "cmpl-<id>" either way); not both."""
+    rid, request_id = b.string("rid"), b.string("request_id")
+    if request_id is None:
+        return rid
+    if rid is not None:
+        raise invalid("request_id", "give rid or request_id, not both")
+    names["rid"] = "request_id"
+    return request_id
 
 
 def _logprob_ids(value: Any) -> list[int]:
@@ -305,7 +321,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     add_prompt, continue_final = chat_rendering(b.boolean("add_generation_prompt"),
                                                 bool(b.boolean("continue_final_message")))
     echo = bool(b.boolean("echo"))
-    rid = b.string("rid")
+    rid = _rid(b, names)
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     kwargs = checked_template_kwargs(b.get(TEMPLATE_KWARGS))
     special = bool(b.boolean("add_special_tokens"))
@@ -389,9 +405,9 @@ def parse_completion(body: bytes) -> CompletionRequest:
     if best_of is not None and best_of != (sampling.n if sampling.HasField("n") else 1):
         raise invalid("best_of", "only best_of == n is supported")
     b.unsupported("suffix", "", ("",))
-    rid = b.string("rid")
+    rid = _rid(b, names)
     if rid is not None and batch:
-        raise invalid("rid", "give a rid only with a single prompt")
+        raise invalid(names.get("rid", "rid"), "give it only with a single prompt")
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     special = b.boolean("add_special_tokens")
     vllm = _vllm_options(b, stream)

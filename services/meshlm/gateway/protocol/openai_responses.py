@@ -100,6 +100,11 @@ class Answer:
         if sample == 0:
             self._prompt_tokens[prompt] = update.prompt_tokens
             self._cached_tokens[prompt] = update.cached_tokens
+        chunks = []
+        if self.stream and not self._started[index]:
+            self._started[index] = True
+            # Before its tokens count: the usage in an opening chunk has none of them yet.
+            chunks += self._first_chunks(index, update)
         self._completion_tokens[index] = update.completion_tokens
         if update.final is not None:
             if self.finish[index] is None:
@@ -109,10 +114,6 @@ class Answer:
         if not self.stream:
             self.updates[index] = update
             return []
-        chunks = []
-        if not self._started[index]:
-            self._started[index] = True
-            chunks += self._first_chunks(index, update)
         reason = self.finish[index]
         if reason is None and not self._has_text(index, update):
             self._held[index].append(update)

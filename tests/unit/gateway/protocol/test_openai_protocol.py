@@ -280,7 +280,9 @@ def test_completion_prompts() -> None:
     ({"prompt": "a", "logprobs": 21}, "logprobs: must be in [0, 20]"),
     ({"prompt": "a", "best_of": 3}, "best_of: only best_of == n"),
     ({"prompt": "a", "suffix": "z"}, "suffix: is not supported"),
-    ({"prompt": ["a", "b"], "rid": "r"}, "rid: give a rid only with a single prompt"),
+    ({"prompt": ["a", "b"], "rid": "r"}, "rid: give it only with a single prompt"),
+    ({"prompt": ["a", "b"], "request_id": "r"}, "request_id: give it only with a single prompt"),
+    ({"prompt": "a", "rid": "r", "request_id": "r"}, "request_id: give rid or request_id, not"),
     ({"prompt": "a", "messages": USER}, "messages: unknown field"),
     ([1, 2], "body: must be a JSON object"),
 ])
@@ -413,7 +415,8 @@ def test_vllm_truncation_and_beam_search_options() -> None:
     assert _refusal(parse_completion, {"prompt": "a", "echo": True,
                                        "truncate_prompt_tokens": 2}).message.startswith(
         "echo: cannot be combined with truncate_prompt_tokens")
-    parse_chat(_body({"messages": USER, "use_beam_search": False, "length_penalty": 1.5}))
+    parse_chat(_body({"messages": USER, "use_beam_search": False, "length_penalty": 1.5,
+                      "spaces_between_special_tokens": False}))
     with pytest.raises(MeshError) as info:
         parse_completion(_body({"prompt": "a", "use_beam_search": True}))
     assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
@@ -435,3 +438,10 @@ def test_logprob_token_ids_need_logprobs_and_replace_the_top_ones() -> None:
                        ({"logprobs": True, "logprob_token_ids": list(range(21))}, "at most 20")):
         err = _refusal(parse_chat, {"messages": USER, **doc})
         assert err.message.startswith("logprob_token_ids: " + words), err.message
+
+
+def test_vllm_request_id_is_the_rid() -> None:
+    req = parse_chat(_body({"messages": USER, "request_id": "abc-1"}))
+    assert req.rid == "abc-1" and req.names["rid"] == "request_id"
+    err = renamed(MeshError(grpc.StatusCode.INVALID_ARGUMENT, "rid: must be 1 to 128"), req.names)
+    assert err.message == "request_id: must be 1 to 128"

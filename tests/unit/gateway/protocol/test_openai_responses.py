@@ -323,3 +323,10 @@ def test_logprob_token_ids_list_the_chosen_token_then_the_asked_ones() -> None:
         ("token_id:42", -0.5), ("token_id:9", -3.0)]  # the chosen one once, first
     completion = _json(CompletionLogprobs(top=0, asked=True).add(lp, echo=False, ids=[42]))
     assert completion["top_logprobs"] == [{"a": -0.5, "q": -3.0}]
+
+
+def test_continuous_usage_counts_no_token_in_the_opening_chunks() -> None:
+    answer = _answer(stream=True, include_usage=True, continuous_usage=True, echo="Once")
+    chunks = answer.add(0, _update("a", [1], completion=1), {"id": "r"})
+    chunks += answer.add(0, _update("b", [2], completion=2, done="length"), {"id": "r"})
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 0, 1, 2]

@@ -3,8 +3,8 @@
 seed at 16, priority), their message types built here from the descriptors written down in
 tests/sglang_upstream.py (not fetched), their bytes sent over gRPC as they are. Then, over gRPC
 and HTTP (native /generate and the transcoded /v1/runtime routes): seed=16 gives the same
-tokens for the same seed, and reasoning options and guided decoding are refused
-UNIMPLEMENTED / 501 naming what is missing."""
+tokens for the same seed, reasoning options and structural tags are refused UNIMPLEMENTED /
+501 naming what is missing, and guided decoding's other constraints are followed."""
 
 from __future__ import annotations
 
@@ -83,16 +83,15 @@ REFUSED = [
     ({"require_reasoning": True}, "require_reasoning: reasoning models are not supported yet"),
     ({"max_thinking_tokens": 256},
      "max_thinking_tokens: reasoning models are not supported yet"),
-    ({"sampling_params": {"guided_decoding": {"regex": "[ab]+"}}},
-     "sampling_params.guided_decoding: constrained decoding is not supported yet"),
-    ({"sampling_params": {"guided_decoding": {"choice": {"values": ["yes", "no"]}}}},
-     "sampling_params.guided_decoding: constrained decoding is not supported yet"),
+    ({"sampling_params": {"guided_decoding": {"structural_tag": "{}"}}},
+     "sampling_params.guided_decoding.structural_tag: structural tags are not supported; use a "
+     "JSON schema, a regex, an EBNF grammar or a choice"),
 ]
 
 
 @pytest.mark.parametrize("fields,message", REFUSED, ids=["require_reasoning",
                                                           "max_thinking_tokens",
-                                                          "guided_regex", "guided_choice"])
+                                                          "structural_tag"])
 def test_unserved_options_are_unimplemented_everywhere(mesh, stub, fields, message):
     from google.protobuf import json_format
 
@@ -112,8 +111,18 @@ def test_unserved_options_are_unimplemented_everywhere(mesh, stub, fields, messa
         assert message in r.text, (path, r.text)
 
 
-def test_sglangs_native_constraint_params_are_unimplemented_too(mesh):
+def test_guided_decoding_is_followed_by_both_eras(mesh, stub):
+    """The RFC's and main's guided_decoding (and SGLang's native ebnf) constrain the output."""
+    from google.protobuf import json_format
+
+    for guided in ({"choice": {"values": ["yes", "no"]}}, {"regex": "(yes|no)!"}):
+        request = json_format.ParseDict({"text": "hi", "sampling_params": {
+            "max_new_tokens": 20, "guided_decoding": guided}}, pb.TextGenerateRequest())
+        messages = list(stub.TextGenerate(request, timeout=30))
+        text = "".join(m.text for m in messages)
+        assert text in ("yes", "no", "yes!", "no!"), text
+        assert messages[-1].meta_info["finish_reason"] == "stop"
     r = httpx.post(f"{mesh.addresses.gateway_http}/generate", timeout=30, json={
-        "text": "hi", "sampling_params": {"ebnf": "root ::= 'a'"}})
-    assert r.status_code == 501, r.text
-    assert "sampling_params.ebnf: constrained decoding is not supported yet" in r.text
+        "text": "hi", "sampling_params": {"max_new_tokens": 20, "ebnf": 'root ::= "a" "b"?'}})
+    assert r.status_code == 200, r.text
+    assert r.json()["text"] in ("a", "ab")

@@ -31,6 +31,7 @@ from meshlm.common.profiling import RequestEvents
 from meshlm.common.tracing import context_of, tracer
 from meshlm.scheduler import pacing, wire
 from meshlm.scheduler.engine.sequence import Plan, StepOutput
+from meshlm.scheduler.grammar import Grammars
 from meshlm.scheduler.placement import StepPlacement
 from meshlm.scheduler.tracked import Code, Tracked
 from meshlm.scheduler.watchdog import DEFAULT_STALL_TIMEOUT, EngineWatchdog
@@ -76,7 +77,8 @@ class EngineLoop:
                  events: RequestEvents | None = None, address: str = "",
                  max_queued: int = 1024,
                  stall_timeout: float = DEFAULT_STALL_TIMEOUT, stream_interval: int = 1,
-                 placement: StepPlacement | None = None) -> None:
+                 placement: StepPlacement | None = None,
+                 grammars: Grammars | None = None) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
         self.engine = engine
@@ -87,6 +89,8 @@ class EngineLoop:
         self.address = address
         self.max_queued = max_queued
         self.stream_interval = stream_interval  # tokens per streamed output (pacing.py)
+        self.grammars = grammars  # constrained requests' matchers (None: refused)
+        self._building: set[asyncio.Task[None]] = set()  # batches whose matchers are building
         self.tracked: dict[str, Tracked] = {}  # live requests, by rid
         self.pre_aborted: dict[str, float] = {}  # rid -> time.monotonic() it is forgotten at
         self.wake = asyncio.Event()
@@ -102,17 +106,41 @@ class EngineLoop:
     # -- requests in -------------------------------------------------------------------------
 
     def submit(self, batch: scheduler_pb2.TokenizedBatch) -> None:
-        """A tokenizer's batch: each request admitted (or refused), then the loop woken."""
+        """A tokenizer's batch: each request admitted (or refused), then the loop woken. A
+        batch with constrained requests waits for their matchers, built on a worker thread,
+        and is then admitted in its order (n samples: the first before the others)."""
         self._received += 1
         self.events.record("recv", (r.meta.rid for r in batch.requests))
+        if any(r.meta.sampling.grammar for r in batch.requests):
+            task = asyncio.ensure_future(self._submit_constrained(batch))
+            self._building.add(task)
+            task.add_done_callback(self._building.discard)
+            return
         for req in batch.requests:
             self.admit(req)
         self.wake.set()
 
-    def admit(self, req: scheduler_pb2.TokenizedRequest) -> None:
+    async def _submit_constrained(self, batch: scheduler_pb2.TokenizedBatch) -> None:
+        grammars = [r.meta.sampling.grammar for r in batch.requests if r.meta.sampling.grammar]
+        built: list[Any]
+        if self.grammars is None:
+            built = ["constrained decoding is not enabled on this scheduler"] * len(grammars)
+        else:
+            try:
+                built = await asyncio.to_thread(self.grammars.build, grammars)
+            except Exception as exc:  # never leave the batch unanswered
+                log.exception("grammar_build_failed", requests=len(grammars))
+                built = [f"the grammar could not be built ({type(exc).__name__})"] * len(grammars)
+        matchers = iter(built)
+        for req in batch.requests:
+            self.admit(req, next(matchers) if req.meta.sampling.grammar else None)
+        self.wake.set()
+
+    def admit(self, req: scheduler_pb2.TokenizedRequest, matcher: Any = None) -> None:
         """Track `req` and queue it in the engine, or end it at once: a duplicate rid, a
-        stalled engine, an abort that came first, a passed deadline, a full queue, or a
-        request the engine refuses."""
+        stalled engine, an abort that came first, a passed deadline, a full queue, a grammar
+        that cannot constrain this tokenizer (`matcher` is then why), or a request the engine
+        refuses."""
         meta, prompt_tokens = req.meta, len(req.input_ids)
         rid = meta.rid
         span = self._tracer.start_span(
@@ -137,6 +165,8 @@ class EngineLoop:
             self._pending.append(_final(rid, prompt_tokens, "abort"))
             return
         refusal = self._refusal(meta)
+        if refusal is None and isinstance(matcher, str):
+            refusal = Code.INVALID_ARGUMENT, f"sampling_params.grammar: {matcher}"
         if refusal is not None:
             tracked.error_code, message = refusal
             self._pending.append(_final(rid, prompt_tokens, "error", message))
@@ -147,7 +177,7 @@ class EngineLoop:
             else:
                 self.engine.add_request(rid, list(req.input_ids),
                                         wire.engine_params(meta.sampling), after=meta.after or None,
-                                        priority=meta.priority)
+                                        priority=meta.priority, matcher=matcher)
         except ValueError as exc:
             self._pending.append(_final(rid, prompt_tokens, "error", str(exc)))
 

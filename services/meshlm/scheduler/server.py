@@ -45,6 +45,7 @@ from meshlm.scheduler.cpus import (
     usable_cpus,
 )
 from meshlm.scheduler.engine.engine import Engine, EngineConfig, SamplingParams
+from meshlm.scheduler.grammar import Grammars
 from meshlm.scheduler.loop import EngineLoop
 from meshlm.scheduler.placement import StepPlacement, check_mode, choose
 from meshlm.scheduler.torch_trace import EngineTorchTrace
@@ -236,7 +237,8 @@ async def serve(config: SchedulerConfig) -> None:
     placement = await _placement(config.engine_steps, engine, executor, torch_trace)
     loop = EngineLoop(engine, executor, outputs, profiling.events, max_queued=config.max_queued,
                       stall_timeout=config.stall_timeout, stream_interval=config.stream_interval,
-                      placement=placement)
+                      placement=placement,
+                      grammars=Grammars(model_path, engine.vocab_size, engine.eos_token_ids))
     servicer = SchedulerServicer(loop, EngineControl(engine, loop, info))
     server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
                                  "meshlm.v1.Scheduler"), profiler_binding(profiling)])

@@ -31,6 +31,7 @@ def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
         token_ids_logprob=tuple(p.token_ids_logprob) if p.return_logprob else (),
         logit_bias=tuple(sorted(p.logit_bias.items())),
         allowed_token_ids=tuple(p.allowed_token_ids),
+        grammar=p.grammar,
     )
 
 

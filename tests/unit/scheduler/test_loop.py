@@ -172,12 +172,14 @@ async def test_the_waiting_queue_is_bounded(make_engine: Any):
 class _FakeEngine:
     def __init__(self) -> None:
         self.added: list[tuple[str, list[int], SamplingParams, int]] = []
+        self.matchers: dict[str, Any] = {}
         self.model_config = SimpleNamespace(has_lm_head=True)
         self.num_waiting = 0
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
-                    after: str | None = None, priority: int = 0) -> None:
+                    after: str | None = None, priority: int = 0, matcher: Any = None) -> None:
         self.added.append((rid, ids, params, priority))
+        self.matchers[rid] = matcher
 
 
 @pytest.mark.parametrize("start", [-1, 0])
@@ -193,6 +195,39 @@ def test_admission_keeps_the_prompt_only_for_prompt_logprobs(start: int) -> None
     assert tracked.meta.sampling.return_text_in_logprobs
     assert tracked.prompt_ids == ([1, 2, 3] if start >= 0 else [])
     assert engine.added[0][2].logprob_start_len == start
+
+
+class _FakeGrammars:
+    """Builds "matcher of <grammar>"; a grammar "bad" cannot be built."""
+
+    def __init__(self) -> None:
+        self.built: list[list[str]] = []
+
+    def build(self, grammars: list[str]) -> list[Any]:
+        self.built.append(grammars)
+        return ["bad grammar" if g == "bad" else ("matcher", g) for g in grammars]
+
+
+async def test_a_batch_with_constraints_waits_for_its_matchers_then_keeps_its_order() -> None:
+    engine = _FakeEngine()
+    grammars = _FakeGrammars()
+    loop = EngineLoop(engine, None, None, grammars=grammars)  # type: ignore[arg-type]
+
+    def request(rid: str, grammar: str = "") -> scheduler_pb2.TokenizedRequest:
+        return scheduler_pb2.TokenizedRequest(input_ids=[1], meta=common_pb2.RequestMeta(
+            rid=rid, route=common_pb2.Route(detokenizer="d"),
+            sampling=common_pb2.SamplingParams(top_p=1.0, max_new_tokens=1, grammar=grammar)))
+
+    loop.submit(scheduler_pb2.TokenizedBatch(requests=[
+        request("free"), request("held", "g1"), request("broken", "bad")]))
+    assert engine.added == []  # the whole batch waits for the matchers, built off the loop
+    await asyncio.gather(*loop._building)
+    assert grammars.built == [["g1", "bad"]]
+    assert [rid for rid, *_ in engine.added] == ["free", "held"]
+    assert engine.matchers == {"free": None, "held": ("matcher", "g1")}
+    [refused] = [o for o in loop._pending if o.rid == "broken"]
+    assert refused.finish_reason == "error" and "bad grammar" in (refused.error or "")
+    assert loop.tracked["broken"].error_code == Code.INVALID_ARGUMENT
 
 
 def test_admission_passes_the_gateways_priority_to_the_engine() -> None:

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from meshlm.common.errors import invalid
+from meshlm.gateway.protocol.constraints import unimplemented_tag
 from meshlm.gateway.protocol.json_body import is_int
 from meshlm.gateway.protocol.transcode import check_known_fields, parse_dict, parse_json_body
-from meshlm.gateway.protocol.validation import check_batch, unimplemented
+from meshlm.gateway.protocol.validation import check_batch
 from sglang.runtime.v1 import sglang_pb2
 
 NativeRequest = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
@@ -20,8 +22,8 @@ _PER_PROMPT = ("sampling_params", "rid", "return_logprob", "logprob_start_len",
                "top_logprobs_num", "return_text_in_logprobs", "routing_key", "routed_dp_rank",
                "session_id", "priority")
 # SGLang's sampling params for constrained decoding that the proto has only inside
-# guided_decoding: refused by name, as json_schema and regex are (validation.py).
-_CONSTRAINTS = ("ebnf", "structural_tag")
+# guided_decoding (json_schema and regex have fields of their own).
+_GUIDED = ("ebnf", "structural_tag")
 # Token ids whose logprobs are asked for: one flat list for a prompt; in a batch, one flat list
 # for every prompt or a list of them, one per prompt (io_struct's normalisation).
 _ASKED = "token_ids_logprob"
@@ -69,10 +71,13 @@ def _native_generate(doc: dict[str, Any], has_text: bool) -> NativeRequest:
         sampling = {k: v for k, v in sampling.items() if v is not None}
         if isinstance(sampling.get("stop"), str):
             sampling["stop"] = [sampling["stop"]]
-        for name in _CONSTRAINTS:
+        for name in _GUIDED:
             if name in sampling:
-                raise unimplemented(f"sampling_params.{name}",
-                                    "constrained decoding is not supported yet")
+                if name == "structural_tag":
+                    raise unimplemented_tag("sampling_params.structural_tag")
+                sampling.setdefault("guided_decoding", {})[name] = sampling.pop(name)
+        if isinstance(sampling.get("json_schema"), dict):  # SGLang takes its text; either here
+            sampling["json_schema"] = json.dumps(sampling["json_schema"])
         doc["sampling_params"] = sampling
     cls = sglang_pb2.TextGenerateRequest if has_text else sglang_pb2.GenerateRequest
     check_known_fields(doc, cls.DESCRIPTOR, "")

@@ -30,6 +30,7 @@ import grpc
 
 from meshlm.common.context_length import completion_too_long, prompt_too_long
 from meshlm.common.errors import MeshError, invalid
+from meshlm.gateway.protocol.constraints import grammar_of
 from meshlm.gateway.protocol.logprob_options import GenerateLike, logprob_options
 from meshlm.v1 import common_pb2, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2
@@ -147,9 +148,7 @@ def normalize_sampling(
                                                  f"got {len(p.allowed_token_ids)}")
     if p.HasField("n") and not 1 <= p.n <= MAX_N:
         raise invalid(name("n"), f"must be in [1, {MAX_N}] (samples of the prompt), got {p.n}")
-    for f in ("json_schema", "regex", "guided_decoding"):
-        if p.HasField(f):
-            raise unimplemented(name(f), "constrained decoding is not supported yet")
+    grammar = grammar_of(p, field_prefix)
 
     if p.HasField("seed") and not 0 <= p.seed < 2**63:
         raise invalid(name("seed"), f"must be >= 0, got {p.seed}")
@@ -171,6 +170,7 @@ def normalize_sampling(
         no_stop_trim=p.no_stop_trim,
         logit_bias=dict(p.logit_bias),
         allowed_token_ids=sorted(set(p.allowed_token_ids)),
+        grammar=grammar,
     )
     if p.HasField("seed"):
         out.seed = p.seed

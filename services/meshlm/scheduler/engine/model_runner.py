@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from meshlm.scheduler.engine.grammar import allowed_masks, feed
 from meshlm.scheduler.engine.kv_cache import (
     MAX_DECODE_GROUPS,
     AttentionMeta,
@@ -29,7 +30,7 @@ from meshlm.scheduler.engine.logprobs import (
     ranks,
     top,
 )
-from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch, argmax_rows
+from meshlm.scheduler.engine.sampler import Sampler, SamplingBatch, argmax_rows, restrict
 from meshlm.scheduler.engine.sequence import ItemResult, Plan, ScheduledSeq, Sequence
 from meshlm.scheduler.kernels.native import Kernels
 from meshlm.scheduler.models import llama_fused
@@ -238,6 +239,10 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
+        constrained = [j for j, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:  # what each grammar allows next
+            restrict(batch, constrained, allowed_masks(
+                [seqs[j].matcher for j in constrained], self.vocab_size, self.device))
         raw = logits.clone() if any(s.params.return_logprob for s in seqs) else None
         seen = self.seen[rows] if batch.repetition is not None else None
         counts = self.counts[rows] if batch.needs_counts else None
@@ -247,6 +252,8 @@ class ModelRunner:
         token_list = tokens.tolist()
         for i, token in zip(sampling, token_list, strict=True):
             results[i].token = token
+        for j in constrained:
+            results[sampling[j]].grammar_end = feed(seqs[j].matcher, token_list[j])
         if raw is not None:
             _position_logprobs(seqs, sampling, log_softmax(raw), token_list, results)
 

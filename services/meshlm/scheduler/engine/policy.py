@@ -82,7 +82,7 @@ class BatchPlanner:
     # -- requests ---------------------------------------------------------------------------
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-            after: str | None = None, priority: int = 0) -> None:
+            after: str | None = None, priority: int = 0, matcher: Any = None) -> None:
         """Queue a request, ahead of those of lower `priority`. Raises ValueError if `rid` is
         live. An unusable request is not queued: it finishes with "error" at once, its output
         coming from the next postprocess. max_new_tokens 0 computes the prompt only
@@ -90,8 +90,11 @@ class BatchPlanner:
 
         `after` names a live request with the same prompt (n > 1 samples of one prompt):
         this one is held back until that one's prompt is computed, then admitted on the
-        prefix cache, sharing its prompt blocks instead of computing them again."""
-        self._enqueue(Sequence.new(rid, prompt_ids, params, priority), after)
+        prefix cache, sharing its prompt blocks instead of computing them again.
+
+        `matcher`: the grammar's (params.grammar), built by the caller; the model runner feeds
+        it every token drawn, and the request stops once it is complete."""
+        self._enqueue(Sequence.new(rid, prompt_ids, params, priority, matcher), after)
 
     def add_embed(self, rid: str, prompt_ids: list[int], pooling: str,
                   pool_at: int | None = None) -> None:
@@ -390,6 +393,11 @@ class BatchPlanner:
             self._finish(seq, "stop", token)
         elif may_stop and token in p.stop_token_ids:
             self._finish(seq, "stop", token)
+        elif result.grammar_end == "done":  # the constrained output is complete
+            self._finish(seq, "stop", token if token in self.eos_token_ids else None)
+        elif result.grammar_end is not None:
+            self._finish(seq, "error")
+            return step_output(seq, [token], result, error=result.grammar_end)
         elif completion >= p.max_new_tokens or n >= self.max_model_len:
             self._finish(seq, "length")
         return step_output(seq, [token], result)

@@ -136,6 +136,21 @@ def _allowed(params: list[SamplingParams], vocab_size: int,
     return torch.tensor(rows, dtype=torch.long, device=device), mask
 
 
+def restrict(batch: SamplingBatch, rows: list[int], masks: Tensor) -> None:
+    """Allow rows[j] only the ids masks[j] [V] marks, on top of what they allowed already
+    (allowed_token_ids): both must allow an id."""
+    device = masks.device
+    if batch.allowed is not None:
+        old_rows, old_masks = batch.allowed
+        for j, row in enumerate(old_rows.tolist()):
+            if row in rows:
+                masks[rows.index(row)] &= old_masks[j]
+            else:
+                rows = [*rows, row]
+                masks = torch.cat([masks, old_masks[j:j + 1]])
+    batch.allowed = (torch.tensor(rows, dtype=torch.long, device=device), masks)
+
+
 def argmax_rows(logits: Tensor) -> Tensor:
     """Each row's first largest id (as `logits.argmax(dim=-1)`). On the CPU through numpy,
     whose index reduction is vectorised: 5 against 50 µs for a step's 39 rows of 2,048."""

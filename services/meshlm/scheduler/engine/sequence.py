@@ -10,6 +10,7 @@ import enum
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from meshlm.scheduler.engine.block_manager import BlockTable
 
@@ -47,6 +48,9 @@ class SamplingParams:
     # Only these ids may be drawn (vLLM's allowed_token_ids; empty: any): the others' logits are
     # -inf before anything else. Logprobs stay the model's own.
     allowed_token_ids: tuple[int, ...] = ()
+    # Constrained decoding: an llguidance grammar the output must follow ("": none). The
+    # sequence's matcher (`Sequence.matcher`) is built from it before the request is queued.
+    grammar: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -60,7 +64,7 @@ class SamplingParams:
         return (self.temperature < GREEDY_EPS and self.repetition_penalty == 1.0
                 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
                 and not self.return_logprob and not self.logit_bias
-                and not self.allowed_token_ids)
+                and not self.allowed_token_ids and not self.grammar)
 
     def problem(self) -> str | None:
         """Why these parameters are unusable, or None when they are fine."""
@@ -134,11 +138,15 @@ class Sequence:
     input_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     input_token_ids_logprobs: list[TopLogprobs] = field(default_factory=list)
     first_output_sent: bool = False
+    # Constrained decoding: the grammar's matcher (an llguidance LLMatcher, opaque here), fed
+    # each token drawn; None without a grammar.
+    matcher: Any = None
 
     @classmethod
     def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams,
-            priority: int = 0) -> Sequence:
-        return cls(rid, list(prompt_ids), len(prompt_ids), params, priority=priority)
+            priority: int = 0, matcher: Any = None) -> Sequence:
+        return cls(rid, list(prompt_ids), len(prompt_ids), params, priority=priority,
+                   matcher=matcher)
 
     @classmethod
     def new_embed(cls, rid: str, prompt_ids: list[int], pooling: str,
@@ -263,6 +271,8 @@ class Sequence:
             return f"allowed_token_ids: token id out of range [0, {vocab_size})"
         if self.embed is None and not can_generate:
             return "this model serves embeddings only (it has no language-model head)"
+        if self.params.grammar and self.matcher is None:
+            return "grammar: no matcher was built for it"
         return self.params.problem()
 
 
@@ -324,6 +334,9 @@ class ItemResult:
     # (id, logprob) per params.token_ids_logprob at the sampled position (a prefill-only
     # request's: the position after its prompt, where `token` stays None).
     token_ids_logprobs: TopLogprobs | None = None
+    # Constrained decoding, after the token: "done" when the grammar is complete (the request
+    # stops), else why the grammar refused it; None while it goes on (or without a grammar).
+    grammar_end: str | None = None
 
 
 @dataclass

@@ -20,7 +20,12 @@ from meshlm.gateway.protocol.openai import (
     public_request,
 )
 from meshlm.gateway.protocol.openai_errors import error_body, renamed
-from meshlm.gateway.protocol.validation import Limits, validate_generate, validate_text_generate
+from meshlm.gateway.protocol.validation import (
+    Limits,
+    normalize_sampling,
+    validate_generate,
+    validate_text_generate,
+)
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 LIMITS = Limits(max_model_len=64, vocab_size=100)
@@ -135,21 +140,73 @@ def test_chat_template_options_and_echo() -> None:
                                  "continue_final_message": False})).add_generation_prompt
 
 
-@pytest.mark.parametrize("doc", [
-    {"response_format": {"type": "json_object"}},
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-    {"regex": "[ab]+"}, {"ebnf": "root ::= \"a\""}, {"json_schema": "{}"},
-    {"guided_json": {}}, {"guided_choice": ["yes", "no"]}, {"structured_outputs": {"regex": "a"}},
+@pytest.mark.parametrize(("doc", "kind", "value"), [
+    ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "integer"}}}}, "json_schema", '{"type": "integer"}'),
+    ({"regex": "[ab]+"}, "regex", "[ab]+"), ({"ebnf": "root ::= \"a\""}, "ebnf", 'root ::= "a"'),
+    ({"json_schema": "{}"}, "json_schema", "{}"), ({"guided_json": {}}, "json_schema", "{}"),
+    ({"guided_regex": "a|b"}, "regex", "a|b"), ({"guided_choice": ["yes", "no"]}, "choice", None),
+    ({"guided_grammar": "root ::= \"a\""}, "ebnf", 'root ::= "a"'),
+    ({"structured_outputs": {"regex": "a"}}, "regex", "a"),
+    ({"structured_outputs": {"json_object": True}}, "json_schema", '{"type": "object"}'),
+    ({"structured_outputs": {"choice": ["x"], "json": None}}, "choice", None),
 ])
-def test_constrained_decoding_is_unimplemented_on_both_routes(doc: dict[str, Any]) -> None:
-    """As on the native and gRPC routes: a schema silently ignored would return free text."""
-    key = next(iter(doc))
-    for parse, base in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "a"})):
-        with pytest.raises(MeshError) as info:
-            parse(_body({**base, **doc}))
-        assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
-        assert info.value.message.startswith(f"{key}: constrained decoding is not supported")
+def test_every_spelling_of_a_constraint_becomes_guided_decoding(doc: dict[str, Any], kind: str,
+                                                                value: str | None) -> None:
+    """OpenAI's response_format and SGLang's and vLLM's own fields: one constraint each, put
+    where the gateway's validation builds its grammar."""
+    for parse, base, prompt in ((parse_chat, {"messages": USER}, []),
+                                (parse_completion, {"prompt": "a"}, "a")):
+        public = public_request(parse(_body({**base, **doc})), prompt)
+        guided = public.sampling_params.guided_decoding
+        assert guided.WhichOneof("constraint") == kind
+        if value is not None:
+            assert getattr(guided, kind) == value
+        assert normalize_sampling(public.sampling_params).grammar  # built and checked
     parse_chat(_body({"messages": USER, "regex": None, "response_format": {"type": "text"}}))
+
+
+@pytest.mark.parametrize(("doc", "start"), [
+    ({"regex": "a", "guided_json": {}}, "guided_json: give one constraint; regex is given too"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema: must be a JSON schema object"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type: must be text, json_object"),
+    ({"guided_choice": "yes"}, "guided_choice: must be a list of strings"),
+    ({"regex": 5}, "regex: must be a string"),
+    ({"structured_outputs": {"whitespace_pattern": " "}},
+     "structured_outputs.whitespace_pattern: not supported"),
+    ({"structured_outputs": "a"}, "structured_outputs: must be an object"),
+])
+def test_constraint_refusals_name_the_field(doc: dict[str, Any], start: str) -> None:
+    err = _refusal(parse_chat, {"messages": USER, **doc})
+    assert err.message.startswith(start), err.message
+
+
+@pytest.mark.parametrize(("doc", "start"), [
+    ({"regex": "[a"}, "regex: not a valid regex"),
+    ({"guided_json": {"type": 12}}, "guided_json: not a valid JSON schema"),
+    ({"guided_choice": []}, "guided_choice: give at least one string"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "nonsense"}}}}, "response_format.json_schema.schema: not a valid JSON schema"),
+])
+def test_a_constraint_that_cannot_be_followed_is_refused_by_its_name(doc: dict[str, Any],
+                                                                     start: str) -> None:
+    public = public_request(parse_completion(_body({"prompt": "a", **doc})), "a")
+    req = parse_completion(_body({"prompt": "a", **doc}))
+    with pytest.raises(MeshError) as info:
+        validate_text_generate(public, LIMITS)
+    err = renamed(info.value, req.names)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.message.startswith(start), err
+
+
+def test_structural_tags_are_unimplemented() -> None:
+    for doc in ({"structural_tag": "x"}, {"response_format": {"type": "structural_tag"}},
+                {"structured_outputs": {"structural_tag": "x"}}):
+        with pytest.raises(MeshError) as info:
+            parse_chat(_body({"messages": USER, **doc}))
+        assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
+        assert "structural tags are not supported" in info.value.message
 
 
 def test_priority_and_kept_stop_strings() -> None:

@@ -1,0 +1,136 @@
+"""Constrained decoding end to end: a JSON schema, a regex, a choice or an EBNF grammar given by
+OpenAI's response_format, SGLang's fields or vLLM's structured_outputs / guided_* holds every
+token the engine draws, streamed or not, greedy or sampled, n samples each; the request stops
+once the grammar is complete. The default model has random weights: left alone it writes
+nothing of the kind. A constraint that cannot be followed is refused by its field's name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from helpers import openai_client
+
+from meshlm.launch.mesh import Mesh
+
+USER = [{"role": "user", "content": "Describe a person."}]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "pet": {"enum": ["cat", "dog", None]}}}
+EMAIL = r"[a-z]{3,8}@[a-z]{3,6}\.(com|org)"
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    return openai_client(mesh)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _person(text: str) -> None:
+    doc = json.loads(text)
+    assert set(doc) == {"name", "age", "pet"}, doc
+    assert isinstance(doc["name"], str) and len(doc["name"]) <= 12
+    assert isinstance(doc["age"], int) and 0 <= doc["age"] <= 120
+    assert doc["pet"] in ("cat", "dog", None)
+
+
+def test_a_chat_answers_in_the_json_schema_asked(client, model) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    reply = client.chat.completions.create(model=model, messages=USER, max_tokens=80,
+                                           temperature=0, response_format=fmt)
+    _person(reply.choices[0].message.content)
+    assert reply.choices[0].finish_reason == "stop"
+    free = client.chat.completions.create(model=model, messages=USER, max_tokens=20,
+                                          temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+    # Sampled, n samples, streamed: each sample follows it.
+    stream = client.chat.completions.create(model=model, messages=USER, max_tokens=80, n=3,
+                                            temperature=1.0, seed=5, response_format=fmt,
+                                            stream=True)
+    texts = ["", "", ""]
+    finishes: dict[int, str] = {}
+    for chunk in stream:
+        choice = chunk.choices[0]
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    for text in texts:
+        _person(text)
+    assert finishes == {0: "stop", 1: "stop", 2: "stop"}
+
+
+def test_every_spelling_of_a_regex_or_choice_holds(client, model) -> None:
+    for extra in ({"regex": EMAIL}, {"guided_regex": EMAIL},
+                  {"structured_outputs": {"regex": EMAIL}}):
+        reply = client.completions.create(model=model, prompt="Contact:", max_tokens=30,
+                                          temperature=0, extra_body=extra)
+        assert re.fullmatch(EMAIL, reply.choices[0].text), (extra, reply.choices[0].text)
+        assert reply.choices[0].finish_reason == "stop"
+    for extra in ({"guided_choice": ["red", "green", "blue"]},
+                  {"structured_outputs": {"choice": ["red", "green", "blue"]}}):
+        reply = client.completions.create(model=model, prompt="Colour:", max_tokens=10, n=4,
+                                          temperature=1.5, extra_body=extra)
+        assert {c.text for c in reply.choices} <= {"red", "green", "blue"}
+
+
+def test_json_object_and_vllms_json(client, model) -> None:
+    reply = client.completions.create(model=model, prompt="Data:", max_tokens=60, temperature=0,
+                                      extra_body={"structured_outputs": {"json": PERSON}})
+    _person(reply.choices[0].text)
+    reply = client.completions.create(model=model, prompt="Data:", max_tokens=60, temperature=0,
+                                      extra_body={"guided_json": json.dumps(PERSON)})
+    _person(reply.choices[0].text)
+    boolean = client.chat.completions.create(
+        model=model, messages=USER, max_tokens=10, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "b", "schema": {"type": "boolean"}}})
+    assert json.loads(boolean.choices[0].message.content) in (True, False)
+
+
+def test_native_generate_with_a_schema_and_an_ebnf_grammar(mesh) -> None:
+    base = mesh.addresses.gateway_http
+    r = httpx.post(f"{base}/generate", timeout=60, json={
+        "text": "Data:", "sampling_params": {"max_new_tokens": 60, "temperature": 0,
+                                             "json_schema": json.dumps(PERSON)}})
+    assert r.status_code == 200, r.text
+    _person(r.json()["text"])
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    r = httpx.post(f"{base}/generate", timeout=60, json={
+        "text": "SQL:", "sampling_params": {
+            "max_new_tokens": 40, "ebnf": 'root ::= "SELECT " col " FROM t"\ncol ::= [a-z]{1,6}'}})
+    assert r.status_code == 200, r.text
+    assert re.fullmatch(r"SELECT [a-z]{1,6} FROM t", r.json()["text"]), r.json()["text"]
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"regex": "[a-z"}, "regex", "not a valid regex"),
+    ({"guided_json": {"type": 7}}, "guided_json", "not a valid JSON schema"),
+    ({"regex": "a", "guided_choice": ["a"]}, "guided_choice", "give one constraint"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, None, None),  # an empty grammar is fine
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "must be a JSON schema object"),
+])
+def test_a_constraint_that_cannot_be_followed_is_400(client, model, extra, param, words) -> None:
+    if param is None:
+        client.completions.create(model=model, prompt="x", max_tokens=2, extra_body=extra)
+        return
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="x", max_tokens=2, extra_body=extra)
+    error = info.value.body
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_structural_tags_are_501(client, model) -> None:
+    with pytest.raises(openai.APIStatusError) as info:
+        client.completions.create(model=model, prompt="x", max_tokens=2,
+                                  extra_body={"structural_tag": "{}"})
+    assert info.value.status_code == 501

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
+from helpers import openai_client
 from k8s_objects import TARGETS
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
@@ -88,6 +90,18 @@ def channel(mesh) -> Iterator[grpc.Channel]:
 @pytest.fixture(scope="session")
 def stub(channel) -> sglang_pb2_grpc.SglangServiceStub:
     return sglang_pb2_grpc.SglangServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def client(mesh: Mesh) -> openai.OpenAI:
+    """The official openai client on the module's mesh (a module's own mesh where it has one)."""
+    return openai_client(mesh)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    """The served model's name, as /v1/models lists it."""
+    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import grpc
 import httpx
 import openai
 import pytest
-from helpers import chatml, openai_client, own_mesh
+from helpers import chatml, own_mesh
 
 from meshlm.common.default_model import ensure_default_model
 from meshlm.launch.mesh import Mesh
@@ -35,11 +35,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     config_path.write_text(json.dumps(config))
     with own_mesh(tmp_path_factory.mktemp("mesh"), model_path=str(model)) as m:
         yield m
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai_client(mesh)
 
 
 def prompt_tokens(mesh: Mesh, text: str) -> int:

@@ -12,9 +12,6 @@ import re
 import httpx
 import openai
 import pytest
-from helpers import openai_client
-
-from meshlm.launch.mesh import Mesh
 
 USER = [{"role": "user", "content": "Describe a person."}]
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
@@ -22,16 +19,6 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
                          "pet": {"enum": ["cat", "dog", None]}}}
 EMAIL = r"[a-z]{3,8}@[a-z]{3,6}\.(com|org)"
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai_client(mesh)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def _person(text: str) -> None:

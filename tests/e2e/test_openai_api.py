@@ -25,16 +25,6 @@ from sglang.runtime.v1 import sglang_pb2_grpc
 USER = [{"role": "user", "content": "Tell me a story about the sea."}]
 
 
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai_client(mesh)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 # ---- models ----------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import httpx
 import openai
 import orjson
 import pytest
-from helpers import chatml, openai_client
+from helpers import chatml
 
 from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -20,16 +20,6 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 PROMPT = "Once upon a time"
 USER = [{"role": "user", "content": "Tell me a story about the sea."}]
 OPENED = [*USER, {"role": "assistant", "content": "Once upon a time, a"}]
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai_client(mesh)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def _events(mesh: Mesh, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:

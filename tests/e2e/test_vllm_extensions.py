@@ -13,23 +13,12 @@ import json
 import httpx
 import openai
 import pytest
-from helpers import chatml, openai_client, wait_until
+from helpers import chatml, wait_until
 
-from meshlm.launch.mesh import Mesh
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 PROMPT = "Hello, world! How are you today?"
 USER = [{"role": "user", "content": "Repeat after me: I love cats"}]
-
-
-@pytest.fixture(scope="module")
-def client(mesh: Mesh) -> openai.OpenAI:
-    return openai_client(mesh)
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
 
 
 def tokens(stub, text: str, special: bool = True) -> list[int]:

@@ -2,7 +2,7 @@
 return_token_ids (the output's and the prompt's ids, carried back through the mesh with the
 first output), return_tokens_as_token_ids ("token_id:<id>" in logprobs), prompt_logprobs
 (each prompt token's logprob and rank, and the most likely ones), logprob_token_ids (the asked
-ids listed in place of the most likely), truncate_prompt_tokens with
+ids listed in place of the most likely), bad_words, truncate_prompt_tokens with
 truncation_side, use_beam_search refused, and the /version and /load routes, as vLLM's own
 server tests read them."""
 
@@ -209,6 +209,25 @@ def test_prompt_logprobs_refusals_and_the_streamed_zero(client, model) -> None:
     chunks = list(client.completions.create(model=model, prompt="hi", max_tokens=2,
                                             stream=True, extra_body={"prompt_logprobs": 0}))
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+# ---- bad_words -------------------------------------------------------------------------------
+
+
+def test_bad_words_are_never_written(client, model, stub) -> None:
+    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"return_token_ids": True})
+    first = free.choices[0].model_dump()["token_ids"][0]
+    word = decoded(stub, [first])  # the greedy answer's first token, as text
+    banned = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+        extra_body={"return_token_ids": True, "bad_words": [word]})
+    assert first not in banned.choices[0].model_dump()["token_ids"]
+    for words, param in (([" "], "bad_words[0]"), ("x", "bad_words")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt="hi", max_tokens=2,
+                                      extra_body={"bad_words": words})
+        assert info.value.body["param"] == param
 
 
 # ---- truncate_prompt_tokens ------------------------------------------------------------------

@@ -176,7 +176,8 @@ class EngineLoop:
                 self.engine.add_embed_request(rid, list(req.input_ids))
             else:
                 self.engine.add_request(rid, list(req.input_ids),
-                                        wire.engine_params(meta.sampling), after=meta.after or None,
+                                        wire.engine_params(meta.sampling, req.bad_words),
+                                        after=meta.after or None,
                                         priority=meta.priority, matcher=matcher)
         except ValueError as exc:
             self._pending.append(_final(rid, prompt_tokens, "error", str(exc)))

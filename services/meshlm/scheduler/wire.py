@@ -18,7 +18,8 @@ from meshlm.scheduler.tracked import Tracked
 from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 
-def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
+def engine_params(p: common_pb2.SamplingParams,
+                  bad_words: Sequence[scheduler_pb2.TokenSequence] = ()) -> SamplingParams:
     return SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
@@ -32,6 +33,7 @@ def engine_params(p: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(p.logit_bias.items())),
         allowed_token_ids=tuple(p.allowed_token_ids),
         grammar=p.grammar,
+        bad_words=tuple(tuple(word.ids) for word in bad_words),
     )
 
 

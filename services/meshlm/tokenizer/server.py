@@ -208,8 +208,9 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                     span.set_status(trace.StatusCode.ERROR, problem)
                     rejections.append(wire.rejection(meta.rid, code, problem or ""))
                     continue
+                words = self._tok.word_ids(sampling.bad_words) if sampling.bad_words else None
                 by_scheduler.setdefault(meta.route.scheduler, []).append(
-                    wire.tokenized(req, prompt, carrier_of(span)))
+                    wire.tokenized(req, prompt, carrier_of(span), words))
         for address, items in by_scheduler.items():
             await self._schedulers.get(address).put(items)
             events.record("send", (r.meta.rid for r in items))

@@ -134,6 +134,19 @@ class TextTokenizer:
         """Token ids of one text."""
         return self.encode_batch([text], add_special_tokens)[0]
 
+    def word_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """vLLM's bad_words encoded: each word's ids as it starts a text and, where after a
+        space it is other tokens of the same number, those too (one encode_batch call)."""
+        bare = [w.lstrip() for w in words]
+        encoded = self.encode_batch(bare + [" " + w for w in bare], add_special_tokens=False)
+        alone, spaced = encoded[:len(bare)], encoded[len(bare):]
+        out = []
+        for first, second in zip(alone, spaced, strict=True):
+            out.append(first)
+            if second and second[0] != first[0] and len(second) == len(first):
+                out.append(second)
+        return out
+
     def count(self, text: str) -> int:
         """How many tokens one text has, special tokens left out (no id list is built)."""
         return len(self._tok.encode_batch_fast([text], add_special_tokens=False)[0])

@@ -31,11 +31,14 @@ def truncated(req: tokenizer_pb2.GenerateRequest, ids: list[int]) -> list[int]:
     return context_length.truncated(ids, req.truncate_prompt_tokens, req.truncate_right)
 
 
-def tokenized(req: tokenizer_pb2.GenerateRequest, ids: list[int],
-              trace: dict[str, str]) -> scheduler_pb2.TokenizedRequest:
-    """`req` for its scheduler: its meta as the gateway built it, the prompt's `ids`, and the
-    W3C context of this hop's span (`trace`)."""
-    return scheduler_pb2.TokenizedRequest(meta=req.meta, input_ids=ids, trace=trace)
+def tokenized(req: tokenizer_pb2.GenerateRequest, ids: list[int], trace: dict[str, str],
+              bad_words: list[list[int]] | None = None) -> scheduler_pb2.TokenizedRequest:
+    """`req` for its scheduler: its meta as the gateway built it, the prompt's `ids`, the W3C
+    context of this hop's span (`trace`) and its bad_words encoded."""
+    out = scheduler_pb2.TokenizedRequest(meta=req.meta, input_ids=ids, trace=trace)
+    for word in bad_words or ():
+        out.bad_words.add(ids=word)
+    return out
 
 
 def rejection(rid: str, code: grpc.StatusCode, message: str) -> tokenizer_pb2.Rejection:

@@ -9,6 +9,7 @@ from meshlm.scheduler.engine.sampler import (
     Sampler,
     SamplingBatch,
     argmax_rows,
+    completing,
     top_k_mask,
     top_p_floor,
 )
@@ -205,3 +206,20 @@ def test_allowed_token_ids_restrict_a_row_before_the_bias() -> None:
     drawn = sample(torch.zeros(200, V), batch([SamplingParams(allowed_token_ids=(3, 5))] * 200))
     assert set(drawn) == {3, 5}
     assert SamplingParams(allowed_token_ids=(-1,)).problem() is not None
+
+
+def test_bad_words_ban_the_id_that_would_complete_one() -> None:
+    words = ((7,), (3, 4), (1, 2, 5))
+    assert completing(words, []) == {7}
+    assert completing(words, [9, 3]) == {7, 4}
+    assert completing(words, [1, 2]) == {7, 5}
+    assert completing(words, [2, 1]) == {7}
+    params = [SamplingParams(temperature=0.0, bad_words=((3, 4),)), SamplingParams()]
+    batch = SamplingBatch.build(params, [1, 1], (), [None, None], 8, torch.device("cpu"),
+                                generated=[[3], [3]])
+    assert batch.banned is not None
+    assert [t.tolist() for t in batch.banned] == [[0], [4]]
+    logits = torch.zeros(2, 8)
+    logits[:, 4] = 5.0
+    assert Sampler().sample(logits, batch).tolist()[1] == 4  # the other row may draw it
+    assert Sampler().sample(logits.clone(), batch).tolist()[0] != 4

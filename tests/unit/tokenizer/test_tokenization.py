@@ -291,3 +291,12 @@ def test_missing_files(tmp_path: Path, model_dir: Path) -> None:
     with pytest.raises(ValueError, match="max_model_len"):
         TextTokenizer.from_pretrained(path)
     assert TextTokenizer.from_pretrained(path, max_model_len=64).max_model_len == 64
+
+
+def test_bad_words_are_encoded_alone_and_after_a_space_where_that_differs() -> None:
+    tok = TextTokenizer.from_pretrained(ensure_default_model())
+    words = tok.word_ids(["hello", " world"])
+    alone, spaced = tok.encode("hello", False), tok.encode(" hello", False)
+    assert words[0] == alone
+    assert (spaced in words) == (spaced[0] != alone[0] and len(spaced) == len(alone))
+    assert tok.encode("world", False) in words  # a word's own leading space is dropped first

@@ -10,10 +10,10 @@ API; its messages are put back into OpenAI's names with `names`. The typed field
 
 Accepted beside OpenAI's fields (as SGLang and vLLM accept them): top_k, min_p,
 repetition_penalty, min_tokens, ignore_eos, skip_special_tokens, stop_token_ids, rid (vLLM's
-request_id), priority
-(SGLang's order: larger first), no_stop_trim (vLLM's include_stop_str_in_output: a matched
-stop string stays in the text) and vLLM's allowed_token_ids, return_token_ids (the output's
-and the prompt's ids in the answer), return_tokens_as_token_ids (logprobs name tokens
+request_id), priority (SGLang's order: larger first), no_stop_trim (vLLM's
+include_stop_str_in_output: a matched stop string stays in the text) and vLLM's
+allowed_token_ids, bad_words, return_token_ids (the output's and the prompt's ids in the
+answer), return_tokens_as_token_ids (logprobs name tokens
 "token_id:<id>"), logprob_token_ids (each position lists the chosen token and these, in place
 of the most likely ones), prompt_logprobs (not streaming), truncate_prompt_tokens with
 truncation_side (the prompt's ids cut to fit, the last ones kept by default), and
@@ -156,6 +156,11 @@ def _sampling(body: JsonBody, max_tokens_key: str) -> tuple[pb.SamplingParams, d
     if seed is not None:
         p.seed = seed
     p.stop.extend(_stop(body.get("stop")))
+    words = body.get("bad_words")  # vLLM's
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise invalid("bad_words", "must be a list of strings")
+        p.bad_words.extend(words)
     for key in ("stop_token_ids", "allowed_token_ids"):  # the second is vLLM's
         ids = body.get(key)
         if ids is not None:

@@ -42,6 +42,8 @@ MAX_N = 16  # samples of one prompt (sampling_params.n)
 MAX_LOGIT_BIAS = 1024  # token ids in one logit_bias
 LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token, 100 all but forces it
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # more than any vocabulary's ids
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 _RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -146,6 +148,7 @@ def normalize_sampling(
     if len(p.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
         raise invalid(name("allowed_token_ids"), f"at most {MAX_ALLOWED_TOKEN_IDS} token ids, "
                                                  f"got {len(p.allowed_token_ids)}")
+    _check_bad_words(p, field_prefix)
     if p.HasField("n") and not 1 <= p.n <= MAX_N:
         raise invalid(name("n"), f"must be in [1, {MAX_N}] (samples of the prompt), got {p.n}")
     grammar = grammar_of(p, field_prefix)
@@ -171,10 +174,23 @@ def normalize_sampling(
         logit_bias=dict(p.logit_bias),
         allowed_token_ids=sorted(set(p.allowed_token_ids)),
         grammar=grammar,
+        bad_words=list(p.bad_words),
     )
     if p.HasField("seed"):
         out.seed = p.seed
     return out
+
+
+def _check_bad_words(p: sglang_pb2.SamplingParams, prefix: str) -> None:
+    if len(p.bad_words) > MAX_BAD_WORDS:
+        raise invalid(f"{prefix}.bad_words", f"at most {MAX_BAD_WORDS} words, got "
+                                             f"{len(p.bad_words)}")
+    for i, word in enumerate(p.bad_words):
+        if not word.strip():
+            raise invalid(f"{prefix}.bad_words[{i}]", "must not be empty or blank")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            raise invalid(f"{prefix}.bad_words[{i}]", f"at most {MAX_BAD_WORD_CHARS} "
+                                                      f"characters, got {len(word)}")
 
 
 def _check_stop(p: sglang_pb2.SamplingParams, prefix: str) -> None:

@@ -238,6 +238,7 @@ class ModelRunner:
             [s.params.seed for s in seqs],
             self.vocab_size,
             self.device,
+            [s.completion_ids for s in seqs] if any(s.params.bad_words for s in seqs) else None,
         )
         constrained = [j for j, s in enumerate(seqs) if s.matcher is not None]
         if constrained:  # what each grammar allows next

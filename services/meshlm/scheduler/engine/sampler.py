@@ -1,6 +1,6 @@
 """Sampler: one batched step from logits to next tokens, each row with its own parameters.
 
-Order, as in vLLM: allowed token ids, logit bias, min_new_tokens masking, repetition /
+Order, as in vLLM: allowed token ids, logit bias, min_new_tokens and bad_words masking, repetition /
 frequency / presence penalties, greedy argmax (temperature 0), then temperature, top-k, top-p
 (over what top-k left), min-p and a draw. The draw inverts each row's CDF at one uniform
 number; a seeded row takes its number from a generator seeded with (seed, tokens generated so
@@ -54,8 +54,10 @@ class SamplingBatch:
         seeds: list[int | None],
         vocab_size: int,
         device: torch.device,
+        generated: list[list[int]] | None = None,
     ) -> SamplingBatch:
-        """Gather the rows' parameters; `num_generated` counts each row's tokens so far."""
+        """Gather the rows' parameters; `num_generated` counts each row's tokens so far,
+        `generated` holds them (needed only by rows with bad_words)."""
         greedy = [p.greedy for p in params]
         ban_rows: list[int] = []
         ban_ids: list[int] = []
@@ -67,11 +69,15 @@ class SamplingBatch:
                 bias_rows.append(i)
                 bias_ids.append(token)
                 bias_values.append(value)
+            ids: set[int] = set()
             if n < p.min_new_tokens:
                 ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_token_ids))
-                ids = {t for t in ids if 0 <= t < vocab_size}
-                ban_rows += [i] * len(ids)
-                ban_ids += sorted(ids)
+            if p.bad_words:
+                assert generated is not None, "bad_words need the tokens generated"
+                ids |= completing(p.bad_words, generated[i])
+            ids = {t for t in ids if 0 <= t < vocab_size}
+            ban_rows += [i] * len(ids)
+            ban_ids += sorted(ids)
 
         def column(values: list[float], neutral: float) -> Tensor | None:
             if all(v == neutral for v in values):
@@ -121,6 +127,18 @@ class SamplingBatch:
                 for seed, n, g in zip(seeds, num_generated, greedy, strict=True)
             ],
         )
+
+
+def completing(words: tuple[tuple[int, ...], ...], generated: list[int]) -> set[int]:
+    """The ids that would complete one of `words` after `generated`: a word's last id where
+    the ones before it end the output (a one-id word's always)."""
+    out = set()
+    for word in words:
+        before = len(word) - 1
+        if before == 0 or (len(generated) >= before
+                           and tuple(generated[-before:]) == word[:-1]):
+            out.add(word[-1])
+    return out
 
 
 def _allowed(params: list[SamplingParams], vocab_size: int,

@@ -51,6 +51,9 @@ class SamplingParams:
     # Constrained decoding: an llguidance grammar the output must follow ("": none). The
     # sequence's matcher (`Sequence.matcher`) is built from it before the request is queued.
     grammar: str = ""
+    # vLLM's bad_words, encoded: the last id of each is never drawn right after the ones before
+    # it (a one-id word never).
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -64,7 +67,7 @@ class SamplingParams:
         return (self.temperature < GREEDY_EPS and self.repetition_penalty == 1.0
                 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
                 and not self.return_logprob and not self.logit_bias
-                and not self.allowed_token_ids and not self.grammar)
+                and not self.allowed_token_ids and not self.grammar and not self.bad_words)
 
     def problem(self) -> str | None:
         """Why these parameters are unusable, or None when they are fine."""

@@ -18,7 +18,8 @@ MESHLM_OWN = {
         optional bool skip_special_tokens = 100
         optional bool no_stop_trim = 102
         map<int32,float> logit_bias = 103
-        repeated int32 allowed_token_ids = 104""",
+        repeated int32 allowed_token_ids = 104
+        repeated string bad_words = 105""",
     "TextGenerateRequest": "repeated int32 token_ids_logprob = 101",
     "TextGenerateResponse": "repeated int32 output_ids = 100",
     "GenerateRequest": """

@@ -195,8 +195,11 @@ def _constraint(b: JsonBody, p: pb.SamplingParams, names: dict[str, str]) -> Non
     if b.get("structural_tag") is not None:
         raise unimplemented_tag("structural_tag")
     structured = b.get("structured_outputs")
+    flexible = False  # vLLM's disable_any_whitespace: false, given: JSON with any whitespace
     if structured is not None:
         found += _structured_outputs(structured)
+        flexible = structured.get("disable_any_whitespace") is False
+    b.string("guided_decoding_backend")  # vLLM's older backend choice: one backend here
     if not found:
         return
     if len(found) > 1:
@@ -208,6 +211,9 @@ def _constraint(b: JsonBody, p: pb.SamplingParams, names: dict[str, str]) -> Non
     elif kind == "json_schema":
         if not isinstance(value, str | dict):
             raise invalid(key, "must be a JSON schema (an object, or its text)")
+        if flexible and isinstance(value, dict):  # llguidance's own option, in the schema
+            value = {**value, "x-guidance": {**value.get("x-guidance", {}),
+                                             "whitespace_flexible": True}}
     elif not isinstance(value, str):
         raise invalid(key, "must be a string")
     set_guided(p, kind, value)
@@ -235,14 +241,19 @@ def _response_format(fmt: Any) -> list[tuple[str, str, Any]]:
 
 
 def _structured_outputs(value: Any) -> list[tuple[str, str, Any]]:
-    """vLLM's structured_outputs: one of json, regex, choice, grammar or json_object."""
+    """vLLM's structured_outputs: one of json, regex, choice, grammar or json_object (and
+    disable_any_whitespace: false lets JSON have any whitespace; disable_fallback is taken)."""
     if not isinstance(value, dict):
         raise invalid("structured_outputs", "must be an object")
     found = []
     for key, item in value.items():
+        path = f"structured_outputs.{key}"
+        if key in ("disable_any_whitespace", "disable_fallback"):  # one backend, no fallback
+            if not isinstance(item, bool):
+                raise invalid(path, "must be true or false")
+            continue
         if item is None or item is False and key == "json_object":
             continue
-        path = f"structured_outputs.{key}"
         if key == "json_object":
             found.append((path, "json_schema", {"type": "object"}))
         elif key in _STRUCTURED:

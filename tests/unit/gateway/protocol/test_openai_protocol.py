@@ -502,3 +502,21 @@ def test_vllm_request_id_is_the_rid() -> None:
     assert req.rid == "abc-1" and req.names["rid"] == "request_id"
     err = renamed(MeshError(grpc.StatusCode.INVALID_ARGUMENT, "rid: must be 1 to 128"), req.names)
     assert err.message == "request_id: must be 1 to 128"
+
+
+def test_vllm_structured_output_options() -> None:
+    """disable_any_whitespace: false lets the JSON have whitespace (llguidance's option, in the
+    schema); disable_fallback and the older guided_decoding_backend change nothing here."""
+    req = parse_chat(_body({"messages": USER, "guided_decoding_backend": "xgrammar",
+                            "structured_outputs": {"json": {"type": "object"},
+                                                   "disable_any_whitespace": False,
+                                                   "disable_fallback": True}}))
+    schema = json.loads(public_request(req, []).sampling_params.guided_decoding.json_schema)
+    assert schema == {"type": "object", "x-guidance": {"whitespace_flexible": True}}
+    compact = parse_chat(_body({"messages": USER, "structured_outputs": {
+        "json": {"type": "object"}, "disable_any_whitespace": True}}))
+    assert json.loads(public_request(compact, []).sampling_params.guided_decoding
+                      .json_schema) == {"type": "object"}
+    assert _refusal(parse_chat, {"messages": USER, "structured_outputs": {
+        "regex": "a", "disable_any_whitespace": "yes"}}).message == (
+        "structured_outputs.disable_any_whitespace: must be true or false")

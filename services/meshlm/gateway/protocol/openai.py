@@ -39,7 +39,7 @@ import orjson
 from meshlm.common.chat_variables import FIELD as TEMPLATE_KWARGS
 from meshlm.common.chat_variables import checked_template_kwargs
 from meshlm.common.errors import invalid
-from meshlm.gateway.protocol.constraints import set_guided, unimplemented_tag
+from meshlm.gateway.protocol.constraints import openai_constraint
 from meshlm.gateway.protocol.json_body import MAX_PROMPT_IDS as MAX_PROMPT_IDS
 from meshlm.gateway.protocol.json_body import JsonBody, is_ids, is_int, show
 from meshlm.gateway.protocol.logprob_options import MAX_TOP_LOGPROBS
@@ -52,12 +52,6 @@ MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings re
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _INT32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-# Constrained decoding beside response_format: SGLang's fields, then vLLM's (older and
-# current), each with the kind of constraint it gives.
-_CONSTRAINTS = (("regex", "regex"), ("ebnf", "ebnf"), ("json_schema", "json_schema"),
-                ("guided_json", "json_schema"), ("guided_regex", "regex"),
-                ("guided_choice", "choice"), ("guided_grammar", "ebnf"))
-_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
 
 Prompt = str | list[int]
 
@@ -174,96 +168,10 @@ def _sampling(body: JsonBody, max_tokens_key: str) -> tuple[pb.SamplingParams, d
     if body.boolean("include_stop_str_in_output"):  # vLLM's name
         p.no_stop_trim = True
     _logit_bias(p, body.get("logit_bias"))
-    _constraint(body, p, names)
+    openai_constraint(body, p, names)
     if body.get("lora_path") is not None:  # SGLang's
         raise unimplemented("lora_path", "LoRA adapters are not supported: one set of weights")
     return p, names
-
-
-def _constraint(b: JsonBody, p: pb.SamplingParams, names: dict[str, str]) -> None:
-    """The output's constraint, by OpenAI's response_format or by SGLang's or vLLM's own
-    fields (one of them), into p.guided_decoding; `names` learns the field the client wrote.
-    The gateway's validation builds and checks the grammar (`constraints.grammar_of`)."""
-    found: list[tuple[str, str, Any]] = []  # (the client's field, kind, value)
-    fmt = b.get("response_format")
-    if fmt is not None:
-        found += _response_format(fmt)
-    for key, kind in _CONSTRAINTS:
-        value = b.get(key)
-        if value is not None:
-            found.append((key, kind, value))
-    if b.get("structural_tag") is not None:
-        raise unimplemented_tag("structural_tag")
-    structured = b.get("structured_outputs")
-    flexible = False  # vLLM's disable_any_whitespace: false, given: JSON with any whitespace
-    if structured is not None:
-        found += _structured_outputs(structured)
-        flexible = structured.get("disable_any_whitespace") is False
-    b.string("guided_decoding_backend")  # vLLM's older backend choice: one backend here
-    if not found:
-        return
-    if len(found) > 1:
-        raise invalid(found[1][0], f"give one constraint; {found[0][0]} is given too")
-    key, kind, value = found[0]
-    if kind == "choice":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise invalid(key, "must be a list of strings")
-    elif kind == "json_schema":
-        if not isinstance(value, str | dict):
-            raise invalid(key, "must be a JSON schema (an object, or its text)")
-        if flexible and isinstance(value, dict):  # llguidance's own option, in the schema
-            value = {**value, "x-guidance": {**value.get("x-guidance", {}),
-                                             "whitespace_flexible": True}}
-    elif not isinstance(value, str):
-        raise invalid(key, "must be a string")
-    set_guided(p, kind, value)
-    names[f"sampling_params.guided_decoding.{kind}{'.values' if kind == 'choice' else ''}"] = key
-
-
-def _response_format(fmt: Any) -> list[tuple[str, str, Any]]:
-    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or
-    json_schema (its "schema")."""
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return []
-    if kind == "json_object":
-        return [("response_format", "json_schema", {"type": "object"})]
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise invalid("response_format.json_schema.schema", "must be a JSON schema object")
-        return [("response_format.json_schema.schema", "json_schema", schema)]
-    if kind == "structural_tag":
-        raise unimplemented_tag("response_format")
-    raise invalid("response_format.type", "must be text, json_object or json_schema, got "
-                                          f"{show(kind)}")
-
-
-def _structured_outputs(value: Any) -> list[tuple[str, str, Any]]:
-    """vLLM's structured_outputs: one of json, regex, choice, grammar or json_object (and
-    disable_any_whitespace: false lets JSON have any whitespace; disable_fallback is taken)."""
-    if not isinstance(value, dict):
-        raise invalid("structured_outputs", "must be an object")
-    found = []
-    for key, item in value.items():
-        path = f"structured_outputs.{key}"
-        if key in ("disable_any_whitespace", "disable_fallback"):  # one backend, no fallback
-            if not isinstance(item, bool):
-                raise invalid(path, "must be true or false")
-            continue
-        if item is None or item is False and key == "json_object":
-            continue
-        if key == "json_object":
-            found.append((path, "json_schema", {"type": "object"}))
-        elif key in _STRUCTURED:
-            found.append((path, _STRUCTURED[key], item))
-        elif key == "structural_tag":
-            raise unimplemented_tag(path)
-        else:
-            raise invalid(path, "not supported; give json, regex, choice, grammar or "
-                                "json_object")
-    return found
 
 
 def _logit_bias(p: pb.SamplingParams, value: Any) -> None:

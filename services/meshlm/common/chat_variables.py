@@ -10,7 +10,9 @@ from meshlm.common.errors import invalid
 
 # What the tokenizer itself gives a chat template; a client's variables may not replace them.
 TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
-                                "pad_token", "raise_exception", "strftime_now"})
+                                "pad_token", "raise_exception", "strftime_now", "tools"})
+# The variables a client sets by a field of its own request, not by chat_template_kwargs.
+_OWN_FIELDS = ("add_generation_prompt", "tools")
 FIELD = "chat_template_kwargs"
 
 
@@ -24,6 +26,6 @@ def checked_template_kwargs(value: Any) -> dict[str, Any]:
                              '{"enable_thinking": false}')
     taken = sorted(TEMPLATE_VARIABLES.intersection(value))
     if taken:
-        hint = " (use the request's own field)" if taken[0] == "add_generation_prompt" else ""
+        hint = " (use the request's own field)" if taken[0] in _OWN_FIELDS else ""
         raise invalid(f"{FIELD}.{taken[0]}", f"is set by the server, not the client{hint}")
     return value

@@ -32,6 +32,11 @@ def render_chat(tok: TextTokenizer, chat: tokenizer_pb2.ChatTemplateRequest) -> 
     if not isinstance(messages, list):
         raise invalid("messages", "must be a list of messages")
     kwargs = template_kwargs(chat.template_kwargs_json)
+    if chat.tools_json:
+        try:
+            kwargs = {**kwargs, "tools": json.loads(chat.tools_json)}
+        except ValueError as e:
+            raise invalid("tools", f"not valid JSON: {e}") from None
     try:
         return tok.apply_chat_template(messages, chat.add_generation_prompt,
                                        chat.continue_final_message, kwargs)

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from meshlm.common.default_model import ensure_default_model
+from meshlm.common.errors import MeshError
+from meshlm.tokenizer.chats import render_chat
 from meshlm.tokenizer.tokenization import TextTokenizer
+from meshlm.v1 import tokenizer_pb2
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +140,33 @@ def test_template_kwargs_are_the_templates_variables(model_dir: Path, tmp_path: 
     assert tok.apply_chat_template(messages, template_kwargs={"enable_thinking": True}) == "Hi"
     assert tok.apply_chat_template(messages, template_kwargs={"enable_thinking": False}) == \
         "Hi/no_think"
+
+
+def test_a_chats_tools_and_earlier_calls_reach_the_template(model_dir: Path,
+                                                         tmp_path: Path) -> None:
+    """The request's tools are the template's `tools` (a client's chat_template_kwargs may
+    not set them); earlier tool calls and tool results are messages it reads."""
+    path = _copy_checkpoint(model_dir, tmp_path / "a", chat_template=(
+        "{% if tools %}[{% for t in tools %}{{ t.function.name }};{% endfor %}]{% endif %}"
+        "{% for m in messages %}{% if m.tool_calls %}{% for c in m.tool_calls %}"
+        "call {{ c.function.name }}({{ c.function.arguments.city }}){% endfor %}"
+        "{% elif m.role == 'tool' %}<{{ m.tool_call_id }}:{{ m.content }}>"
+        "{% else %}{{ m.content }}{% endif %}{% endfor %}"))
+    servicer_tok = TextTokenizer.from_pretrained(path)
+    chat = tokenizer_pb2.ChatTemplateRequest(
+        messages_json=json.dumps([
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]),
+        tools_json=json.dumps([{"type": "function", "function": {"name": "get_weather"}},
+                               {"type": "function", "function": {"name": "get_time"}}]))
+    assert render_chat(servicer_tok, chat) == \
+        "[get_weather;get_time;]Weather?call get_weather(Rome)<c1:sunny>"
+    with pytest.raises(MeshError, match="chat_template_kwargs.tools: is set by the server"):
+        render_chat(servicer_tok, tokenizer_pb2.ChatTemplateRequest(
+            messages_json=chat.messages_json, template_kwargs_json='{"tools": []}'))
 
 
 def test_continue_final_message_leaves_it_open(tok: TextTokenizer, model_dir: Path,

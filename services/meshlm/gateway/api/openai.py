@@ -100,10 +100,10 @@ class OpenAIRPCs:
         limits = await self.core.limits()
         model = served_model(self.core, req.model)
         check_batch(req.n, limits.max_batch, "n")
-        check_prompt_chars(text_chars(req.messages), limits, "messages")
+        check_prompt_chars(text_chars([req.messages, req.tools]), limits, "messages")
         chat = template_request(req.messages, req.add_generation_prompt,
                                 req.continue_final_message, req.template_kwargs,
-                                req.add_special_tokens)
+                                req.add_special_tokens, req.tools)
         # The prompt: `chat`, rendered by the tokenizer, which also sets the default
         # max_tokens; until then the largest room a prompt can leave stands in for it.
         public = public_request(req, [], max_new_tokens=limits.max_model_len - 1)
@@ -118,6 +118,7 @@ class OpenAIRPCs:
                             stream=req.stream, include_usage=req.include_usage,
                             continuous_usage=req.continuous_usage,
                             top_logprobs=req.top_logprobs, echo=req.echo_text,
+                            tool_choice=req.tool_choice,
                             token_ids=req.return_token_ids, tokens_as_ids=req.tokens_as_ids,
                             prompt_logprobs=req.prompt_logprobs,
                             asked_ids=bool(req.logprob_ids))

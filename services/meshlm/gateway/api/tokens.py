@@ -51,14 +51,15 @@ class TokenRPCs:
     async def chat_tokens(self, messages: list[Any], add_generation_prompt: bool,
                           continue_final_message: bool = False,
                           template_kwargs: dict[str, Any] | None = None,
-                          add_special_tokens: bool = False) -> list[int]:
+                          add_special_tokens: bool = False,
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A conversation rendered by the checkpoint's chat template (with the generation
         prompt, or the final message left open to continue) and encoded, by a tokenizer; its
         text is checked against the prompt bound before it is sent."""
-        check_prompt_chars(text_chars(messages), await self.core.limits(), "messages")
+        check_prompt_chars(text_chars([messages, tools]), await self.core.limits(), "messages")
         reply = await self.core.call(self.core.tokenizer().ApplyChatTemplate(
             template_request(messages, add_generation_prompt, continue_final_message,
-                             template_kwargs, add_special_tokens),
+                             template_kwargs, add_special_tokens, tools),
             timeout=deadline.timeout()))
         return list(reply.tokens)
 

@@ -3,11 +3,11 @@ OpenAI-serving names, answering errors in OpenAI's shape): one pair of handlers,
 both prefixes. Bodies as SGLang's and vLLM's:
 
 - tokenize: {"prompt": str | [str, ...], "add_special_tokens": true} or {"messages": [...],
-  "add_generation_prompt": true, "continue_final_message": false, "chat_template_kwargs": {}}
-  (a chat, rendered by the checkpoint's template with those variables; continuing leaves the
-  final message open; add_special_tokens, false for a chat, adds the tokenizer's on top) ->
-  {"tokens", "count", "max_model_len"} (lists for a list of prompts). The empty prompt is
-  valid: its tokens are the special ones it gets, if any.
+  "add_generation_prompt": true, "continue_final_message": false, "chat_template_kwargs": {},
+  "tools": [...]} (a chat, rendered by the checkpoint's template with those variables and
+  tools; continuing leaves the final message open; add_special_tokens, false for a chat, adds
+  the tokenizer's on top) -> {"tokens", "count", "max_model_len"} (lists for a list of
+  prompts). The empty prompt is valid: its tokens are the special ones it gets, if any.
 - detokenize: {"tokens": [id, ...] | [[id, ...], ...], "skip_special_tokens": true} ->
   {"text": str | [str, ...]}; no tokens give "".
 """
@@ -27,6 +27,7 @@ from meshlm.common.errors import MeshError, invalid
 from meshlm.gateway.front.http_call import call_context
 from meshlm.gateway.front.json_fields import body_of, bool_field, json_endpoint, string_field
 from meshlm.gateway.protocol.openai import chat_rendering
+from meshlm.gateway.protocol.tool_calls import checked_tools
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 MAX_PROMPTS = 1024  # prompts (or token lists) in one call
@@ -47,11 +48,11 @@ class _TokenHandlers:
     async def tokenize(self, request: Request) -> dict[str, Any]:
         doc = await body_of(request, ("prompt", "messages", "add_special_tokens",
                                       "add_generation_prompt", "continue_final_message",
-                                      TEMPLATE_KWARGS, "model"))
+                                      TEMPLATE_KWARGS, "tools", "model"))
         string_field(doc, "model", "")  # one model is served: the name is not checked
         if "messages" in doc:
             return await self._chat(doc)
-        for key in ("add_generation_prompt", "continue_final_message", TEMPLATE_KWARGS):
+        for key in ("add_generation_prompt", "continue_final_message", TEMPLATE_KWARGS, "tools"):
             if key in doc:
                 raise invalid(key, "is for a chat's messages")
         add_special = bool_field(doc, "add_special_tokens", True)
@@ -86,8 +87,9 @@ class _TokenHandlers:
             else None, bool_field(doc, "continue_final_message", False))
         kwargs = checked_template_kwargs(doc.get(TEMPLATE_KWARGS))
         special = bool_field(doc, "add_special_tokens", False)  # the template writes its own
+        tools = checked_tools(doc.get("tools"))
         tokens = await self.api.tokens.chat_tokens(messages, add_prompt, keep_open, kwargs,
-                                                   special)
+                                                   special, tools)
         model = await self.api.core.model_info()
         return {"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len}
 

@@ -14,7 +14,7 @@ from meshlm.gateway.protocol.transcode import parse_json_body
 # before its ids are looked at one by one (a 16 MiB body holds 8 M of them).
 MAX_PROMPT_IDS = 1 << 20
 # OpenAI fields read by no route and harmless to drop.
-_IGNORED = frozenset({"user", "store", "metadata", "service_tier", "parallel_tool_calls"})
+_IGNORED = frozenset({"user", "store", "metadata", "service_tier"})
 
 
 class JsonBody:

@@ -39,11 +39,12 @@ import orjson
 from meshlm.common.chat_variables import FIELD as TEMPLATE_KWARGS
 from meshlm.common.chat_variables import checked_template_kwargs
 from meshlm.common.errors import invalid
-from meshlm.gateway.protocol.constraints import openai_constraint
+from meshlm.gateway.protocol.constraints import openai_constraint, set_guided
 from meshlm.gateway.protocol.json_body import MAX_PROMPT_IDS as MAX_PROMPT_IDS
 from meshlm.gateway.protocol.json_body import JsonBody, is_ids, is_int, show
 from meshlm.gateway.protocol.logprob_options import MAX_TOP_LOGPROBS
 from meshlm.gateway.protocol.openai_errors import MAX_NEW_TOKENS
+from meshlm.gateway.protocol.tool_calls import ToolChoice, parse_tools, template_messages
 from meshlm.gateway.protocol.validation import MAX_N, unimplemented
 from meshlm.v1 import tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -89,6 +90,8 @@ class ChatRequest(GenerationRequest):
     echo: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special_tokens: bool = False  # vLLM's: the tokenizer's bos on top of the template's
+    tools: list[dict[str, Any]] | None = None  # for the template
+    tool_choice: ToolChoice | None = None  # a forced call (named or required)
 
     @property
     def echo_text(self) -> str | None:
@@ -310,15 +313,16 @@ def parse_chat(body: bytes) -> ChatRequest:
     if top and not logprobs:
         raise invalid("top_logprobs", "needs logprobs: true")
     names.update({"top_logprobs_num": "top_logprobs", "input_ids": "messages"})
-    no_tools = " (no function calling)"
-    b.unsupported("tools", no_tools)
-    b.unsupported("functions", no_tools)
-    b.unsupported("tool_choice", no_tools, ("none", "auto"))
-    b.unsupported("function_call", no_tools, ("none", "auto"))
+    tools, tool_choice = parse_tools(b)
+    if tool_choice is not None:
+        _force_call(sampling, names, tool_choice)
     b.unsupported("modalities", " (text only)", (["text"],))
     add_prompt, continue_final = chat_rendering(b.boolean("add_generation_prompt"),
                                                 bool(b.boolean("continue_final_message")))
     echo = bool(b.boolean("echo"))
+    if echo and tool_choice is not None:
+        raise invalid("echo", "cannot be combined with a tool_choice that forces a call (the "
+                              "reply is its tool calls, not text)")
     rid = _rid(b, names)
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     kwargs = checked_template_kwargs(b.get(TEMPLATE_KWARGS))
@@ -336,20 +340,35 @@ def parse_chat(body: bytes) -> ChatRequest:
                        messages=messages,
                        add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo,
-                       template_kwargs=kwargs, add_special_tokens=special, **vllm)
+                       template_kwargs=kwargs, add_special_tokens=special, tools=tools,
+                       tool_choice=tool_choice, **vllm)
+
+
+def _force_call(p: pb.SamplingParams, names: dict[str, str], choice: ToolChoice) -> None:
+    """The output constrained to the forced call's JSON; no other constraint beside it."""
+    if p.HasField("guided_decoding"):
+        given = next(v for k, v in names.items() if k.startswith("sampling_params.guided"))
+        raise invalid("tool_choice", f"cannot be combined with {given}: a forced tool call "
+                                     "constrains the output itself")
+    set_guided(p, "json_schema", choice.schema)
+    names["sampling_params.guided_decoding.json_schema"] = choice.schema_field
 
 
 def template_request(messages: list[Any], add_generation_prompt: bool,
                      continue_final_message: bool = False,
                      template_kwargs: dict[str, Any] | None = None,
-                     add_special_tokens: bool = False) -> tokenizer_pb2.ChatTemplateRequest:
-    """What the tokenizer renders a chat from (for a chat completion, and for /v1/tokenize)."""
+                     add_special_tokens: bool = False,
+                     tools: list[dict[str, Any]] | None = None
+                     ) -> tokenizer_pb2.ChatTemplateRequest:
+    """What the tokenizer renders a chat from (for a chat completion, and for /v1/tokenize);
+    earlier tool calls' arguments go to the template as objects."""
     return tokenizer_pb2.ChatTemplateRequest(
-        messages_json=orjson.dumps(messages).decode(),
+        messages_json=orjson.dumps(template_messages(messages)).decode(),
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         template_kwargs_json=orjson.dumps(template_kwargs).decode() if template_kwargs else "",
-        add_special_tokens=add_special_tokens)
+        add_special_tokens=add_special_tokens,
+        tools_json=orjson.dumps(tools).decode() if tools else "")
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

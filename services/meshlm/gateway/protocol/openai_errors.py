@@ -17,7 +17,7 @@ import grpc
 from meshlm.common.context_length import MAX_NEW_TOKENS
 from meshlm.common.errors import MeshError
 
-_FIELD = re.compile(r"[A-Za-z_][\w.]*(\[\d+\])*")
+_FIELD = re.compile(r"[A-Za-z_]\w*(\[\d+\])*(\.\w+(\[\d+\])*)*")
 _SAMPLING = "sampling_params."
 
 

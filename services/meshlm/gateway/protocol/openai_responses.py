@@ -48,6 +48,7 @@ from meshlm.gateway.protocol.openai_logprobs import (
     chat_logprobs,
     prompt_logprobs,
 )
+from meshlm.gateway.protocol.tool_calls import ToolCallScanner, ToolChoice
 
 Chunk = dict[str, Any]
 
@@ -110,11 +111,12 @@ class Answer:
             if self.finish[index] is None:
                 self._running -= 1
                 self.done = not self._running
-            self.finish[index] = update.final.finish_reason
+            self.finish[index] = self._finish_reason(update.final.finish_reason)
         if not self.stream:
             self.updates[index] = update
             return []
         reason = self.finish[index]
+        self._read(index, update)
         if reason is None and not self._has_text(index, update):
             self._held[index].append(update)
             return chunks
@@ -157,6 +159,13 @@ class Answer:
         """The chunks that open choice `index`'s stream (`update` is its first)."""
         return []
 
+    def _finish_reason(self, reason: str) -> str:
+        """The finish_reason the client sees for the engine's."""
+        return reason
+
+    def _read(self, index: int, update: Update) -> None:
+        """Streaming: see each update once, in order, before it is sent or held."""
+
     def _has_text(self, index: int, update: Update) -> bool:
         """Whether `update` gives choice `index`'s stream text to send."""
         return bool(update.text)
@@ -178,10 +187,15 @@ class ChatAnswer(Answer):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, *, echo: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, echo: str | None = None, tool_choice: ToolChoice | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.echo = echo
+        self.tool_choice = tool_choice  # a forced call: the output is read as tool calls
         self._prompt_ids_sent = False
+        self._scanners = [ToolCallScanner(tool_choice.named) if tool_choice else None
+                          for _ in self.updates]
+        self._tool_deltas: list[list[Chunk]] = [[] for _ in self.updates]  # not yet sent
 
     def response(self) -> Chunk:
         body = super().response()
@@ -208,15 +222,39 @@ class ChatAnswer(Answer):
             first.append(self._chunk(_delta(index, {"content": self.echo})))
         return first
 
+    def _finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.tool_choice is not None and reason == "stop" else reason
+
+    def _read(self, index: int, update: Update) -> None:
+        scanner = self._scanners[index]
+        if scanner is not None:
+            self._tool_deltas[index] += scanner.feed(update.text)
+
+    def _has_text(self, index: int, update: Update) -> bool:
+        if self.tool_choice is not None:  # the text is tool calls: sent as their deltas
+            return bool(self._tool_deltas[index])
+        return bool(update.text)
+
     def _stream_choice(self, index: int, update: Update, reason: str | None) -> Chunk:
-        choice = _delta(index, {"content": update.text}, self._logprobs(update), reason)
+        if self.tool_choice is not None:
+            calls, self._tool_deltas[index] = self._tool_deltas[index], []
+            delta: Chunk = {"tool_calls": calls} if calls else {}
+        else:
+            delta = {"content": update.text}
+        choice = _delta(index, delta, self._logprobs(update), reason)
         if self.token_ids:
             choice["token_ids"] = update.token_ids
         return choice
 
     def _full_choice(self, index: int, update: Update) -> Chunk:
-        message = {"role": "assistant", "content": (self.echo or "") + update.text,
-                   "reasoning_content": None}
+        message: Chunk = {"role": "assistant", "content": (self.echo or "") + update.text,
+                          "reasoning_content": None}
+        if self.tool_choice is not None:
+            scanner = ToolCallScanner(self.tool_choice.named)
+            scanner.feed(update.text)
+            message["content"] = None
+            if calls := scanner.calls():
+                message["tool_calls"] = calls
         choice = {"index": index, "message": message, "logprobs": self._logprobs(update),
                   "finish_reason": self.finish[index]}
         if self.token_ids:

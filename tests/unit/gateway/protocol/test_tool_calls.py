@@ -1,0 +1,192 @@
+"""Function calling's pure parts: tools and tool_choice read from a chat body (the schema a
+forced call is constrained to, refusals by field), earlier calls' arguments handed to the
+template as objects, and the scanner that turns the constrained output into OpenAI's
+tool-call deltas and whole calls, however the text is split."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import llguidance
+import orjson
+import pytest
+
+from meshlm.common.errors import MeshError
+from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.protocol.json_body import JsonBody
+from meshlm.gateway.protocol.openai import parse_chat, template_request
+from meshlm.gateway.protocol.openai_responses import ChatAnswer
+from meshlm.gateway.protocol.tool_calls import ToolCallScanner, parse_tools
+from meshlm.v1 import gateway_pb2
+
+USER = [{"role": "user", "content": "hi"}]
+UNIT = {"type": "function", "function": {"name": "unit", "parameters": {
+    "type": "object", "properties": {"u": {"$ref": "#/$defs/u"}, "again": {"$ref": "#"}},
+    "required": ["u"], "additionalProperties": False, "$defs": {"u": {"enum": ["c", "f"]}}}}}
+OTHER = {"type": "function", "function": {"name": "other", "parameters": {
+    "type": "object", "properties": {"u": {"$ref": "#/definitions/u"}}, "required": ["u"],
+    "additionalProperties": False, "definitions": {"u": {"enum": ["x"]}}}}}
+BARE = {"type": "function", "function": {"name": "bare"}}
+
+
+def _choice(doc: dict[str, Any]) -> Any:
+    return parse_tools(JsonBody(orjson.dumps(doc)))
+
+
+def _follows(schema: dict[str, Any], text: str) -> bool:
+    """Whether llguidance's grammar of `schema` (as the gateway builds it) takes `text`."""
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), defaults={"whitespace_flexible": False})
+    tokenizer = llguidance.LLTokenizer("byte")
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    return (matcher.consume_tokens(tokenizer.tokenize_str(text)) and not matcher.is_error()
+            and matcher.is_accepting())
+
+
+def test_required_is_an_array_of_calls_each_following_its_tool() -> None:
+    tools, choice = _choice({"tools": [UNIT, OTHER, BARE], "tool_choice": "required"})
+    assert tools == [UNIT, OTHER, BARE] and choice.named is None
+    assert choice.schema_field == "tools"
+    good = ('[{"name":"unit","parameters":{"u":"c","again":{"u":"f"}}},'
+            '{"name":"other","parameters":{"u":"x"}},{"name":"bare","parameters":{}}]')
+    assert _follows(choice.schema, good)
+    for bad in ('[]', '[{"name":"other","parameters":{"u":"c"}}]',
+                '[{"name":"bare","parameters":{"x":1}}]', '[{"name":"nope","parameters":{}}]'):
+        assert not _follows(choice.schema, bad), bad
+    _, one = _choice({"tools": [UNIT, BARE], "tool_choice": "required",
+                      "parallel_tool_calls": False})
+    assert not _follows(one.schema, '[{"name":"bare","parameters":{}},'
+                                    '{"name":"bare","parameters":{}}]')
+    assert _follows(one.schema, '[{"name":"bare","parameters":{}}]')
+
+
+def test_a_named_function_constrains_to_its_parameters() -> None:
+    _, choice = _choice({"tools": [UNIT, OTHER], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}})
+    assert choice.named == "other" and choice.schema_field == "tools[1].function.parameters"
+    assert _follows(choice.schema, '{"u":"x"}') and not _follows(choice.schema, '{"u":"c"}')
+    _, bare = _choice({"tools": [BARE], "tool_choice": {"function": {"name": "bare"}}})
+    assert _follows(bare.schema, "{}") and not _follows(bare.schema, '{"a":1}')
+
+
+def test_none_and_no_tools_force_nothing() -> None:
+    assert _choice({"tools": [UNIT], "tool_choice": "none"}) == ([UNIT], None)
+    assert _choice({}) == (None, None)
+    assert _choice({"tool_choice": "auto"}) == (None, None)
+
+
+def test_a_forced_call_becomes_the_chat_constraint() -> None:
+    req = parse_chat(orjson.dumps({"messages": USER, "tools": [UNIT],
+                                   "tool_choice": "required"}))
+    assert json.loads(req.sampling.guided_decoding.json_schema) == req.tool_choice.schema
+    assert req.names["sampling_params.guided_decoding.json_schema"] == "tools"
+    chat = template_request(req.messages, True, tools=req.tools)
+    assert json.loads(chat.tools_json) == [UNIT]
+
+
+@pytest.mark.parametrize(("doc", "start"), [
+    ({"tools": {"a": 1}, "tool_choice": "none"}, "tools: must be a non-empty list"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0].type: only function tools"),
+    ({"tools": [{"function": {"name": "f", "parameters": []}}]},
+     "tools[0].function.parameters: must be a JSON schema object"),
+    ({"tools": [{"function": {"name": "f", "description": 5}}]},
+     "tools[0].function.description: must be a string"),
+    ({"tools": [{"function": {"name": "x" * 65}}]}, "tools[0].function.name: must be 1 to 64"),
+    ({"tools": [UNIT], "tool_choice": "sometimes"}, "tool_choice: give \"none\""),
+    ({"tools": [UNIT], "tool_choice": {"type": "function", "function": {}}},
+     "tool_choice.function.name: must name one of the tools"),
+    ({"tools": [UNIT], "tool_choice": "required", "parallel_tool_calls": "no"},
+     "parallel_tool_calls: must be true or false"),
+    ({"function_call": "auto"}, "function_call: is not supported"),
+])
+def test_tool_refusals_name_the_field(doc: dict[str, Any], start: str) -> None:
+    with pytest.raises(MeshError) as err:
+        _choice(doc)
+    assert err.value.message.startswith(start), err.value.message
+
+
+def test_earlier_calls_reach_the_template_with_object_arguments() -> None:
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "unit", "arguments": '{"u": "c"}'}}
+    broken = {"id": "c2", "type": "function", "function": {"name": "unit", "arguments": "{"}}
+    messages = [*USER, {"role": "assistant", "content": "", "tool_calls": [call, broken]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    sent = json.loads(template_request(messages, True).messages_json)
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"u": "c"}
+    assert sent[1]["tool_calls"][1] == broken  # not JSON: left as the client wrote it
+    assert sent[2] == messages[2] and messages[1]["tool_calls"][0] == call  # not changed
+
+
+def _scanned(text: str, named: str | None, sizes: random.Random | int) -> tuple[Any, Any]:
+    """The calls rebuilt from the deltas of `text` fed in pieces, and the scanner's own."""
+    scanner = ToolCallScanner(named)
+    deltas, i = [], 0
+    while i < len(text):
+        size = sizes if isinstance(sizes, int) else sizes.randint(1, 5)
+        deltas += scanner.feed(text[i:i + size])
+        i += size
+    rebuilt: dict[int, dict[str, str]] = {}
+    for delta in deltas:
+        call = rebuilt.setdefault(delta["index"], {"name": "", "arguments": ""})
+        if "id" in delta:
+            assert not call["name"] and delta["type"] == "function"
+            call["name"] = delta["function"]["name"]
+        call["arguments"] += delta["function"]["arguments"]
+    whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+             for c in scanner.calls()]
+    return [rebuilt[i] for i in sorted(rebuilt)], whole
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    ('[{"name":"a","parameters":{"q":[1,{"b":"}]\\""}]}},{"name":"b\\u0041","parameters":{}}]',
+     [("a", '{"q":[1,{"b":"}]\\""}]}'), ("bA", "{}")]),
+    (' [ { "parameters" : {"x": 1}, "name" : "late" } ]', [("late", '{"x": 1}')]),
+    ('[{"name":"a","parameters":{"q":"cut sho', [("a", '{"q":"cut sho')]),
+    ('[{"name":"a","para', [("a", "")]),
+    ('[{"na', []),
+])
+def test_the_scanner_reads_required_output_however_it_is_split(text: str, calls: Any) -> None:
+    expected = [{"name": n, "arguments": a} for n, a in calls]
+    for sizes in (1, 2, 3, len(text), random.Random(7)):
+        rebuilt, whole = _scanned(text, None, sizes)
+        assert rebuilt == whole == expected, sizes
+
+
+def test_the_scanner_reads_a_named_call() -> None:
+    rebuilt, whole = _scanned('{"u":"c"}', "unit", 2)
+    assert rebuilt == whole == [{"name": "unit", "arguments": '{"u":"c"}'}]
+    assert ToolCallScanner("unit").feed("") == []
+
+
+def _update(text: str, done: str | None = None) -> Update:
+    final = gateway_pb2.TextOutput(finished=True, finish_reason=done) if done else None
+    return Update(text=text, token_ids=[1], final=final, error=None, prompt_tokens=3,
+                  completion_tokens=1, cached_tokens=0)
+
+
+def test_a_chat_answer_with_a_forced_call() -> None:
+    _, choice = _choice({"tools": [UNIT], "tool_choice": "required"})
+    options = {"model": "m", "created": 1, "n": 1, "prompts": 1, "include_usage": False,
+               "top_logprobs": None, "tool_choice": choice}
+    whole = ChatAnswer(stream=False, **options)
+    whole.add(0, _update('[{"name":"unit","parameters":{"u":"f"}}]', "stop"), {"id": "r"})
+    [reply] = whole.response()["choices"]
+    assert reply["finish_reason"] == "tool_calls"
+    message = reply["message"]
+    assert message["content"] is None
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "unit", "arguments": '{"u":"f"}'}
+    stream = ChatAnswer(stream=True, **options)
+    chunks = []
+    for piece in ('[{"na', 'me":"unit","pa', 'rameters":{"u":', '"c"}}]'):
+        chunks += stream.add(0, _update(piece), {"id": "r"})
+    chunks += stream.add(0, _update("", "length"), {"id": "r"})
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["role"] == "assistant"  # then no chunk until the name is known
+    assert deltas[1]["tool_calls"][0]["function"] == {"name": "unit", "arguments": ""}
+    assert "".join(d["tool_calls"][0]["function"]["arguments"]
+                   for d in deltas[2:-1]) == '{"u":"c"}'
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "tool_calls" not in deltas[-1]

@@ -3,18 +3,23 @@ of that function whose arguments follow its parameters' schema, "required" with 
 calls of the given tools, streamed (OpenAI's tool-call deltas, reassembled by index) or
 whole, n samples each, over HTTP and the gRPC ChatComplete alike. Earlier calls and tool
 results in the conversation reach the chat template. The default model has random weights:
-only the constraint makes its output a call. "auto" (no tool-call parser) and bad tools are
-refused by the field's name."""
+only the constraint makes its output a call. "auto" is refused without a tool-call parser;
+a gateway with --tool-call-parser hermes reads the model's own <tool_call> blocks (here
+forced into that form by a regex, as the random model would never write them). Bad tools
+are refused by the field's name."""
 
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Iterator
 
 import grpc
 import httpx
 import openai
 import pytest
 
+from meshlm.launch.process import ServiceProcess
 from sglang.runtime.v1 import sglang_pb2
 
 USER = [{"role": "user", "content": "What is the weather in Berlin in 3 days?"}]
@@ -179,3 +184,47 @@ def test_tools_that_cannot_be_served_are_refused_by_name(client, model, extra, f
         client.chat.completions.create(model=model, messages=USER, max_tokens=5, **extra)
     error = err.value.body
     assert error["param"] == field and words in error["message"], error
+
+
+@pytest.fixture(scope="module")
+def hermes_gateway(mesh) -> Iterator[ServiceProcess]:
+    name = f"gateway-hermes-{uuid.uuid4().hex[:6]}"
+    proc = mesh.start_gateway(name, tool_call_parser="hermes")
+    yield proc
+    proc.stop(10)
+    del mesh.services[name]
+
+
+# The model's own format, as Hermes and Qwen templates teach it: content, then a call.
+HERMES_REGEX = (r'Checking\.<tool_call>\n\{"name": "get_time", "arguments": '
+                r'\{"zone": "(UTC|CET)"\}\}\n</tool_call>')
+
+
+def test_auto_reads_the_models_own_tool_calls_with_a_parser(hermes_gateway, model):
+    client = openai.OpenAI(base_url=f"{hermes_gateway.http_address}/v1", api_key="x")
+    forced = {"structured_outputs": {"regex": HERMES_REGEX}}
+    reply = client.chat.completions.create(model=model, messages=USER, max_tokens=60,
+                                           temperature=0, tools=TOOLS, extra_body=forced)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) in ({"zone": "UTC"}, {"zone": "CET"})
+    # Streamed: the content, then the call in one delta when its block closes.
+    stream = client.chat.completions.create(model=model, messages=USER, max_tokens=60,
+                                            temperature=0, tools=TOOLS, tool_choice="auto",
+                                            extra_body=forced, stream=True)
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "Checking." and finish == "tool_calls"
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [
+        (0, "get_time", call.function.arguments)]
+    # The model may answer in text: then it is content, and no call.
+    text = client.chat.completions.create(model=model, messages=USER, max_tokens=6,
+                                          temperature=0, tools=TOOLS)
+    assert text.choices[0].message.tool_calls is None
+    assert text.choices[0].message.content and text.choices[0].finish_reason == "length"

@@ -43,6 +43,7 @@ from meshlm.gateway.mesh.membership import split_entries
 from meshlm.gateway.mesh.registry import RidRegistry
 from meshlm.gateway.mesh.replicas import Replicas
 from meshlm.gateway.protocol.bounds import DEFAULT_BODY_BYTES, DEFAULT_GRPC_RECEIVE_BYTES, Bounds
+from meshlm.gateway.protocol.tool_call_output import PARSERS
 from meshlm.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2_grpc
 
@@ -84,6 +85,11 @@ class GatewayConfig(ServiceConfig):
     registry_finished_ttl: float = cfg.field(300.0, "seconds a finished request's record is kept")
     served_model_name: str = cfg.field("", "model id in ListModels and /v1/models "
                                            "(default: the checkpoint directory's name)")
+    tool_call_parser: str = cfg.field("", "the model's own tool-call format, read for chat "
+                                          "completions with tool_choice \"auto\": hermes "
+                                          "(<tool_call>{json}</tool_call>: Hermes 2 Pro and "
+                                          "later, Qwen2.5, Qwen3); empty: auto is refused "
+                                          "(forced calls need none)")
     max_inflight: int = cfg.field(1024, "requests in flight on this gateway (each of n samples "
                                         "counts); beyond it RESOURCE_EXHAUSTED / 429 at once")
     http_max_body_bytes: int = cfg.field(DEFAULT_BODY_BYTES, "largest HTTP request body; past "
@@ -138,6 +144,9 @@ async def serve(config: GatewayConfig) -> None:
     lists = {"tokenizer": config.tokenizers, "scheduler": config.schedulers,
              "detokenizer": config.detokenizers}
     entries = {role: split_entries(lists[role], f"--{role}s") for role in ROLES}
+    if config.tool_call_parser not in ("", *PARSERS):
+        raise ValueError(f"--tool-call-parser: {config.tool_call_parser!r} is not one of "
+                         f"{', '.join(PARSERS)} (or empty: none)")
     tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
     channels = ChannelPool(tls.channel_credentials(), config.peer_tls_name)
     table = RequestTable()
@@ -150,7 +159,8 @@ async def serve(config: GatewayConfig) -> None:
                                 InboxServicer(table), "meshlm.v1.GatewayInbox")])
     inbox_address = advertised(config, await inbox.start(config.host, config.port,
                                                          tls.server_credentials()))
-    identity = GatewayIdentity(inbox=inbox_address, served_model_name=config.served_model_name)
+    identity = GatewayIdentity(inbox=inbox_address, served_model_name=config.served_model_name,
+                               tool_call_parser=config.tool_call_parser)
 
     submit: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]] = {}
     public: GrpcServer | None = None

@@ -33,6 +33,7 @@ CONTROL_TIMEOUT = 10.0  # seconds for internal unary calls
 class GatewayIdentity:
     inbox: str  # this gateway's internal address (where detokenizers deliver)
     served_model_name: str
+    tool_call_parser: str = ""  # the model's own tool-call format, for tool_choice "auto"
 
 
 class GatewayCore:

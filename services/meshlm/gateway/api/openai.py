@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 from meshlm.common.context_length import truncated
@@ -51,6 +52,8 @@ from meshlm.gateway.protocol.openai_responses import (
     CompletionAnswer,
     embedding_body,
 )
+from meshlm.gateway.protocol.tool_call_output import PARSERS, CallReader, ForcedCalls
+from meshlm.gateway.protocol.tool_calls import auto_refused
 from meshlm.gateway.protocol.validation import (
     Limits,
     ValidatedRequest,
@@ -101,6 +104,7 @@ class OpenAIRPCs:
         model = served_model(self.core, req.model)
         check_batch(req.n, limits.max_batch, "n")
         check_prompt_chars(text_chars([req.messages, req.tools]), limits, "messages")
+        reader = call_reader(req, self.core.identity.tool_call_parser)
         chat = template_request(req.messages, req.add_generation_prompt,
                                 req.continue_final_message, req.template_kwargs,
                                 req.add_special_tokens, req.tools)
@@ -118,7 +122,7 @@ class OpenAIRPCs:
                             stream=req.stream, include_usage=req.include_usage,
                             continuous_usage=req.continuous_usage,
                             top_logprobs=req.top_logprobs, echo=req.echo_text,
-                            tool_choice=req.tool_choice,
+                            tool_calls=reader,
                             token_ids=req.return_token_ids, tokens_as_ids=req.tokens_as_ids,
                             prompt_logprobs=req.prompt_logprobs,
                             asked_ids=bool(req.logprob_ids))
@@ -206,6 +210,23 @@ def served_model(core: GatewayCore, model: str | None) -> str:
     if model is not None and model != served:
         raise model_not_found(model, served)
     return served
+
+
+def call_reader(req: ChatRequest, parser: str) -> Callable[[], CallReader] | None:
+    """What reads the chat's output as tool calls (None: text only). "auto" takes the
+    server's parser of the model's own format (refused without one); the parser's tags must
+    survive detokenization, so the output keeps special tokens unless the client said
+    otherwise (some tokenizers mark <tool_call> special)."""
+    choice = req.tool_choice
+    if choice is None:
+        return None
+    if not choice.auto:
+        return partial(ForcedCalls, choice.named)
+    if parser not in PARSERS:
+        raise auto_refused()
+    if not req.sampling.HasField("skip_special_tokens"):
+        req.sampling.skip_special_tokens = False
+    return PARSERS[parser]
 
 
 def truncation(req: GenerationRequest, limits: Limits) -> int:

@@ -314,13 +314,13 @@ def parse_chat(body: bytes) -> ChatRequest:
         raise invalid("top_logprobs", "needs logprobs: true")
     names.update({"top_logprobs_num": "top_logprobs", "input_ids": "messages"})
     tools, tool_choice = parse_tools(b)
-    if tool_choice is not None:
-        _force_call(sampling, names, tool_choice)
+    if tool_choice is not None and tool_choice.schema is not None:
+        _force_call(sampling, names, tool_choice.schema, tool_choice.schema_field)
     b.unsupported("modalities", " (text only)", (["text"],))
     add_prompt, continue_final = chat_rendering(b.boolean("add_generation_prompt"),
                                                 bool(b.boolean("continue_final_message")))
     echo = bool(b.boolean("echo"))
-    if echo and tool_choice is not None:
+    if echo and tool_choice is not None and not tool_choice.auto:
         raise invalid("echo", "cannot be combined with a tool_choice that forces a call (the "
                               "reply is its tool calls, not text)")
     rid = _rid(b, names)
@@ -344,14 +344,16 @@ def parse_chat(body: bytes) -> ChatRequest:
                        tool_choice=tool_choice, **vllm)
 
 
-def _force_call(p: pb.SamplingParams, names: dict[str, str], choice: ToolChoice) -> None:
-    """The output constrained to the forced call's JSON; no other constraint beside it."""
+def _force_call(p: pb.SamplingParams, names: dict[str, str], schema: dict[str, Any],
+                schema_field: str) -> None:
+    """The output constrained to a forced call's JSON; no other constraint beside it."""
     if p.HasField("guided_decoding"):
-        given = next(v for k, v in names.items() if k.startswith("sampling_params.guided"))
+        given = next((v for k, v in names.items() if k.startswith("sampling_params.guided")),
+                     "a constraint")
         raise invalid("tool_choice", f"cannot be combined with {given}: a forced tool call "
                                      "constrains the output itself")
-    set_guided(p, "json_schema", choice.schema)
-    names["sampling_params.guided_decoding.json_schema"] = choice.schema_field
+    set_guided(p, "json_schema", schema)
+    names["sampling_params.guided_decoding.json_schema"] = schema_field
 
 
 def template_request(messages: list[Any], add_generation_prompt: bool,

@@ -37,6 +37,7 @@ Embeddings: {"object": "list", "data": [{"object": "embedding", "index", "embedd
 from __future__ import annotations
 
 from base64 import b64encode
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,7 @@ from meshlm.gateway.protocol.openai_logprobs import (
     chat_logprobs,
     prompt_logprobs,
 )
-from meshlm.gateway.protocol.tool_calls import ToolCallScanner, ToolChoice
+from meshlm.gateway.protocol.tool_call_output import CallReader
 
 Chunk = dict[str, Any]
 
@@ -107,16 +108,16 @@ class Answer:
             # Before its tokens count: the usage in an opening chunk has none of them yet.
             chunks += self._first_chunks(index, update)
         self._completion_tokens[index] = update.completion_tokens
+        self._read(index, update)
         if update.final is not None:
             if self.finish[index] is None:
                 self._running -= 1
                 self.done = not self._running
-            self.finish[index] = self._finish_reason(update.final.finish_reason)
+            self.finish[index] = self._finish_reason(index, update.final.finish_reason)
         if not self.stream:
             self.updates[index] = update
             return []
         reason = self.finish[index]
-        self._read(index, update)
         if reason is None and not self._has_text(index, update):
             self._held[index].append(update)
             return chunks
@@ -159,12 +160,12 @@ class Answer:
         """The chunks that open choice `index`'s stream (`update` is its first)."""
         return []
 
-    def _finish_reason(self, reason: str) -> str:
+    def _finish_reason(self, index: int, reason: str) -> str:
         """The finish_reason the client sees for the engine's."""
         return reason
 
     def _read(self, index: int, update: Update) -> None:
-        """Streaming: see each update once, in order, before it is sent or held."""
+        """See each update once, in order, before it is sent, held or kept."""
 
     def _has_text(self, index: int, update: Update) -> bool:
         """Whether `update` gives choice `index`'s stream text to send."""
@@ -187,15 +188,14 @@ class ChatAnswer(Answer):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, *, echo: str | None = None, tool_choice: ToolChoice | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, *, echo: str | None = None,
+                 tool_calls: Callable[[], CallReader] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.echo = echo
-        self.tool_choice = tool_choice  # a forced call: the output is read as tool calls
         self._prompt_ids_sent = False
-        self._scanners = [ToolCallScanner(tool_choice.named) if tool_choice else None
-                          for _ in self.updates]
-        self._tool_deltas: list[list[Chunk]] = [[] for _ in self.updates]  # not yet sent
+        # With tools that may be called: each choice's output read as content and tool calls.
+        self._readers = [tool_calls() if tool_calls else None for _ in self.updates]
+        self._unsent: list[tuple[str, list[Chunk]]] = [("", []) for _ in self.updates]
 
     def response(self) -> Chunk:
         body = super().response()
@@ -222,23 +222,29 @@ class ChatAnswer(Answer):
             first.append(self._chunk(_delta(index, {"content": self.echo})))
         return first
 
-    def _finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.tool_choice is not None and reason == "stop" else reason
+    def _finish_reason(self, index: int, reason: str) -> str:
+        reader = self._readers[index]
+        return "tool_calls" if reader and reason == "stop" and reader.calls() else reason
 
     def _read(self, index: int, update: Update) -> None:
-        scanner = self._scanners[index]
-        if scanner is not None:
-            self._tool_deltas[index] += scanner.feed(update.text)
+        reader = self._readers[index]
+        if reader is not None:
+            content, calls = reader.feed(update.text, update.final is not None)
+            before, unsent = self._unsent[index]
+            self._unsent[index] = (before + content, unsent + calls)
 
     def _has_text(self, index: int, update: Update) -> bool:
-        if self.tool_choice is not None:  # the text is tool calls: sent as their deltas
-            return bool(self._tool_deltas[index])
+        if self._readers[index] is not None:  # what its reader has made of the text
+            content, calls = self._unsent[index]
+            return bool(content or calls)
         return bool(update.text)
 
     def _stream_choice(self, index: int, update: Update, reason: str | None) -> Chunk:
-        if self.tool_choice is not None:
-            calls, self._tool_deltas[index] = self._tool_deltas[index], []
-            delta: Chunk = {"tool_calls": calls} if calls else {}
+        if self._readers[index] is not None:
+            (content, calls), self._unsent[index] = self._unsent[index], ("", [])
+            delta: Chunk = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = calls
         else:
             delta = {"content": update.text}
         choice = _delta(index, delta, self._logprobs(update), reason)
@@ -249,11 +255,10 @@ class ChatAnswer(Answer):
     def _full_choice(self, index: int, update: Update) -> Chunk:
         message: Chunk = {"role": "assistant", "content": (self.echo or "") + update.text,
                           "reasoning_content": None}
-        if self.tool_choice is not None:
-            scanner = ToolCallScanner(self.tool_choice.named)
-            scanner.feed(update.text)
-            message["content"] = None
-            if calls := scanner.calls():
+        reader = self._readers[index]
+        if reader is not None:
+            message["content"] = (self.echo or "") + reader.content() or None
+            if calls := reader.calls():
                 message["tool_calls"] = calls
         choice = {"index": index, "message": message, "logprobs": self._logprobs(update),
                   "finish_reason": self.finish[index]}

@@ -1,8 +1,8 @@
 """Function calling on chat completions: OpenAI's `tools` and `tool_choice`. Pure: no I/O.
 
 The tools go to the chat template (its `tools` variable, as Hugging Face's templates take
-them). A call is forced by constrained decoding, so every model answers in a form that
-parses, whatever its own tool-call format:
+them). A forced call is constrained decoding, so every model answers in a form that parses,
+whatever its own tool-call format:
 
 - a named function (`{"type": "function", "function": {"name": ...}}`): the output is that
   function's arguments, a JSON object following its `parameters` schema;
@@ -11,23 +11,18 @@ parses, whatever its own tool-call format:
   `parallel_tool_calls: false`);
 - `"none"`: the model answers in text.
 
-`"auto"` (the default when tools are given) needs a parser of the model's own tool-call
-format, which meshlm does not have: it is refused (400) as vLLM refuses it without
-`--enable-auto-tool-choice`. The legacy `functions` / `function_call` are refused too.
-
-`ToolCallScanner` reads the constrained output as it streams and yields OpenAI's tool-call
-deltas: a call's id, type and name once its name is complete, then its arguments' text as
-it comes. The whole answer's `tool_calls` are the same calls, so a stream and a whole reply
-agree, also when the output was cut short by max_tokens (the last call's arguments are then
-incomplete, and finish_reason says "length").
+`"auto"` (the default when tools are given) lets the model choose, in its own tool-call
+format: the gateway serves it with a parser of that format (`--tool-call-parser`), and
+refuses it (400) without one, as vLLM does without `--enable-auto-tool-choice`. The legacy
+`functions` / `function_call` are refused. `tool_call_output.py` reads the output back as
+OpenAI's tool calls.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from meshlm.common.errors import invalid
@@ -36,24 +31,30 @@ from meshlm.gateway.protocol.json_body import JsonBody, show
 MAX_TOOLS = 128  # OpenAI's limit on one request's tools
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-_FORMS = 'give "none", "required", or {"type": "function", "function": {"name": ...}}'
+_FORMS = ('give "none", "auto", "required", or {"type": "function", "function": {"name": '
+          '...}}')
 
-Delta = dict[str, Any]
 
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """How a chat's answer calls its tools: one `named` function, or `required` (one or more
-    of them); the output's JSON schema forces it."""
+    """How a chat's answer may call its tools: one `named` function or "required" (one or
+    more of them), forced by the output's JSON `schema`, or "auto" (`schema` None: the
+    model's choice, read by a tool-call parser)."""
 
     tools: list[dict[str, Any]]  # as given, for the chat template
-    named: str | None  # the function named by tool_choice; None: "required"
-    schema: dict[str, Any]
+    named: str | None  # the function named by tool_choice; None: "required" or "auto"
+    schema: dict[str, Any] | None
     schema_field: str  # the client's field the schema comes from (for its errors)
+
+    @property
+    def auto(self) -> bool:
+        return self.schema is None
 
 
 def parse_tools(b: JsonBody) -> tuple[list[dict[str, Any]] | None, ToolChoice | None]:
-    """The request's tools (None: none given) and, when a call is forced, how."""
+    """The request's tools (None: none given) and how the answer may call them (None: it
+    may not)."""
     for key in ("functions", "function_call"):
         if b.get(key) is not None:
             raise invalid(key, "is not supported (OpenAI's deprecated form); use tools and "
@@ -66,9 +67,7 @@ def parse_tools(b: JsonBody) -> tuple[list[dict[str, Any]] | None, ToolChoice | 
             raise invalid("tool_choice", "needs tools")
         return None, None
     if choice is None or choice == "auto":
-        raise invalid("tool_choice", '"auto" (the default with tools) is not supported: it '
-                                     "needs a parser of the model's own tool-call format; "
-                                     + _FORMS)
+        return tools, ToolChoice(tools, None, None, "tool_choice")
     if choice == "none":
         return tools, None
     names = [t["function"]["name"] for t in tools]
@@ -210,169 +209,9 @@ def _with_object_arguments(call: Any) -> Any:
     return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
-def call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
-# ---- reading the output ----------------------------------------------------------------------
-
-
-@dataclass
-class _Call:
-    id: str
-    name: str
-    arguments: list[str] = field(default_factory=list)
-
-
-class ToolCallScanner:
-    """One choice's constrained output, read as it comes: `feed` returns the tool-call
-    deltas it completes (OpenAI's `delta.tool_calls` entries); `calls` is every call so far,
-    as a reply's `message.tool_calls`."""
-
-    def __init__(self, named: str | None) -> None:
-        self._calls: list[_Call] = []
-        self._named = named
-        self._array = _ArrayReader() if named is None else None
-
-    def feed(self, text: str) -> list[Delta]:
-        if not text:
-            return []
-        if self._array is None:  # a named function: the whole output is its arguments
-            if not self._calls:
-                assert self._named is not None
-                self._calls.append(_Call(call_id(), self._named, [text]))
-                return [self._opening(0, text)]
-            self._calls[0].arguments.append(text)
-            return [{"index": 0, "function": {"arguments": text}}]
-        deltas: list[Delta] = []
-        for event, value in self._array.feed(text):
-            if event == "name":
-                self._calls.append(_Call(call_id(), value))
-                deltas.append(self._opening(len(self._calls) - 1, ""))
-            elif self._calls:  # arguments' text of the last call
-                self._calls[-1].arguments.append(value)
-                if deltas and deltas[-1]["index"] == len(self._calls) - 1:
-                    deltas[-1]["function"]["arguments"] += value
-                else:
-                    deltas.append({"index": len(self._calls) - 1,
-                                   "function": {"arguments": value}})
-        return deltas
-
-    def calls(self) -> list[Delta]:
-        return [{"id": c.id, "type": "function",
-                 "function": {"name": c.name, "arguments": "".join(c.arguments)}}
-                for c in self._calls]
-
-    def _opening(self, index: int, arguments: str) -> Delta:
-        call = self._calls[index]
-        return {"index": index, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": arguments}}
-
-
-class _ArrayReader:
-    """Reads `[{"name": <string>, "parameters": <value>}, ...]` character by character (any
-    whitespace, keys in any order within an element) and reports ("name", the name) when an
-    element's name is complete and ("arguments", text) for the text of its parameters' value
-    as it arrives (held until the element's name is known)."""
-
-    def __init__(self) -> None:
-        self._depth = 0  # of [ and { outside strings: 1 in the array, 2 in an element
-        self._in_string = False
-        self._escaped = False
-        self._key: list[str] | None = None  # an element's key, while it is read
-        self._read_key: str | None = None  # the key read, until its ":"
-        self._value_key = ""  # the key whose value is being read ("" between values)
-        self._name: list[str] = []  # the name's JSON text
-        self._started = False  # the parameters' value has begun
-        self._named = False  # the current element's name was reported
-        self._held: list[str] = []  # parameters' text before the element's name
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        events: list[tuple[str, str]] = []
-        for ch in text:
-            self._step(ch, events)
-        merged: list[tuple[str, str]] = []
-        for event in events:  # one ("arguments", text) for adjacent ones
-            if merged and event[0] == merged[-1][0] == "arguments":
-                merged[-1] = ("arguments", merged[-1][1] + event[1])
-            else:
-                merged.append(event)
-        return merged
-
-    def _step(self, ch: str, events: list[tuple[str, str]]) -> None:
-        in_element = self._depth == 2 and not self._in_string
-        if self._value_key:
-            if not (in_element and ch in ",}"):  # the value goes on
-                self._value_char(ch, events)
-                return
-            if self._value_key == "name":  # the value ends here
-                self._name_done(events)
-            self._value_key = ""
-        if self._key is not None:
-            self._key_char(ch)
-        elif in_element and ch == '"':
-            self._key, self._in_string = [], True
-        elif in_element and ch == ":" and self._read_key is not None:
-            self._value_key, self._read_key, self._name = self._read_key, None, []
-        else:
-            self._track(ch)
-            if ch == "{" and self._depth == 2:  # a new element
-                self._named, self._held = False, []
-
-    def _value_char(self, ch: str, events: list[tuple[str, str]]) -> None:
-        started = bool(self._name) if self._value_key == "name" else self._started
-        if not started and ch.isspace():
-            return
-        if self._value_key == "name":
-            self._name.append(ch)
-        elif self._value_key == "parameters":
-            self._started = True
-            if self._named:
-                events.append(("arguments", ch))
-            else:
-                self._held.append(ch)
-        self._track(ch)
-
-    def _key_char(self, ch: str) -> None:
-        assert self._key is not None
-        if self._escaped:
-            self._escaped = False
-        elif ch == "\\":
-            self._escaped = True
-        elif ch == '"':
-            self._in_string = False
-            try:
-                self._read_key = json.loads('"' + "".join(self._key) + '"')
-            except ValueError:
-                self._read_key = ""
-            self._key, self._started = None, False
-            return
-        self._key.append(ch)
-
-    def _track(self, ch: str) -> None:
-        """Strings and nesting, outside keys."""
-        if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
-        elif ch == '"':
-            self._in_string = True
-        elif ch in "[{":
-            self._depth += 1
-        elif ch in "]}":
-            self._depth -= 1
-
-    def _name_done(self, events: list[tuple[str, str]]) -> None:
-        try:
-            name = json.loads("".join(self._name))
-        except ValueError:
-            return
-        if isinstance(name, str) and not self._named:
-            self._named = True
-            events.append(("name", name))
-            if self._held:
-                events.append(("arguments", "".join(self._held)))
-                self._held = []
+def auto_refused() -> Exception:
+    """tool_choice "auto" on a gateway without a tool-call parser."""
+    return invalid("tool_choice", '"auto" (the default with tools) needs a parser of the '
+                                  "model's own tool-call format, and this server has none "
+                                  '(--tool-call-parser); give "none", "required" or a named '
+                                  "function")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from functools import partial
 from typing import Any
 
 import llguidance
@@ -18,7 +19,8 @@ from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.json_body import JsonBody
 from meshlm.gateway.protocol.openai import parse_chat, template_request
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
-from meshlm.gateway.protocol.tool_calls import ToolCallScanner, parse_tools
+from meshlm.gateway.protocol.tool_call_output import ForcedCalls, HermesCalls
+from meshlm.gateway.protocol.tool_calls import parse_tools
 from meshlm.v1 import gateway_pb2
 
 USER = [{"role": "user", "content": "hi"}]
@@ -71,10 +73,16 @@ def test_a_named_function_constrains_to_its_parameters() -> None:
     assert _follows(bare.schema, "{}") and not _follows(bare.schema, '{"a":1}')
 
 
-def test_none_and_no_tools_force_nothing() -> None:
+def test_none_and_no_tools_force_nothing_and_auto_is_the_default() -> None:
     assert _choice({"tools": [UNIT], "tool_choice": "none"}) == ([UNIT], None)
     assert _choice({}) == (None, None)
     assert _choice({"tool_choice": "auto"}) == (None, None)
+    for doc in ({"tools": [UNIT]}, {"tools": [UNIT], "tool_choice": "auto"}):
+        _, auto = _choice(doc)
+        assert auto.auto and auto.schema is None and auto.named is None
+    req = parse_chat(orjson.dumps({"messages": USER, "tools": [UNIT], "echo": True,
+                                   "response_format": {"type": "json_object"}}))
+    assert req.tool_choice.auto and req.sampling.HasField("guided_decoding")
 
 
 def test_a_forced_call_becomes_the_chat_constraint() -> None:
@@ -121,11 +129,13 @@ def test_earlier_calls_reach_the_template_with_object_arguments() -> None:
 
 def _scanned(text: str, named: str | None, sizes: random.Random | int) -> tuple[Any, Any]:
     """The calls rebuilt from the deltas of `text` fed in pieces, and the scanner's own."""
-    scanner = ToolCallScanner(named)
+    scanner = ForcedCalls(named)
     deltas, i = [], 0
     while i < len(text):
         size = sizes if isinstance(sizes, int) else sizes.randint(1, 5)
-        deltas += scanner.feed(text[i:i + size])
+        content, calls = scanner.feed(text[i:i + size])
+        assert content == ""
+        deltas += calls
         i += size
     rebuilt: dict[int, dict[str, str]] = {}
     for delta in deltas:
@@ -157,7 +167,46 @@ def test_the_scanner_reads_required_output_however_it_is_split(text: str, calls:
 def test_the_scanner_reads_a_named_call() -> None:
     rebuilt, whole = _scanned('{"u":"c"}', "unit", 2)
     assert rebuilt == whole == [{"name": "unit", "arguments": '{"u":"c"}'}]
-    assert ToolCallScanner("unit").feed("") == []
+    assert ForcedCalls("unit").feed("") == ("", [])
+
+
+HERMES = ('Let me look <that> up.<tool_call>\n{"name": "unit", "arguments": {"u": "c"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "other", "arguments": {"u": "x", "é": 1}}\n'
+          "</tool_call>")
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 11, len(HERMES)])
+def test_hermes_blocks_become_calls_and_the_rest_content(size: int) -> None:
+    reader = HermesCalls()
+    content, deltas = "", []
+    pieces = [HERMES[i:i + size] for i in range(0, len(HERMES), size)]
+    for i, piece in enumerate(pieces):
+        text, calls = reader.feed(piece, last=i == len(pieces) - 1)
+        assert "<tool" not in text  # a tag's start is held until it is clear
+        content += text
+        deltas += calls
+    assert content == reader.content() == "Let me look <that> up.\n"
+    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "unit"), (1, "other")]
+    assert [c["function"] for c in reader.calls()] == [
+        {"name": "unit", "arguments": '{"u": "c"}'},
+        {"name": "other", "arguments": '{"u": "x", "é": 1}'}]
+    assert deltas[0]["function"] == reader.calls()[0]["function"]
+
+
+def test_hermes_text_without_calls_and_broken_blocks_stay_content() -> None:
+    plain = HermesCalls()
+    assert plain.feed("a <tool", last=False) == ("a ", [])
+    assert plain.feed("box> b <tool_c", last=True) == ("<toolbox> b <tool_c", [])
+    assert plain.calls() == []
+    broken = HermesCalls()
+    assert broken.feed("<tool_call>{not json}</tool_call>ok") == (
+        "<tool_call>{not json}</tool_call>ok", [])
+    cut = HermesCalls()  # unclosed at the end: a call if it parses
+    assert cut.feed('<tool_call>{"name": "f", "arguments": {}}', last=True)[1][0]["function"] \
+        == {"name": "f", "arguments": "{}"}
+    open_end = HermesCalls()
+    assert open_end.feed('x<tool_call>{"name": "f", "argu', last=True) == (
+        'x<tool_call>{"name": "f", "argu', [])
 
 
 def _update(text: str, done: str | None = None) -> Update:
@@ -169,7 +218,7 @@ def _update(text: str, done: str | None = None) -> Update:
 def test_a_chat_answer_with_a_forced_call() -> None:
     _, choice = _choice({"tools": [UNIT], "tool_choice": "required"})
     options = {"model": "m", "created": 1, "n": 1, "prompts": 1, "include_usage": False,
-               "top_logprobs": None, "tool_choice": choice}
+               "top_logprobs": None, "tool_calls": partial(ForcedCalls, choice.named)}
     whole = ChatAnswer(stream=False, **options)
     whole.add(0, _update('[{"name":"unit","parameters":{"u":"f"}}]', "stop"), {"id": "r"})
     [reply] = whole.response()["choices"]
@@ -190,3 +239,27 @@ def test_a_chat_answer_with_a_forced_call() -> None:
                    for d in deltas[2:-1]) == '{"u":"c"}'
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "tool_calls" not in deltas[-1]
+
+
+def test_a_chat_answer_read_by_a_parser() -> None:
+    options = {"model": "m", "created": 1, "n": 1, "prompts": 1, "include_usage": False,
+               "top_logprobs": None, "tool_calls": HermesCalls}
+    whole = ChatAnswer(stream=False, **options)
+    whole.add(0, _update(HERMES, "stop"), {"id": "r"})
+    [reply] = whole.response()["choices"]
+    assert reply["finish_reason"] == "tool_calls"
+    assert reply["message"]["content"] == "Let me look <that> up.\n"
+    assert len(reply["message"]["tool_calls"]) == 2
+    plain = ChatAnswer(stream=False, **options)
+    plain.add(0, _update("just text", "stop"), {"id": "r"})
+    [reply] = plain.response()["choices"]
+    assert reply["finish_reason"] == "stop" and reply["message"]["content"] == "just text"
+    assert "tool_calls" not in reply["message"]
+    stream = ChatAnswer(stream=True, **options)
+    chunks = stream.add(0, _update("Hi <tool_"), {"id": "r"})
+    assert [c["choices"][0]["delta"].get("content") for c in chunks] == ["", "Hi "]
+    chunks = stream.add(0, _update('call>{"name": "f", "arguments": {}}</tool_call>', "stop"),
+                        {"id": "r"})
+    [last] = chunks
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"

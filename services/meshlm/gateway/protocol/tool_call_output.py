@@ -6,11 +6,11 @@ same reader, so a stream and a whole reply agree.
   function's arguments, or "required"'s JSON array of `{"name", "parameters"}` calls. A
   call's first delta (its index, id, type and name) comes once its name is complete, then
   its arguments' text as it comes.
-- `HermesCalls` (`--tool-call-parser hermes`, for tool_choice "auto"): the model's own
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (Hermes 2 Pro and later,
-  Qwen2.5 and Qwen3), any text before and between them being content. A block is one delta
-  when it closes; text that may begin a tag is held until it is clear. A block that does not
-  hold such JSON stays content, as written.
+- `HermesCalls` (`--tool-call-parser hermes`, or SGLang's name `qwen25`; for tool_choice
+  "auto"): the model's own `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks
+  (Hermes 2 Pro and later, Qwen2.5 and Qwen3), any text before and between them being
+  content. A block is one delta when it closes; text that may begin a tag is held until it
+  is clear. A block that does not hold such JSON stays content, as written.
 
 Output cut short by max_tokens gives the calls so far, the last one's arguments incomplete.
 """
@@ -152,7 +152,8 @@ class HermesCalls(CallReader):
                                               self._calls[-1].arguments[0]))
 
 
-PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls}  # --tool-call-parser's
+# --tool-call-parser's names: vLLM's, and SGLang's for the same format.
+PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesCalls}
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -229,35 +230,35 @@ class _ArrayReader:
 
     def _key_char(self, ch: str) -> None:
         assert self._key is not None
-        if self._escaped:
-            self._escaped = False
-        elif ch == "\\":
-            self._escaped = True
-        elif ch == '"':
-            self._in_string = False
-            try:
-                self._read_key = json.loads('"' + "".join(self._key) + '"')
-            except ValueError:
-                self._read_key = ""
-            self._key, self._started = None, False
+        self._string_char(ch)
+        if self._in_string:
+            self._key.append(ch)
             return
-        self._key.append(ch)
+        try:  # the closing quote
+            self._read_key = json.loads('"' + "".join(self._key) + '"')
+        except ValueError:
+            self._read_key = ""
+        self._key, self._started = None, False
 
     def _track(self, ch: str) -> None:
         """Strings and nesting, outside keys."""
         if self._in_string:
-            if self._escaped:
-                self._escaped = False
-            elif ch == "\\":
-                self._escaped = True
-            elif ch == '"':
-                self._in_string = False
+            self._string_char(ch)
         elif ch == '"':
             self._in_string = True
         elif ch in "[{":
             self._depth += 1
         elif ch in "]}":
             self._depth -= 1
+
+    def _string_char(self, ch: str) -> None:
+        """One character in a string: escapes, and the closing quote."""
+        if self._escaped:
+            self._escaped = False
+        elif ch == "\\":
+            self._escaped = True
+        elif ch == '"':
+            self._in_string = False
 
     def _name_done(self, events: list[tuple[str, str]]) -> None:
         try:

@@ -121,3 +121,26 @@ def test_structural_tags_are_501(client, model) -> None:
         client.completions.create(model=model, prompt="x", max_tokens=2,
                                   extra_body={"structural_tag": "{}"})
     assert info.value.status_code == 501
+
+
+def test_large_schemas_are_served_or_refused_at_once(client, model) -> None:
+    """A wide schema (1,000 optional properties, ~45 KB: built off the gateway's event loop)
+    is followed; a wider one (5,000), past what llguidance follows, is a 400 before any token,
+    with llguidance's reason; the same wide schema again is answered too (kept, built once)."""
+    def wide(n: int) -> dict:
+        return {"type": "json_schema", "json_schema": {"name": "wide", "schema": {
+            "type": "object", "additionalProperties": False,
+            "properties": {f"p{i}": {"enum": [i]} for i in range(n)}}}}
+
+    for _ in range(2):
+        reply = client.chat.completions.create(model=model, messages=USER, max_tokens=30,
+                                               temperature=0, response_format=wide(1000))
+        choice = reply.choices[0]
+        assert choice.message.content.startswith("{")
+        if choice.finish_reason == "stop":
+            doc = json.loads(choice.message.content)
+            assert all(key == f"p{value}" for key, value in doc.items()), doc
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=USER, max_tokens=30,
+                                       response_format=wide(5000))
+    assert "items" in info.value.body["message"], info.value.body

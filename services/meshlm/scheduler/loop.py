@@ -166,7 +166,9 @@ class EngineLoop:
             return
         refusal = self._refusal(meta)
         if refusal is None and isinstance(matcher, str):
-            refusal = Code.INVALID_ARGUMENT, f"sampling_params.grammar: {matcher}"
+            refusal = (Code.INVALID_ARGUMENT,
+                       f"sampling_params.grammar: the output constraint cannot be followed: "
+                       f"{matcher}")
         if refusal is not None:
             tracked.error_code, message = refusal
             self._pending.append(_final(rid, prompt_tokens, "error", message))

@@ -87,6 +87,32 @@ def test_a_grammar_that_cannot_be_built_says_why(grammars) -> None:
     assert isinstance(why, str) and "regex" in why
 
 
+def test_a_wide_object_schema_is_followed_and_a_wider_one_refused_up_front(
+        engine, grammars, tokenizer) -> None:
+    """An object of 1,000 optional properties (past llguidance's default row bound, within
+    the scheduler's) is followed; one of 5,000 fails its first mask, which is built with the
+    matcher, so it is refused before it is queued rather than after a step."""
+
+    def wide(n: int) -> str:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object", "properties": {f"p{i}": {"enum": [i]} for i in range(n)},
+             "additionalProperties": False}, defaults={"whitespace_flexible": False})
+
+    engine.add_request("wide", PROMPT, SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                      grammar=wide(1000)),
+                       matcher=_matcher(grammars, wide(1000)))
+    outs = run_all(engine)["wide"]
+    text = _text(tokenizer, tokens_of(outs))
+    if outs[-1].finish_reason == "stop":
+        doc = json.loads(text)
+        assert doc and all(key == f"p{value}" for key, value in doc.items()), doc
+    else:  # cut short: a prefix of such an object
+        assert outs[-1].finish_reason == "length", outs[-1]
+        assert re.fullmatch(r'\{"p(\d+)":\1(,"p(\d+)":\3)*.*', text, re.S), text
+    [why] = grammars.build([wide(5000)])
+    assert isinstance(why, str) and "items" in why
+
+
 def test_a_request_without_its_matcher_is_refused(engine) -> None:
     regex = llguidance.grammar_from("regex", "a+")
     engine.add_request("orphan", PROMPT, SamplingParams(max_new_tokens=4, grammar=regex))

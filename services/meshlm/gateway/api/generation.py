@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
-from typing import NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
@@ -36,6 +36,7 @@ from meshlm.gateway.mesh.loads import LoadPoller
 from meshlm.gateway.mesh.routing import Router, affinity_key
 from meshlm.gateway.mesh.wire import tokenizer_request
 from meshlm.gateway.protocol.choices import Choices, fan_out
+from meshlm.gateway.protocol.constraints import large_constraint
 from meshlm.gateway.protocol.meta_info import meta_info
 from meshlm.gateway.protocol.validation import (
     ValidatedRequest,
@@ -92,7 +93,8 @@ class GenerationRPCs:
         """TextGenerate's (a text request) or Generate's (ids) messages, not yet protos."""
         limits = await self.core.limits()
         is_text = isinstance(req, pb.TextGenerateRequest)
-        v = validate_text_generate(req, limits) if is_text else validate_generate(req, limits)
+        check = validate_text_generate if is_text else validate_generate
+        v = await validated(check, req.sampling_params, req, limits)
         async for update, meta in self.generate(v):
             _raise_if_cancelled(update, ctx)
             yield Generated(update.text if is_text else "", update.token_ids, meta,
@@ -287,6 +289,7 @@ def _raise_if_cancelled(update: Update, ctx: CallContext) -> None:
 
 
 Response = TypeVar("Response", pb.TextGenerateResponse, pb.GenerateResponse)
+R = TypeVar("R")
 
 
 def _with_meta(message: Response, meta: dict[str, str]) -> Response:
@@ -303,3 +306,11 @@ def _loop_time(expires: float | None) -> float | None:
     if expires is None:
         return None
     return asyncio.get_running_loop().time() + (expires - time.time())
+
+
+async def validated(check: Callable[..., R], sampling: pb.SamplingParams, *args: Any) -> R:
+    """`check(*args)`, a request's validation: on a worker thread when its constraint is too
+    large to build on the event loop (`constraints.large_constraint`)."""
+    if large_constraint(sampling):
+        return await asyncio.to_thread(check, *args)
+    return check(*args)

@@ -30,7 +30,7 @@ from meshlm.common.context_length import truncated
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.core import GatewayCore
-from meshlm.gateway.api.generation import GenerationRPCs
+from meshlm.gateway.api.generation import GenerationRPCs, validated
 from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.protocol.bounds import text_chars
 from meshlm.gateway.protocol.openai import (
@@ -112,7 +112,8 @@ class OpenAIRPCs:
         # max_tokens; until then the largest room a prompt can leave stands in for it.
         public = public_request(req, [], max_new_tokens=limits.max_model_len - 1)
         try:  # OpenAI's default max_tokens: whatever room the context leaves (the tokenizer's)
-            v = validate_chat(public, chat, not req.sampling.HasField("max_new_tokens"), limits)
+            v = await validated(validate_chat, public.sampling_params, public, chat,
+                                not req.sampling.HasField("max_new_tokens"), limits)
         except MeshError as e:
             raise renamed(e, req.names) from None
         v.return_text = True
@@ -140,7 +141,7 @@ class OpenAIRPCs:
             names = {**req.names, "text": key, "input_ids": key, "logprob_start_len": key}
             if isinstance(prompt, list):  # cut here too, for the gateway's own checks
                 prompt = truncated(prompt, cut, req.truncate_right)
-            v = _validated(public_request(req, prompt), limits, names)
+            v = await _validated(public_request(req, prompt), limits, names)
             v.add_special_tokens = req.add_special_tokens
             v.return_prompt_ids = req.return_token_ids
             v.truncate, v.truncate_right = cut, req.truncate_right
@@ -241,13 +242,13 @@ def truncation(req: GenerationRequest, limits: Limits) -> int:
     return limits.max_model_len if keep == -1 else keep
 
 
-def _validated(public: pb.TextGenerateRequest | pb.GenerateRequest, limits: Limits,
-               names: dict[str, str]) -> ValidatedRequest:
+async def _validated(public: pb.TextGenerateRequest | pb.GenerateRequest, limits: Limits,
+                     names: dict[str, str]) -> ValidatedRequest:
     """The gateway's validation of one prompt's public request; always answering with text."""
+    check = (validate_text_generate if isinstance(public, pb.TextGenerateRequest)
+             else validate_generate)
     try:
-        if isinstance(public, pb.TextGenerateRequest):
-            return validate_text_generate(public, limits)
-        v = validate_generate(public, limits)
+        v = await validated(check, public.sampling_params, public, limits)
     except MeshError as e:
         raise renamed(e, names) from None
     v.return_text = True

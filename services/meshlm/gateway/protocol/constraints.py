@@ -15,6 +15,7 @@ separators "," and ":" writes it) unless the schema's own "x-guidance" options s
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,12 @@ if TYPE_CHECKING:
 
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}  # compact
 MAX_CHOICES = 1024
+# A constraint this large or smaller is built where it is checked, on the gateway's event
+# loop (1-2 ms at most); a larger one is checked on a worker thread (`large_constraint`), as
+# its build grows faster than its size (a schema of 5,000 properties: 0.6 s), so one client's
+# schema never stalls the other streams. llguidance bounds the build itself.
+INLINE_CONSTRAINT_BYTES = 2048
+GRAMMARS_KEPT = 32
 # Constrained decoding beside response_format: SGLang's fields, then vLLM's (older and
 # current), each with the kind of constraint it gives.
 _CONSTRAINTS = (("regex", "regex"), ("ebnf", "ebnf"), ("json_schema", "json_schema"),
@@ -71,22 +78,43 @@ def grammar_of(p: sglang_pb2.SamplingParams, prefix: str = "sampling_params") ->
     if which == "regex":
         return regex_grammar(guided.regex, field_path)
     if which == "ebnf":
-        return _checked(_built(lambda: llguidance.grammar_from("ebnf", guided.ebnf), field_path,
-                               "EBNF grammar"), field_path, "EBNF grammar")
-    return choice_grammar(list(guided.choice.values), f"{field_path}.values")
+        return ebnf_grammar(guided.ebnf, field_path)
+    return choice_grammar(tuple(guided.choice.values), f"{field_path}.values")
 
 
+def large_constraint(p: sglang_pb2.SamplingParams) -> bool:
+    """Whether `p`'s constraint is too large to build on the event loop."""
+    size = len(p.json_schema) + len(p.regex)
+    if p.HasField("guided_decoding"):
+        size += p.guided_decoding.ByteSize()
+    return size > INLINE_CONSTRAINT_BYTES
+
+
+# Each builder keeps its last grammars (by the constraint's text and field): clients tend to
+# send the same schema with every request, and a completions request with several prompts
+# checks it once per prompt. Refusals are not kept.
+
+
+@functools.lru_cache(maxsize=GRAMMARS_KEPT)
 def json_schema_grammar(schema: str, field_path: str) -> str:
     return _checked(_built(
         lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS),
         field_path, "JSON schema"), field_path, "JSON schema")
 
 
+@functools.lru_cache(maxsize=GRAMMARS_KEPT)
 def regex_grammar(regex: str, field_path: str) -> str:
     return _checked(llguidance.LLMatcher.grammar_from_regex(regex), field_path, "regex")
 
 
-def choice_grammar(values: list[str], field_path: str) -> str:
+@functools.lru_cache(maxsize=GRAMMARS_KEPT)
+def ebnf_grammar(ebnf: str, field_path: str) -> str:
+    return _checked(_built(lambda: llguidance.grammar_from("ebnf", ebnf), field_path,
+                           "EBNF grammar"), field_path, "EBNF grammar")
+
+
+@functools.lru_cache(maxsize=GRAMMARS_KEPT)
+def choice_grammar(values: tuple[str, ...], field_path: str) -> str:
     if not values:
         raise invalid(field_path, "give at least one string to choose from")
     if len(values) > MAX_CHOICES:
@@ -173,6 +201,7 @@ def openai_constraint(b: JsonBody, p: sglang_pb2.SamplingParams,
         raise invalid(key, "must be a string")
     set_guided(p, kind, value)
     names[f"sampling_params.guided_decoding.{kind}{'.values' if kind == 'choice' else ''}"] = key
+    names["sampling_params.grammar"] = key  # the scheduler's word for it
 
 
 def _response_format(fmt: Any) -> list[tuple[str, str, Any]]:

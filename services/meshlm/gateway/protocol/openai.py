@@ -354,6 +354,7 @@ def _force_call(p: pb.SamplingParams, names: dict[str, str], schema: dict[str, A
                                      "constrains the output itself")
     set_guided(p, "json_schema", schema)
     names["sampling_params.guided_decoding.json_schema"] = schema_field
+    names["sampling_params.grammar"] = schema_field  # the scheduler's word for it
 
 
 def template_request(messages: list[Any], add_generation_prompt: bool,

@@ -31,7 +31,7 @@ def feed(matcher: Any, token: int) -> str | None:
     """Give the matcher the token drawn: "done" once its grammar is complete, why it refused
     the token (an error), or None while the output goes on."""
     if not matcher.consume_token(token) or matcher.is_error():
-        return (f"the output constraint could not continue with token {token}: "
-                f"{matcher.get_error() or 'refused'} (does min_new_tokens or a banned token "
-                f"leave it nothing to draw?)")
+        why = (matcher.get_error() or "refused").splitlines()[0]  # its state left out
+        return (f"the output constraint could not continue with token {token}: {why} (does "
+                f"min_new_tokens or a banned token leave it nothing to draw?)")
     return "done" if matcher.is_stopped() else None

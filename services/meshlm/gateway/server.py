@@ -88,8 +88,10 @@ class GatewayConfig(ServiceConfig):
     tool_call_parser: str = cfg.field("", "the model's own tool-call format, read for chat "
                                           "completions with tool_choice \"auto\": hermes "
                                           "or qwen25 (<tool_call>{json}</tool_call>: Hermes 2 "
-                                          "Pro and later, Qwen2.5, Qwen3); empty: auto is "
-                                          "refused (forced calls need none)")
+                                          "Pro and later, Qwen2.5, Qwen3), llama3_json, "
+                                          "llama4_json or llama3 (Llama 3.1 and later's JSON "
+                                          "calls); empty: auto is refused (forced calls need "
+                                          "none)")
     max_inflight: int = cfg.field(1024, "requests in flight on this gateway (each of n samples "
                                         "counts); beyond it RESOURCE_EXHAUSTED / 429 at once")
     http_max_body_bytes: int = cfg.field(DEFAULT_BODY_BYTES, "largest HTTP request body; past "

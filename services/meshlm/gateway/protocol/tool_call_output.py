@@ -11,6 +11,9 @@ same reader, so a stream and a whole reply agree.
   (Hermes 2 Pro and later, Qwen2.5 and Qwen3), any text before and between them being
   content. A block is one delta when it closes; text that may begin a tag is held until it
   is clear. A block that does not hold such JSON stays content, as written.
+- `JsonCalls` (`llama3_json`, `llama4_json`, SGLang's `llama3`): Llama 3.1 and later's JSON
+  calls, an output that starts with `<|python_tag|>` or `{` being `{"name", "parameters"}`
+  objects separated by `;`, each one delta when complete.
 
 Output cut short by max_tokens gives the calls so far, the last one's arguments incomplete.
 """
@@ -152,8 +155,63 @@ class HermesCalls(CallReader):
                                               self._calls[-1].arguments[0]))
 
 
-# --tool-call-parser's names: vLLM's, and SGLang's for the same format.
-PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesCalls}
+class JsonCalls(CallReader):
+    """Llama 3.1+'s JSON tool calls: an output that starts with `<|python_tag|>` or `{` is
+    calls, `{"name": ..., "parameters": {...}}` objects one after another (`;` between them);
+    any other output is content. Each call is one delta once its object is complete; what
+    does not read as calls by the end is content."""
+
+    TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+        self._calls_mode: bool | None = None  # undecided until the output's start is seen
+
+    def feed(self, text: str, last: bool = False) -> tuple[str, list[Delta]]:
+        self._pending += text
+        if self._calls_mode is None:
+            start = self._pending.lstrip()
+            if not last and (not start or (self.TAG.startswith(start) and start != self.TAG)):
+                return "", []  # not yet clear
+            self._calls_mode = start.startswith((self.TAG, "{"))
+            if self._calls_mode:
+                self._pending = start.removeprefix(self.TAG)
+        if not self._calls_mode:
+            content, self._pending = self._pending, ""
+            self._content.append(content)
+            return content, []
+        deltas = self._complete_calls()
+        content = ""
+        if last and self._pending.strip():  # not calls after all: the rest is content
+            content, self._pending = self._pending, ""
+            self._content.append(content)
+        return content, deltas
+
+    def _complete_calls(self) -> list[Delta]:
+        deltas: list[Delta] = []
+        decoder = json.JSONDecoder()
+        while True:
+            start = len(self._pending) - len(self._pending.lstrip(" \t\n;"))
+            try:
+                call, end = decoder.raw_decode(self._pending, start)
+            except ValueError:  # incomplete so far (or not JSON: content at the end)
+                return deltas
+            name = call.get("name") if isinstance(call, dict) else None
+            arguments = call.get("parameters", call.get("arguments")) if name else None
+            if not isinstance(name, str) or not isinstance(arguments, dict):
+                return deltas
+            self._pending = self._pending[end:]
+            self._calls.append(_Call(call_id(), name,
+                                     [json.dumps(arguments, ensure_ascii=False)]))
+            deltas.append(self._calls[-1].opening(len(self._calls) - 1,
+                                                  self._calls[-1].arguments[0]))
+
+
+# --tool-call-parser's names: vLLM's, and SGLang's for the same formats.
+PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesCalls,
+                                        "llama3_json": JsonCalls, "llama4_json": JsonCalls,
+                                        "llama3": JsonCalls}
 
 
 def _partial_tag(text: str, tag: str) -> int:

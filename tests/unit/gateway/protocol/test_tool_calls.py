@@ -19,7 +19,7 @@ from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.json_body import JsonBody
 from meshlm.gateway.protocol.openai import parse_chat, template_request
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
-from meshlm.gateway.protocol.tool_call_output import ForcedCalls, HermesCalls
+from meshlm.gateway.protocol.tool_call_output import ForcedCalls, HermesCalls, JsonCalls
 from meshlm.gateway.protocol.tool_calls import parse_tools
 from meshlm.v1 import gateway_pb2
 
@@ -263,3 +263,31 @@ def test_a_chat_answer_read_by_a_parser() -> None:
     [last] = chunks
     assert last["choices"][0]["finish_reason"] == "tool_calls"
     assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"
+
+
+def _read(reader: Any, text: str, size: int) -> tuple[str, list[tuple[int, str, str]]]:
+    content, deltas = "", []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    for i, piece in enumerate(pieces):
+        more, calls = reader.feed(piece, last=i == len(pieces) - 1)
+        content += more
+        deltas += [(d["index"], d["function"]["name"], d["function"]["arguments"])
+                   for d in calls]
+    assert content == reader.content()
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in reader.calls()] == \
+        [(name, arguments) for _, name, arguments in deltas]
+    return content, deltas
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('<|python_tag|>{"name": "a", "parameters": {"x": "}{"}}; {"name": "b", "parameters": {}}',
+     "", [(0, "a", '{"x": "}{"}'), (1, "b", "{}")]),
+    (' {"name": "a", "arguments": {"x": 1}}', "", [(0, "a", '{"x": 1}')]),
+    ('Hello {"name": "a", "parameters": {}}', 'Hello {"name": "a", "parameters": {}}', []),
+    ("<|python", "<|python", []),
+    ('{"name": "a", "parameters": {"x": ', '{"name": "a", "parameters": {"x": ', []),
+    ('{"not": "a call"}', '{"not": "a call"}', []),
+])
+def test_llama_json_calls(size: int, text: str, content: str, calls: Any) -> None:
+    assert _read(JsonCalls(), text, size) == (content, calls)

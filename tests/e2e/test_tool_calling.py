@@ -1,12 +1,13 @@
-"""Function calling end to end, with OpenAI's client: a named tool_choice answers with one call
-of that function whose arguments follow its parameters' schema, "required" with one or more
-calls of the given tools, streamed (OpenAI's tool-call deltas, reassembled by index) or
+"""Function calling end to end, with OpenAI's client: a named tool_choice answers with one
+call of that function whose arguments follow its parameters' schema, "required" with one or
+more calls of the given tools, streamed (OpenAI's tool-call deltas, reassembled by index) or
 whole, n samples each, over HTTP and the gRPC ChatComplete alike. Earlier calls and tool
 results in the conversation reach the chat template. The default model has random weights:
 only the constraint makes its output a call. "auto" is refused without a tool-call parser;
 a gateway with --tool-call-parser hermes reads the model's own <tool_call> blocks (here
-forced into that form by a regex, as the random model would never write them). Bad tools
-are refused by the field's name."""
+forced into that form by a regex, as the random model would never write them), and one
+with --reasoning-parser qwen3 also splits a <think> block from the answer. Bad tools are
+refused by the field's name."""
 
 from __future__ import annotations
 
@@ -228,3 +229,45 @@ def test_auto_reads_the_models_own_tool_calls_with_a_parser(hermes_gateway, mode
                                           temperature=0, tools=TOOLS)
     assert text.choices[0].message.tool_calls is None
     assert text.choices[0].message.content and text.choices[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def thinking_gateway(mesh) -> Iterator[ServiceProcess]:
+    name = f"gateway-thinking-{uuid.uuid4().hex[:6]}"
+    proc = mesh.start_gateway(name, reasoning_parser="qwen3", tool_call_parser="hermes")
+    yield proc
+    proc.stop(10)
+    del mesh.services[name]
+
+
+def test_a_reasoning_parser_splits_the_thinking_from_the_answer(thinking_gateway, model):
+    """The model's <think> block (here forced by a regex: the random model never writes one)
+    is reasoning_content, the rest content; the tool call after it is read too."""
+    client = openai.OpenAI(base_url=f"{thinking_gateway.http_address}/v1", api_key="x")
+    regex = r"<think>\n[a-z]{2,8}( [a-z]{2,8}){0,3}\n</think>\n\n(Yes|No)\."
+    args = {"model": model, "messages": USER, "max_tokens": 120, "temperature": 0,
+            "extra_body": {"structured_outputs": {"regex": regex}}}
+    reply = client.chat.completions.create(**args)
+    message = reply.choices[0].message.model_dump()
+    assert message["content"] in ("Yes.", "No."), message
+    assert message["reasoning_content"].strip() and "think>" not in message["reasoning_content"]
+    streamed = {"reasoning_content": "", "content": ""}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        delta = chunk.choices[0].delta.model_dump()
+        for key in streamed:
+            streamed[key] += delta.get(key) or ""
+    assert streamed == {key: message[key] for key in streamed}
+    # SGLang's separate_reasoning: false keeps the thinking in the content.
+    together = client.chat.completions.create(
+        **{**args, "extra_body": {**args["extra_body"], "separate_reasoning": False}})
+    assert together.choices[0].message.content.startswith("<think>")
+    # Thinking, then a call in the model's own format.
+    call = (r'<think>\n[a-z]{2,8}\n</think>\n\n<tool_call>\n\{"name": "get_time", '
+            r'"arguments": \{"zone": "UTC"\}\}\n</tool_call>')
+    reply = client.chat.completions.create(model=model, messages=USER, max_tokens=200,
+                                           temperature=0, tools=TOOLS,
+                                           extra_body={"structured_outputs": {"regex": call}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls[0].function.name == "get_time"
+    assert choice.message.model_dump()["reasoning_content"].strip()

@@ -43,6 +43,7 @@ from meshlm.gateway.mesh.membership import split_entries
 from meshlm.gateway.mesh.registry import RidRegistry
 from meshlm.gateway.mesh.replicas import Replicas
 from meshlm.gateway.protocol.bounds import DEFAULT_BODY_BYTES, DEFAULT_GRPC_RECEIVE_BYTES, Bounds
+from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
 from meshlm.gateway.protocol.tool_call_output import PARSERS
 from meshlm.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2_grpc
@@ -92,6 +93,11 @@ class GatewayConfig(ServiceConfig):
                                           "llama4_json or llama3 (Llama 3.1 and later's JSON "
                                           "calls); empty: auto is refused (forced calls need "
                                           "none)")
+    reasoning_parser: str = cfg.field("", "the model's thinking, split from its chat answers "
+                                          "as reasoning_content: deepseek-r1 (deepseek_r1) or "
+                                          "qwen3-thinking (the output starts in thought, up "
+                                          "to </think>), qwen3 (<think>...</think> when the "
+                                          "output starts so); empty: none")
     max_inflight: int = cfg.field(1024, "requests in flight on this gateway (each of n samples "
                                         "counts); beyond it RESOURCE_EXHAUSTED / 429 at once")
     http_max_body_bytes: int = cfg.field(DEFAULT_BODY_BYTES, "largest HTTP request body; past "
@@ -146,9 +152,12 @@ async def serve(config: GatewayConfig) -> None:
     lists = {"tokenizer": config.tokenizers, "scheduler": config.schedulers,
              "detokenizer": config.detokenizers}
     entries = {role: split_entries(lists[role], f"--{role}s") for role in ROLES}
-    if config.tool_call_parser not in ("", *PARSERS):
-        raise ValueError(f"--tool-call-parser: {config.tool_call_parser!r} is not one of "
-                         f"{', '.join(PARSERS)} (or empty: none)")
+    for flag, value, names in (("--tool-call-parser", config.tool_call_parser, PARSERS),
+                               ("--reasoning-parser", config.reasoning_parser,
+                                REASONING_PARSERS)):
+        if value not in ("", *names):
+            raise ValueError(f"{flag}: {value!r} is not one of {', '.join(names)} (or empty: "
+                             "none)")
     tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
     channels = ChannelPool(tls.channel_credentials(), config.peer_tls_name)
     table = RequestTable()
@@ -162,7 +171,8 @@ async def serve(config: GatewayConfig) -> None:
     inbox_address = advertised(config, await inbox.start(config.host, config.port,
                                                          tls.server_credentials()))
     identity = GatewayIdentity(inbox=inbox_address, served_model_name=config.served_model_name,
-                               tool_call_parser=config.tool_call_parser)
+                               tool_call_parser=config.tool_call_parser,
+                               reasoning_parser=config.reasoning_parser)
 
     submit: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]] = {}
     public: GrpcServer | None = None

@@ -34,6 +34,7 @@ class GatewayIdentity:
     inbox: str  # this gateway's internal address (where detokenizers deliver)
     served_model_name: str
     tool_call_parser: str = ""  # the model's own tool-call format, for tool_choice "auto"
+    reasoning_parser: str = ""  # how the model's thinking is marked ("": not read)
 
 
 class GatewayCore:

@@ -29,10 +29,11 @@ from typing import Any, TypeVar
 from meshlm.common.context_length import truncated
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.api.core import GatewayCore
+from meshlm.gateway.api.core import GatewayCore, GatewayIdentity
 from meshlm.gateway.api.generation import GenerationRPCs, validated
 from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.protocol.bounds import text_chars
+from meshlm.gateway.protocol.chat_output import ChatOutput
 from meshlm.gateway.protocol.openai import (
     ChatRequest,
     CompletionRequest,
@@ -52,6 +53,8 @@ from meshlm.gateway.protocol.openai_responses import (
     CompletionAnswer,
     embedding_body,
 )
+from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
+from meshlm.gateway.protocol.reasoning import ReasoningReader
 from meshlm.gateway.protocol.tool_call_output import PARSERS, CallReader, ForcedCalls
 from meshlm.gateway.protocol.tool_calls import auto_refused
 from meshlm.gateway.protocol.validation import (
@@ -104,7 +107,7 @@ class OpenAIRPCs:
         model = served_model(self.core, req.model)
         check_batch(req.n, limits.max_batch, "n")
         check_prompt_chars(text_chars([req.messages, req.tools]), limits, "messages")
-        reader = call_reader(req, self.core.identity.tool_call_parser)
+        output = output_reader(req, self.core.identity)
         chat = template_request(req.messages, req.add_generation_prompt,
                                 req.continue_final_message, req.template_kwargs,
                                 req.add_special_tokens, req.tools)
@@ -123,7 +126,7 @@ class OpenAIRPCs:
                             stream=req.stream, include_usage=req.include_usage,
                             continuous_usage=req.continuous_usage,
                             top_logprobs=req.top_logprobs, echo=req.echo_text,
-                            tool_calls=reader,
+                            output=output,
                             token_ids=req.return_token_ids, tokens_as_ids=req.tokens_as_ids,
                             prompt_logprobs=req.prompt_logprobs,
                             asked_ids=bool(req.logprob_ids))
@@ -211,6 +214,29 @@ def served_model(core: GatewayCore, model: str | None) -> str:
     if model is not None and model != served:
         raise model_not_found(model, served)
     return served
+
+
+def output_reader(req: ChatRequest, identity: GatewayIdentity
+                  ) -> Callable[[], ChatOutput] | None:
+    """What reads each choice's output as reasoning, content and tool calls (None: all of it
+    is content). Output constrained from its first token (a forced call, response_format,
+    ...) is not in thought unless it starts with <think> itself."""
+    calls = call_reader(req, identity.tool_call_parser)
+    starts_in_thought = REASONING_PARSERS.get(identity.reasoning_parser)
+    if not req.separate_reasoning:
+        starts_in_thought = None
+    elif starts_in_thought and req.sampling.HasField("guided_decoding"):
+        starts_in_thought = False
+    if calls is None and starts_in_thought is None:
+        return None
+
+    def output() -> ChatOutput:
+        thinking = (ReasoningReader(starts_in_thought) if starts_in_thought is not None
+                    else None)
+        return ChatOutput(thinking, calls() if calls else None, req.include_reasoning,
+                          req.stream_reasoning)
+
+    return output
 
 
 def call_reader(req: ChatRequest, parser: str) -> Callable[[], CallReader] | None:

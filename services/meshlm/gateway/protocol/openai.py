@@ -22,8 +22,9 @@ UNIMPLEMENTED), spaces_between_special_tokens (slow tokenizers', no effect); on 
 add_generation_prompt, continue_final_message (the last message left open and continued; not
 with add_generation_prompt: true, which is otherwise the default), echo (the reply starts with
 the last message's content when that message is the assistant's), chat_template_kwargs (the
-template's own variables) and SGLang's separate_reasoning and stream_reasoning (no effect: no
-reasoning parser, as in SGLang without one). Constrained decoding, by OpenAI's
+template's own variables), tools and tool_choice (`tool_calls.py`), and the reasoning
+switches SGLang's separate_reasoning and stream_reasoning and vLLM's include_reasoning (with
+the gateway's reasoning parser). Constrained decoding, by OpenAI's
 response_format (json_object, json_schema), SGLang's regex, ebnf and json_schema, or vLLM's
 structured_outputs and guided_* fields (one of them), becomes the public request's
 guided_decoding (`protocol/constraints.py`).
@@ -91,7 +92,10 @@ class ChatRequest(GenerationRequest):
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_special_tokens: bool = False  # vLLM's: the tokenizer's bos on top of the template's
     tools: list[dict[str, Any]] | None = None  # for the template
-    tool_choice: ToolChoice | None = None  # a forced call (named or required)
+    tool_choice: ToolChoice | None = None  # how the tools may be called (None: not)
+    separate_reasoning: bool = True  # SGLang's: the thinking apart (with a reasoning parser)
+    stream_reasoning: bool = True  # SGLang's: the thinking streamed as it comes
+    include_reasoning: bool = True  # vLLM's: the thinking returned at all
 
     @property
     def echo_text(self) -> str | None:
@@ -327,10 +331,13 @@ def parse_chat(body: bytes) -> ChatRequest:
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     kwargs = checked_template_kwargs(b.get(TEMPLATE_KWARGS))
     special = bool(b.boolean("add_special_tokens"))
-    # SGLang's reasoning switches: without a reasoning parser (SGLang's --reasoning-parser;
-    # meshlm has none) they change nothing there either, and reasoning_content stays null.
-    b.boolean("separate_reasoning")
-    b.boolean("stream_reasoning")
+    # The reasoning switches (with the gateway's --reasoning-parser; without one they change
+    # nothing, as in SGLang and vLLM): SGLang's separate_reasoning (false: the thinking stays
+    # in the content) and stream_reasoning (false: it comes whole), vLLM's include_reasoning
+    # (false: it is dropped).
+    separate = b.boolean("separate_reasoning") is not False
+    stream_thinking = b.boolean("stream_reasoning") is not False
+    include = b.boolean("include_reasoning") is not False
     vllm = _vllm_options(b, stream)
     _needs_logprobs(vllm, bool(logprobs), names)
     b.check_unknown()
@@ -341,7 +348,8 @@ def parse_chat(body: bytes) -> ChatRequest:
                        add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo,
                        template_kwargs=kwargs, add_special_tokens=special, tools=tools,
-                       tool_choice=tool_choice, **vllm)
+                       tool_choice=tool_choice, separate_reasoning=separate,
+                       stream_reasoning=stream_thinking, include_reasoning=include, **vllm)
 
 
 def _force_call(p: pb.SamplingParams, names: dict[str, str], schema: dict[str, Any],

@@ -43,13 +43,13 @@ from typing import Any
 import numpy as np
 
 from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.protocol.chat_output import ChatOutput, Pieces
 from meshlm.gateway.protocol.choices import merge_updates
 from meshlm.gateway.protocol.openai_logprobs import (
     CompletionLogprobs,
     chat_logprobs,
     prompt_logprobs,
 )
-from meshlm.gateway.protocol.tool_call_output import CallReader
 
 Chunk = dict[str, Any]
 
@@ -189,13 +189,14 @@ class ChatAnswer(Answer):
     id_prefix = "chatcmpl-"
 
     def __init__(self, *, echo: str | None = None,
-                 tool_calls: Callable[[], CallReader] | None = None, **kwargs: Any) -> None:
+                 output: Callable[[], ChatOutput] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.echo = echo
         self._prompt_ids_sent = False
-        # With tools that may be called: each choice's output read as content and tool calls.
-        self._readers = [tool_calls() if tool_calls else None for _ in self.updates]
-        self._unsent: list[tuple[str, list[Chunk]]] = [("", []) for _ in self.updates]
+        # With a reasoning parser or tools that may be called: each choice's output read as
+        # reasoning, content and tool calls.
+        self._outputs = [output() if output else None for _ in self.updates]
+        self._unsent = [Pieces() for _ in self.updates]
 
     def response(self) -> Chunk:
         body = super().response()
@@ -223,28 +224,27 @@ class ChatAnswer(Answer):
         return first
 
     def _finish_reason(self, index: int, reason: str) -> str:
-        reader = self._readers[index]
-        return "tool_calls" if reader and reason == "stop" and reader.calls() else reason
+        output = self._outputs[index]
+        return "tool_calls" if output and reason == "stop" and output.tool_calls() else reason
 
     def _read(self, index: int, update: Update) -> None:
-        reader = self._readers[index]
-        if reader is not None:
-            content, calls = reader.feed(update.text, update.final is not None)
-            before, unsent = self._unsent[index]
-            self._unsent[index] = (before + content, unsent + calls)
+        output = self._outputs[index]
+        if output is not None:
+            self._unsent[index] += output.feed(update.text, update.final is not None)
 
     def _has_text(self, index: int, update: Update) -> bool:
-        if self._readers[index] is not None:  # what its reader has made of the text
-            content, calls = self._unsent[index]
-            return bool(content or calls)
+        if self._outputs[index] is not None:  # what its reader has made of the text
+            return bool(self._unsent[index])
         return bool(update.text)
 
     def _stream_choice(self, index: int, update: Update, reason: str | None) -> Chunk:
-        if self._readers[index] is not None:
-            (content, calls), self._unsent[index] = self._unsent[index], ("", [])
-            delta: Chunk = {"content": content} if content else {}
-            if calls:
-                delta["tool_calls"] = calls
+        if self._outputs[index] is not None:
+            pieces, self._unsent[index] = self._unsent[index], Pieces()
+            delta: Chunk = {"content": pieces.content} if pieces.content else {}
+            if pieces.reasoning:
+                delta["reasoning_content"] = pieces.reasoning
+            if pieces.calls:
+                delta["tool_calls"] = pieces.calls
         else:
             delta = {"content": update.text}
         choice = _delta(index, delta, self._logprobs(update), reason)
@@ -255,11 +255,13 @@ class ChatAnswer(Answer):
     def _full_choice(self, index: int, update: Update) -> Chunk:
         message: Chunk = {"role": "assistant", "content": (self.echo or "") + update.text,
                           "reasoning_content": None}
-        reader = self._readers[index]
-        if reader is not None:
-            message["content"] = (self.echo or "") + reader.content() or None
-            if calls := reader.calls():
+        output = self._outputs[index]
+        if output is not None:
+            content = (self.echo or "") + output.content()
+            message["reasoning_content"] = output.reasoning()
+            if calls := output.tool_calls():
                 message["tool_calls"] = calls
+            message["content"] = content or (None if calls else "")
         choice = {"index": index, "message": message, "logprobs": self._logprobs(update),
                   "finish_reason": self.finish[index]}
         if self.token_ids:
@@ -269,8 +271,9 @@ class ChatAnswer(Answer):
 
 def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
            reason: str | None = None) -> Chunk:
-    """A chat stream choice; its delta says "reasoning_content": null as SGLang's do."""
-    return {"index": index, "delta": {**delta, "reasoning_content": None},
+    """A chat stream choice; its delta says "reasoning_content": null unless it has some, as
+    SGLang's do."""
+    return {"index": index, "delta": {"reasoning_content": None, **delta},
             "logprobs": logprobs, "finish_reason": reason}
 
 

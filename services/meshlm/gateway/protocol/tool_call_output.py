@@ -25,6 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshlm.gateway.protocol.text_tags import partial_tag
+
 Delta = dict[str, Any]
 
 
@@ -132,7 +134,7 @@ class HermesCalls(CallReader):
                 content.append(self._pending)
             self._pending, self._in_call = "", False
         elif not self._in_call:  # content up to what may begin a tag
-            keep = _partial_tag(self._pending, self.OPEN)
+            keep = partial_tag(self._pending, self.OPEN)
             if len(self._pending) > keep:
                 content.append(self._pending[:len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep:]
@@ -212,14 +214,6 @@ class JsonCalls(CallReader):
 PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesCalls,
                                         "llama3_json": JsonCalls, "llama4_json": JsonCalls,
                                         "llama3": JsonCalls}
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class _ArrayReader:

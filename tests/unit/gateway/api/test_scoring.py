@@ -54,7 +54,8 @@ class FakeGateway(ScoringRPCs):
     """The scoring RPCs over a fake that is their core and generation path at once."""
 
     def __init__(self, architecture: str = "LlamaForCausalLM") -> None:
-        self.identity = SimpleNamespace(served_model_name="tiny", tool_call_parser="")
+        self.identity = SimpleNamespace(served_model_name="tiny", tool_call_parser="",
+                                        reasoning_parser="")
         config = {"architectures": [architecture], "id2label": ID2LABEL}
         self.model = common_pb2.ModelInfo(json_info=json.dumps({"config": config}))
         self.validated: list[ValidatedRequest] = []

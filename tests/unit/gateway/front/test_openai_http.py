@@ -62,7 +62,8 @@ class FakeGateway(OpenAIRPCs):
     n samples "a" then "b" (streamed in two updates, the last sample first)."""
 
     def __init__(self) -> None:
-        self.identity = SimpleNamespace(served_model_name="tiny", tool_call_parser="")
+        self.identity = SimpleNamespace(served_model_name="tiny", tool_call_parser="",
+                                        reasoning_parser="")
         self.fake_tokenizer = FakeTokenizer()
         self.mode = "ok"
         self.validated: list[ValidatedRequest] = []

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import random
-from functools import partial
 from typing import Any
 
 import llguidance
@@ -16,6 +15,7 @@ import pytest
 
 from meshlm.common.errors import MeshError
 from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.protocol.chat_output import ChatOutput
 from meshlm.gateway.protocol.json_body import JsonBody
 from meshlm.gateway.protocol.openai import parse_chat, template_request
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
@@ -218,7 +218,8 @@ def _update(text: str, done: str | None = None) -> Update:
 def test_a_chat_answer_with_a_forced_call() -> None:
     _, choice = _choice({"tools": [UNIT], "tool_choice": "required"})
     options = {"model": "m", "created": 1, "n": 1, "prompts": 1, "include_usage": False,
-               "top_logprobs": None, "tool_calls": partial(ForcedCalls, choice.named)}
+               "top_logprobs": None,
+               "output": lambda: ChatOutput(None, ForcedCalls(choice.named))}
     whole = ChatAnswer(stream=False, **options)
     whole.add(0, _update('[{"name":"unit","parameters":{"u":"f"}}]', "stop"), {"id": "r"})
     [reply] = whole.response()["choices"]
@@ -243,7 +244,7 @@ def test_a_chat_answer_with_a_forced_call() -> None:
 
 def test_a_chat_answer_read_by_a_parser() -> None:
     options = {"model": "m", "created": 1, "n": 1, "prompts": 1, "include_usage": False,
-               "top_logprobs": None, "tool_calls": HermesCalls}
+               "top_logprobs": None, "output": lambda: ChatOutput(None, HermesCalls())}
     whole = ChatAnswer(stream=False, **options)
     whole.add(0, _update(HERMES, "stop"), {"id": "r"})
     [reply] = whole.response()["choices"]

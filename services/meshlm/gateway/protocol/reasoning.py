@@ -1,0 +1,69 @@
+"""A reasoning model's thinking, split from its answer: `<think>...</think>` in a chat's output
+becomes OpenAI-style `reasoning_content`, the rest `content`. Pure: no I/O.
+
+The gateway's `--reasoning-parser` names the model's form (SGLang's names, and vLLM's):
+
+- `deepseek-r1` (`deepseek_r1`), `qwen3-thinking`: the output starts in thought (their
+  templates open `<think>` in the prompt): everything before `</think>` is reasoning, a
+  leading `<think>` dropped; with no `</think>` at all, all of it.
+- `qwen3`: reasoning only when the output starts with `<think>` (Qwen3 thinks unless its
+  template's `enable_thinking` is false).
+
+The answer after `</think>` starts at its first non-blank character. Streamed, text that may
+begin or end a tag is held until it is clear.
+"""
+
+from __future__ import annotations
+
+from meshlm.gateway.protocol.text_tags import partial_tag
+
+OPEN, CLOSE = "<think>", "</think>"
+# Whether the output starts in thought, by parser name.
+PARSERS = {"deepseek-r1": True, "deepseek_r1": True, "qwen3-thinking": True, "qwen3": False}
+
+
+class ReasoningReader:
+    """One choice's output, read as (reasoning, content) pieces as it comes."""
+
+    def __init__(self, starts_in_thought: bool) -> None:
+        self._forced = starts_in_thought
+        self._pending = ""
+        self._state = "start"  # start -> thinking -> (after: blanks skipped) -> answer
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the output may still be in thought."""
+        return self._state in ("start", "thinking")
+
+    def feed(self, text: str, last: bool = False) -> tuple[str, str]:
+        """The reasoning and the content that `text` completes (`last`: the output ends)."""
+        self._pending += text
+        reasoning = content = ""
+        if self._state == "start":
+            start = self._pending.lstrip()
+            if not last and OPEN.startswith(start) and start != OPEN:
+                return "", ""  # "<thi": not yet clear
+            if start.startswith(OPEN):
+                self._pending, self._state = start[len(OPEN):], "thinking"
+            else:
+                self._state = "thinking" if self._forced else "answer"
+        if self._state == "thinking":
+            at = self._pending.find(CLOSE)
+            if at >= 0:
+                reasoning, self._pending = self._pending[:at], self._pending[at + len(CLOSE):]
+                self._state = "after"
+            else:
+                keep = 0 if last else partial_tag(self._pending, CLOSE)
+                cut = len(self._pending) - keep
+                reasoning, self._pending = self._pending[:cut], self._pending[cut:]
+        if self._state == "after":
+            self._pending = self._pending.lstrip()
+            if self._pending:
+                self._state = "answer"
+        if self._state == "answer":
+            content, self._pending = self._pending, ""
+        self.reasoning.append(reasoning)
+        self.content.append(content)
+        return reasoning, content

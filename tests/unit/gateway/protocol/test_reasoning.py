@@ -1,0 +1,112 @@
+"""A reasoning model's thinking split from its answer, however the output is cut into pieces:
+the parsers' two forms (starting in thought, or only after <think>), the answer's leading
+blanks, tags held until clear, the switches (kept, dropped, held whole), and a chat answer
+that reads reasoning, then tool calls, streamed and whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from meshlm.gateway.mesh.inbox import Update
+from meshlm.gateway.protocol.chat_output import ChatOutput, Pieces
+from meshlm.gateway.protocol.openai_responses import ChatAnswer
+from meshlm.gateway.protocol.reasoning import PARSERS, ReasoningReader
+from meshlm.gateway.protocol.tool_call_output import HermesCalls
+from meshlm.v1 import gateway_pb2
+
+
+def _split(reader: ReasoningReader, text: str, size: int) -> tuple[str, str]:
+    reasoning = content = ""
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    for i, piece in enumerate(pieces):
+        r, c = reader.feed(piece, last=i == len(pieces) - 1)
+        assert "<think" not in r + c and "</think" not in r + c, (r, c)
+        reasoning += r
+        content += c
+    assert (reasoning, content) == ("".join(reader.reasoning), "".join(reader.content))
+    return reasoning, content
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 1000])
+@pytest.mark.parametrize(("parser", "text", "reasoning", "content"), [
+    ("qwen3", "<think>\nLet me see.\n</think>\n\nParis.", "\nLet me see.\n", "Paris."),
+    ("qwen3", "Paris, no thought.", "", "Paris, no thought."),
+    ("qwen3", "\n<think>a</think>b", "a", "b"),
+    ("qwen3", "<think>cut short", "cut short", ""),
+    ("deepseek-r1", "Hmm, so.</think>\n\nAnswer: 4", "Hmm, so.", "Answer: 4"),
+    ("deepseek_r1", "<think>Hmm.</think>4", "Hmm.", "4"),
+    ("qwen3-thinking", "all thought, no end", "all thought, no end", ""),
+    ("deepseek-r1", "a < b and </thin ok</think>x", "a < b and </thin ok", "x"),
+])
+def test_the_thinking_is_split_from_the_answer(parser: str, text: str, reasoning: str,
+                                               content: str, size: int) -> None:
+    assert _split(ReasoningReader(PARSERS[parser]), text, size) == (reasoning, content)
+
+
+def test_a_short_output_that_may_be_a_tag_waits() -> None:
+    reader = ReasoningReader(False)
+    assert reader.feed("<thi") == ("", "")
+    assert reader.feed("x") == ("", "<thix")  # not a tag after all
+    ends = ReasoningReader(True)
+    assert ends.feed("x</th") == ("x", "")
+    assert ends.feed("ink> y") == ("", "y")
+
+
+def _fed(output: ChatOutput, pieces: list[str]) -> list[Pieces]:
+    return [output.feed(p, last=i == len(pieces) - 1) for i, p in enumerate(pieces)]
+
+
+def test_the_switches() -> None:
+    pieces = ["<think>a", "b</think>", "c"]
+    dropped = ChatOutput(ReasoningReader(False), None, keep_reasoning=False)
+    assert [(p.reasoning, p.content) for p in _fed(dropped, pieces)] == [
+        ("", ""), ("", ""), ("", "c")]
+    assert dropped.reasoning() is None and dropped.content() == "c"
+    whole = ChatOutput(ReasoningReader(False), None, stream_reasoning=False)
+    assert [(p.reasoning, p.content) for p in _fed(whole, pieces)] == [
+        ("", ""), ("ab", ""), ("", "c")]
+    assert whole.reasoning() == "ab"
+
+
+def test_reasoning_then_tool_calls() -> None:
+    output = ChatOutput(ReasoningReader(True), HermesCalls())
+    got = sum(_fed(output, ["Need the time.</think>\n", "Sure.<tool_call>",
+                            '{"name": "t", "arguments": {}}</tool_call>']), Pieces())
+    assert got.reasoning == "Need the time." and got.content == "Sure."
+    assert [c["function"]["name"] for c in got.calls] == ["t"]
+    assert output.tool_calls()[0]["function"] == {"name": "t", "arguments": "{}"}
+
+
+def _update(text: str, done: str | None = None) -> Update:
+    final = gateway_pb2.TextOutput(finished=True, finish_reason=done) if done else None
+    return Update(text=text, token_ids=[1], final=final, error=None, prompt_tokens=3,
+                  completion_tokens=1, cached_tokens=0)
+
+
+def _answer(stream: bool) -> Any:
+    return ChatAnswer(model="m", created=1, n=1, prompts=1, include_usage=False,
+                      top_logprobs=None, stream=stream,
+                      output=lambda: ChatOutput(ReasoningReader(False), None))
+
+
+def test_a_chat_answer_with_reasoning() -> None:
+    whole = _answer(stream=False)
+    whole.add(0, _update("<think>two and two</think>\n\nFour.", "stop"), {"id": "r"})
+    [choice] = whole.response()["choices"]
+    assert choice["message"]["reasoning_content"] == "two and two"
+    assert choice["message"]["content"] == "Four." and choice["finish_reason"] == "stop"
+    stream = _answer(stream=True)
+    chunks = []
+    for piece in ("<think>two", " and two</th", "ink>\n\nFo", "ur."):
+        chunks += stream.add(0, _update(piece), {"id": "r"})
+    chunks += stream.add(0, _update("", "stop"), {"id": "r"})
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "two and two"
+    assert "".join(d.get("content") or "" for d in deltas) == "Four."
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    plain = _answer(stream=False)
+    plain.add(0, _update("No thinking.", "stop"), {"id": "r"})
+    message = plain.response()["choices"][0]["message"]
+    assert message["reasoning_content"] is None and message["content"] == "No thinking."

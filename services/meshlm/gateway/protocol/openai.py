@@ -22,7 +22,8 @@ UNIMPLEMENTED), spaces_between_special_tokens (slow tokenizers', no effect); on 
 add_generation_prompt, continue_final_message (the last message left open and continued; not
 with add_generation_prompt: true, which is otherwise the default), echo (the reply starts with
 the last message's content when that message is the assistant's), chat_template_kwargs (the
-template's own variables), tools and tool_choice (`tool_calls.py`), and the reasoning
+template's own variables; OpenAI's reasoning_effort and vLLM's documents become template
+variables too), tools and tool_choice (`tool_calls.py`), and the reasoning
 switches SGLang's separate_reasoning and stream_reasoning and vLLM's include_reasoning (with
 the gateway's reasoning parser). Constrained decoding, by OpenAI's
 response_format (json_object, json_schema), SGLang's regex, ebnf and json_schema, or vLLM's
@@ -54,6 +55,7 @@ MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings re
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _INT32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 Prompt = str | list[int]
 
@@ -329,7 +331,7 @@ def parse_chat(body: bytes) -> ChatRequest:
                               "reply is its tool calls, not text)")
     rid = _rid(b, names)
     priority = b.integer("priority", -_INT32 - 1, _INT32)
-    kwargs = checked_template_kwargs(b.get(TEMPLATE_KWARGS))
+    kwargs = _template_variables(b, checked_template_kwargs(b.get(TEMPLATE_KWARGS)))
     special = bool(b.boolean("add_special_tokens"))
     # The reasoning switches (with the gateway's --reasoning-parser; without one they change
     # nothing, as in SGLang and vLLM): SGLang's separate_reasoning (false: the thinking stays
@@ -350,6 +352,27 @@ def parse_chat(body: bytes) -> ChatRequest:
                        template_kwargs=kwargs, add_special_tokens=special, tools=tools,
                        tool_choice=tool_choice, separate_reasoning=separate,
                        stream_reasoning=stream_thinking, include_reasoning=include, **vllm)
+
+
+def _template_variables(b: JsonBody, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's variables from the request's own fields, as vLLM passes them:
+    OpenAI's reasoning_effort (and enable_thinking: effort other than "none", unless
+    chat_template_kwargs set it) and vLLM's documents (for retrieval templates)."""
+    effort = b.string("reasoning_effort")
+    documents = b.get("documents")
+    if effort is not None:
+        if effort not in REASONING_EFFORTS:
+            raise invalid("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)}, "
+                                              f"got {show(effort)}")
+        kwargs = {"enable_thinking": effort != "none", **kwargs, "reasoning_effort": effort}
+    if documents is not None:
+        if not isinstance(documents, list) or not all(
+                isinstance(d, dict) and all(isinstance(v, str) for v in d.values())
+                for d in documents):
+            raise invalid("documents", 'must be a list of objects of strings, such as '
+                                       '{"title": ..., "text": ...}')
+        kwargs = {**kwargs, "documents": documents}
+    return kwargs
 
 
 def _force_call(p: pb.SamplingParams, names: dict[str, str], schema: dict[str, Any],

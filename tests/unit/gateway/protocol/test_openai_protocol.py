@@ -521,3 +521,17 @@ def test_vllm_structured_output_options() -> None:
     assert _refusal(parse_chat, {"messages": USER, "structured_outputs": {
         "regex": "a", "disable_any_whitespace": "yes"}}).message == (
         "structured_outputs.disable_any_whitespace: must be true or false")
+
+
+def test_reasoning_effort_and_documents_are_template_variables() -> None:
+    req = parse_chat(_body({"messages": USER, "reasoning_effort": "none",
+                            "documents": [{"title": "a", "text": "b"}]}))
+    assert req.template_kwargs == {"enable_thinking": False, "reasoning_effort": "none",
+                                   "documents": [{"title": "a", "text": "b"}]}
+    mine = parse_chat(_body({"messages": USER, "reasoning_effort": "high",
+                             "chat_template_kwargs": {"enable_thinking": False}}))
+    assert mine.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}
+    for doc, start in (({"reasoning_effort": "huge"}, "reasoning_effort: must be one of"),
+                       ({"documents": ["text"]}, "documents: must be a list of objects")):
+        err = _refusal(parse_chat, {"messages": USER, **doc})
+        assert err.message.startswith(start), err.message

@@ -13,8 +13,11 @@ from meshlm.gateway.protocol.transcode import parse_json_body
 # Token ids in one prompt: more than any served context length. A longer list is refused
 # before its ids are looked at one by one (a 16 MiB body holds 8 M of them).
 MAX_PROMPT_IDS = 1 << 20
-# OpenAI fields read by no route and harmless to drop.
-_IGNORED = frozenset({"user", "store", "metadata", "service_tier"})
+# OpenAI fields read by no route and harmless to drop: bookkeeping (user, store, metadata,
+# service_tier, safety_identifier), hints that change no output's validity (prompt_cache_key
+# for cache routing, prediction for speculative decoding, verbosity).
+_IGNORED = frozenset({"user", "store", "metadata", "service_tier", "safety_identifier",
+                      "prompt_cache_key", "prediction", "verbosity"})
 
 
 class JsonBody:

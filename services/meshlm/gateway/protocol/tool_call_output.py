@@ -14,12 +14,15 @@ same reader, so a stream and a whole reply agree.
 - `JsonCalls` (`llama3_json`, `llama4_json`, SGLang's `llama3`): Llama 3.1 and later's JSON
   calls, an output that starts with `<|python_tag|>` or `{` being `{"name", "parameters"}`
   objects separated by `;`, each one delta when complete.
+- `PythonicCalls` (`pythonic`): Llama 3.2 and 4's `[f(a=1), g(b="x")]`, read whole at the
+  end of the output.
 
 Output cut short by max_tokens gives the calls so far, the last one's arguments incomplete.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -210,10 +213,66 @@ class JsonCalls(CallReader):
                                                   self._calls[-1].arguments[0]))
 
 
+class PythonicCalls(CallReader):
+    """Calls written as a Python list of calls with keyword arguments,
+    `[get_weather(city="Paris"), get_time(zone="UTC")]` (Llama 3.2 and 4's pythonic form): an
+    output that starts with `[` is held to its end and read as such a list (each argument a
+    Python literal, given as JSON); any other output, or one that does not read so, is
+    content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = ""
+        self._calls_mode: bool | None = None
+
+    def feed(self, text: str, last: bool = False) -> tuple[str, list[Delta]]:
+        self._pending += text
+        if self._calls_mode is None:
+            start = self._pending.lstrip()
+            if not start and not last:
+                return "", []
+            self._calls_mode = start.startswith("[")
+        if self._calls_mode and not last:
+            return "", []
+        text_out, self._pending = self._pending, ""
+        calls = _python_calls(text_out) if self._calls_mode else None
+        if calls is None:
+            self._content.append(text_out)
+            return text_out, []
+        deltas = []
+        for name, arguments in calls:
+            self._calls.append(_Call(call_id(), name, [json.dumps(arguments, ensure_ascii=False)]))
+            deltas.append(self._calls[-1].opening(len(self._calls) - 1,
+                                                  self._calls[-1].arguments[0]))
+        return "", deltas
+
+
+def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
+    """`[f(a=1), g(b="x")]` as (name, arguments) pairs; None when it is not such a list."""
+    try:
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    if not isinstance(tree, ast.List):
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and not node.args and all(k.arg for k in node.keywords)):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg}
+            json.dumps(arguments)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+        calls.append((node.func.id, arguments))
+    return calls
+
+
 # --tool-call-parser's names: vLLM's, and SGLang's for the same formats.
 PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesCalls,
                                         "llama3_json": JsonCalls, "llama4_json": JsonCalls,
-                                        "llama3": JsonCalls}
+                                        "llama3": JsonCalls, "pythonic": PythonicCalls}
 
 
 class _ArrayReader:

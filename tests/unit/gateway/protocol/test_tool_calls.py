@@ -19,7 +19,12 @@ from meshlm.gateway.protocol.chat_output import ChatOutput
 from meshlm.gateway.protocol.json_body import JsonBody
 from meshlm.gateway.protocol.openai import parse_chat, template_request
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
-from meshlm.gateway.protocol.tool_call_output import ForcedCalls, HermesCalls, JsonCalls
+from meshlm.gateway.protocol.tool_call_output import (
+    ForcedCalls,
+    HermesCalls,
+    JsonCalls,
+    PythonicCalls,
+)
 from meshlm.gateway.protocol.tool_calls import parse_tools
 from meshlm.v1 import gateway_pb2
 
@@ -292,3 +297,18 @@ def _read(reader: Any, text: str, size: int) -> tuple[str, list[tuple[int, str, 
 ])
 def test_llama_json_calls(size: int, text: str, content: str, calls: Any) -> None:
     assert _read(JsonCalls(), text, size) == (content, calls)
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('[get_weather(city="Paris", days=3), ping()]', "",
+     [(0, "get_weather", '{"city": "Paris", "days": 3}'), (1, "ping", "{}")]),
+    ("[f(x=[1, {'a': None}], y=True)]", "", [(0, "f", '{"x": [1, {"a": null}], "y": true}')]),
+    ("Paris is sunny.", "Paris is sunny.", []),
+    ("[f(1)]", "[f(1)]", []),  # positional arguments: not a call here
+    ("[f(x=open('/etc'))]", "[f(x=open('/etc'))]", []),  # only literals
+    ("[f(x=", "[f(x=", []),
+    ("[os.system(x='y')]", "[os.system(x='y')]", []),
+])
+def test_pythonic_calls(size: int, text: str, content: str, calls: Any) -> None:
+    assert _read(PythonicCalls(), text, size) == (content, calls)

@@ -44,7 +44,7 @@ from meshlm.gateway.mesh.registry import RidRegistry
 from meshlm.gateway.mesh.replicas import Replicas
 from meshlm.gateway.protocol.bounds import DEFAULT_BODY_BYTES, DEFAULT_GRPC_RECEIVE_BYTES, Bounds
 from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
-from meshlm.gateway.protocol.tool_call_output import PARSERS
+from meshlm.gateway.protocol.tool_parsers import PARSERS
 from meshlm.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2_grpc
 

@@ -34,6 +34,7 @@ from meshlm.gateway.api.generation import GenerationRPCs, validated
 from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.protocol.bounds import text_chars
 from meshlm.gateway.protocol.chat_output import ChatOutput
+from meshlm.gateway.protocol.forced_calls import ForcedCalls
 from meshlm.gateway.protocol.openai import (
     ChatRequest,
     CompletionRequest,
@@ -55,8 +56,9 @@ from meshlm.gateway.protocol.openai_responses import (
 )
 from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
 from meshlm.gateway.protocol.reasoning import ReasoningReader
-from meshlm.gateway.protocol.tool_call_output import PARSERS, CallReader, ForcedCalls
+from meshlm.gateway.protocol.tool_call_output import CallReader
 from meshlm.gateway.protocol.tool_calls import auto_refused
+from meshlm.gateway.protocol.tool_parsers import PARSERS
 from meshlm.gateway.protocol.validation import (
     Limits,
     ValidatedRequest,

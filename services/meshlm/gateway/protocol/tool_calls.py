@@ -14,8 +14,8 @@ whatever its own tool-call format:
 `"auto"` (the default when tools are given) lets the model choose, in its own tool-call
 format: the gateway serves it with a parser of that format (`--tool-call-parser`), and
 refuses it (400) without one, as vLLM does without `--enable-auto-tool-choice`. The legacy
-`functions` / `function_call` are refused. `tool_call_output.py` reads the output back as
-OpenAI's tool calls.
+`functions` / `function_call` are refused. `forced_calls.py` and `tool_parsers.py` read the
+output back as OpenAI's tool calls.
 """
 
 from __future__ import annotations

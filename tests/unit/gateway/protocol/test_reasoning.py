@@ -13,7 +13,7 @@ from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.chat_output import ChatOutput, Pieces
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
 from meshlm.gateway.protocol.reasoning import PARSERS, ReasoningReader
-from meshlm.gateway.protocol.tool_call_output import HermesCalls
+from meshlm.gateway.protocol.tool_parsers import HermesCalls
 from meshlm.v1 import gateway_pb2
 
 

@@ -16,16 +16,12 @@ import pytest
 from meshlm.common.errors import MeshError
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.chat_output import ChatOutput
+from meshlm.gateway.protocol.forced_calls import ForcedCalls
 from meshlm.gateway.protocol.json_body import JsonBody
 from meshlm.gateway.protocol.openai import parse_chat, template_request
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
-from meshlm.gateway.protocol.tool_call_output import (
-    ForcedCalls,
-    HermesCalls,
-    JsonCalls,
-    PythonicCalls,
-)
 from meshlm.gateway.protocol.tool_calls import parse_tools
+from meshlm.gateway.protocol.tool_parsers import HermesCalls, JsonCalls, PythonicCalls
 from meshlm.v1 import gateway_pb2
 
 USER = [{"role": "user", "content": "hi"}]

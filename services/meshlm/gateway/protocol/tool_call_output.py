@@ -53,3 +53,8 @@ class CallReader:
 
     def content(self) -> str:
         return "".join(self._content)
+
+    def _called(self, name: str, arguments: str) -> Delta:
+        """A whole call read: kept, and its one delta."""
+        self._calls.append(Call(call_id(), name, [arguments]))
+        return self._calls[-1].opening(len(self._calls) - 1, arguments)

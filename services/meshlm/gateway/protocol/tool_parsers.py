@@ -19,7 +19,7 @@ import json
 from typing import Any
 
 from meshlm.gateway.protocol.text_tags import partial_tag
-from meshlm.gateway.protocol.tool_call_output import Call, CallReader, Delta, call_id
+from meshlm.gateway.protocol.tool_call_output import CallReader, Delta
 
 
 class HermesCalls(CallReader):
@@ -64,17 +64,13 @@ class HermesCalls(CallReader):
 
     def _block(self, body: str, content: list[str], deltas: list[Delta], closed: bool) -> None:
         try:
-            call = json.loads(body)
+            call = _json_call(json.loads(body), ("arguments", "parameters"), required=False)
         except ValueError:
             call = None
-        name = call.get("name") if isinstance(call, dict) else None
-        arguments = call.get("arguments", call.get("parameters", {})) if name else None
-        if not isinstance(name, str) or not isinstance(arguments, dict):
+        if call is None:
             content.append(self.OPEN + body + (self.CLOSE if closed else ""))
             return
-        self._calls.append(Call(call_id(), name, [json.dumps(arguments, ensure_ascii=False)]))
-        deltas.append(self._calls[-1].opening(len(self._calls) - 1,
-                                              self._calls[-1].arguments[0]))
+        deltas.append(self._called(*call))
 
 
 class JsonCalls(CallReader):
@@ -119,15 +115,11 @@ class JsonCalls(CallReader):
                 call, end = decoder.raw_decode(self._pending, start)
             except ValueError:  # incomplete so far (or not JSON: content at the end)
                 return deltas
-            name = call.get("name") if isinstance(call, dict) else None
-            arguments = call.get("parameters", call.get("arguments")) if name else None
-            if not isinstance(name, str) or not isinstance(arguments, dict):
+            read = _json_call(call, ("parameters", "arguments"), required=True)
+            if read is None:
                 return deltas
             self._pending = self._pending[end:]
-            self._calls.append(Call(call_id(), name,
-                                     [json.dumps(arguments, ensure_ascii=False)]))
-            deltas.append(self._calls[-1].opening(len(self._calls) - 1,
-                                                  self._calls[-1].arguments[0]))
+            deltas.append(self._called(*read))
 
 
 class PythonicCalls(CallReader):
@@ -156,12 +148,29 @@ class PythonicCalls(CallReader):
         if calls is None:
             self._content.append(text_out)
             return text_out, []
-        deltas = []
-        for name, arguments in calls:
-            self._calls.append(Call(call_id(), name, [json.dumps(arguments, ensure_ascii=False)]))
-            deltas.append(self._calls[-1].opening(len(self._calls) - 1,
-                                                  self._calls[-1].arguments[0]))
-        return "", deltas
+        return "", [self._called(name, json.dumps(arguments, ensure_ascii=False))
+                    for name, arguments in calls]
+
+
+def _json_call(doc: Any, keys: tuple[str, str], required: bool) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call written as a JSON object with a "name" and its
+    arguments under one of `keys` (an object, or its JSON text; absent: none, unless
+    `required`); None when `doc` is not such a call."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("name"), str):
+        return None
+    given = [doc[key] for key in keys if key in doc]
+    if not given and required:
+        return None
+    arguments = given[0] if given else {}
+    if isinstance(arguments, str):  # some models write the arguments' JSON as a string
+        try:
+            as_object = json.loads(arguments)
+        except ValueError:
+            return None
+        return (doc["name"], arguments) if isinstance(as_object, dict) else None
+    if not isinstance(arguments, dict):
+        return None
+    return doc["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:

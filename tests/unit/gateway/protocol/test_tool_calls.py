@@ -202,6 +202,12 @@ def test_hermes_text_without_calls_and_broken_blocks_stay_content() -> None:
     broken = HermesCalls()
     assert broken.feed("<tool_call>{not json}</tool_call>ok") == (
         "<tool_call>{not json}</tool_call>ok", [])
+    as_text = HermesCalls()  # arguments written as their JSON's text
+    assert as_text.feed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
+                        last=True)[1][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    no_args = HermesCalls()
+    assert no_args.feed('<tool_call>{"name": "f"}</tool_call>', last=True)[1][0]["function"] \
+        == {"name": "f", "arguments": "{}"}
     cut = HermesCalls()  # unclosed at the end: a call if it parses
     assert cut.feed('<tool_call>{"name": "f", "arguments": {}}', last=True)[1][0]["function"] \
         == {"name": "f", "arguments": "{}"}
@@ -290,6 +296,8 @@ def _read(reader: Any, text: str, size: int) -> tuple[str, list[tuple[int, str, 
     ("<|python", "<|python", []),
     ('{"name": "a", "parameters": {"x": ', '{"name": "a", "parameters": {"x": ', []),
     ('{"not": "a call"}', '{"not": "a call"}', []),
+    ('{"name": "Bob"}', '{"name": "Bob"}', []),  # no arguments: an answer in JSON, not a call
+    ('{"name": "a", "parameters": "{\\"x\\": 1}"}', "", [(0, "a", '{"x": 1}')]),
 ])
 def test_llama_json_calls(size: int, text: str, content: str, calls: Any) -> None:
     assert _read(JsonCalls(), text, size) == (content, calls)

@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
-from functools import partial
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from meshlm.common.context_length import truncated
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.api.core import GatewayCore, GatewayIdentity
+from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.api.generation import GenerationRPCs, validated
 from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.protocol.bounds import text_chars
-from meshlm.gateway.protocol.chat_output import ChatOutput
-from meshlm.gateway.protocol.forced_calls import ForcedCalls
+from meshlm.gateway.protocol.chat_output import output_reader
 from meshlm.gateway.protocol.openai import (
     ChatRequest,
     CompletionRequest,
@@ -54,11 +52,6 @@ from meshlm.gateway.protocol.openai_responses import (
     CompletionAnswer,
     embedding_body,
 )
-from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
-from meshlm.gateway.protocol.reasoning import ReasoningReader
-from meshlm.gateway.protocol.tool_call_output import CallReader
-from meshlm.gateway.protocol.tool_calls import auto_refused
-from meshlm.gateway.protocol.tool_parsers import PARSERS
 from meshlm.gateway.protocol.validation import (
     Limits,
     ValidatedRequest,
@@ -109,7 +102,8 @@ class OpenAIRPCs:
         model = served_model(self.core, req.model)
         check_batch(req.n, limits.max_batch, "n")
         check_prompt_chars(text_chars([req.messages, req.tools]), limits, "messages")
-        output = output_reader(req, self.core.identity)
+        identity = self.core.identity
+        output = output_reader(req, identity.tool_call_parser, identity.reasoning_parser)
         chat = template_request(req.messages, req.add_generation_prompt,
                                 req.continue_final_message, req.template_kwargs,
                                 req.add_special_tokens, req.tools)
@@ -216,46 +210,6 @@ def served_model(core: GatewayCore, model: str | None) -> str:
     if model is not None and model != served:
         raise model_not_found(model, served)
     return served
-
-
-def output_reader(req: ChatRequest, identity: GatewayIdentity
-                  ) -> Callable[[], ChatOutput] | None:
-    """What reads each choice's output as reasoning, content and tool calls (None: all of it
-    is content). Output constrained from its first token (a forced call, response_format,
-    ...) is not in thought unless it starts with <think> itself."""
-    calls = call_reader(req, identity.tool_call_parser)
-    starts_in_thought = REASONING_PARSERS.get(identity.reasoning_parser)
-    if not req.separate_reasoning:
-        starts_in_thought = None
-    elif starts_in_thought and req.sampling.HasField("guided_decoding"):
-        starts_in_thought = False
-    if calls is None and starts_in_thought is None:
-        return None
-
-    def output() -> ChatOutput:
-        thinking = (ReasoningReader(starts_in_thought) if starts_in_thought is not None
-                    else None)
-        return ChatOutput(thinking, calls() if calls else None, req.include_reasoning,
-                          req.stream_reasoning)
-
-    return output
-
-
-def call_reader(req: ChatRequest, parser: str) -> Callable[[], CallReader] | None:
-    """What reads the chat's output as tool calls (None: text only). "auto" takes the
-    server's parser of the model's own format (refused without one); the parser's tags must
-    survive detokenization, so the output keeps special tokens unless the client said
-    otherwise (some tokenizers mark <tool_call> special)."""
-    choice = req.tool_choice
-    if choice is None:
-        return None
-    if not choice.auto:
-        return partial(ForcedCalls, choice.named)
-    if parser not in PARSERS:
-        raise auto_refused()
-    if not req.sampling.HasField("skip_special_tokens"):
-        req.sampling.skip_special_tokens = False
-    return PARSERS[parser]
 
 
 def truncation(req: GenerationRequest, limits: Limits) -> int:

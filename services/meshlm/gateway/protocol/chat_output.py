@@ -1,14 +1,23 @@
-"""A chat choice's output read as its parts: reasoning (`reasoning.py`, with a reasoning
-parser), content, and tool calls (`tool_call_output.py`, with tools that may be called). The
-reasoning comes first; what follows it is read for tool calls. Pure: no I/O."""
+"""A chat choice's output read as its parts: reasoning (`reasoning.py`, with the gateway's
+reasoning parser), content, and tool calls (`forced_calls.py` for a forced call,
+`tool_parsers.py` for "auto" with the gateway's tool-call parser). The reasoning comes
+first; what follows it is read for tool calls. `output_reader` picks the readers for a
+request. Pure: no I/O."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
+from meshlm.gateway.protocol.forced_calls import ForcedCalls
+from meshlm.gateway.protocol.openai import ChatRequest
+from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
 from meshlm.gateway.protocol.reasoning import ReasoningReader
 from meshlm.gateway.protocol.tool_call_output import CallReader
+from meshlm.gateway.protocol.tool_calls import auto_refused
+from meshlm.gateway.protocol.tool_parsers import PARSERS
 
 
 @dataclass
@@ -67,3 +76,44 @@ class ChatOutput:
 
     def tool_calls(self) -> list[dict[str, Any]]:
         return self._calls.calls() if self._calls is not None else []
+
+
+def output_reader(req: ChatRequest, tool_call_parser: str, reasoning_parser: str
+                  ) -> Callable[[], ChatOutput] | None:
+    """What reads each choice's output as reasoning, content and tool calls, with the
+    gateway's parsers (None: all of it is content). Output constrained from its first token
+    (a forced call, response_format, ...) is not in thought unless it starts with <think>
+    itself."""
+    calls = call_reader(req, tool_call_parser)
+    starts_in_thought = REASONING_PARSERS.get(reasoning_parser)
+    if not req.separate_reasoning:
+        starts_in_thought = None
+    elif starts_in_thought and req.sampling.HasField("guided_decoding"):
+        starts_in_thought = False
+    if calls is None and starts_in_thought is None:
+        return None
+
+    def output() -> ChatOutput:
+        thinking = (ReasoningReader(starts_in_thought) if starts_in_thought is not None
+                    else None)
+        return ChatOutput(thinking, calls() if calls else None, req.include_reasoning,
+                          req.stream_reasoning)
+
+    return output
+
+
+def call_reader(req: ChatRequest, parser: str) -> Callable[[], CallReader] | None:
+    """What reads the chat's output as tool calls (None: text only). "auto" takes the
+    server's parser of the model's own format (refused without one); the parser's tags must
+    survive detokenization, so the output keeps special tokens unless the client said
+    otherwise (some tokenizers mark <tool_call> special)."""
+    choice = req.tool_choice
+    if choice is None:
+        return None
+    if not choice.auto:
+        return partial(ForcedCalls, choice.named)
+    if parser not in PARSERS:
+        raise auto_refused()
+    if not req.sampling.HasField("skip_special_tokens"):
+        req.sampling.skip_special_tokens = False
+    return PARSERS[parser]

@@ -64,6 +64,8 @@ class ReasoningReader:
                 self._state = "answer"
         if self._state == "answer":
             content, self._pending = self._pending, ""
-        self.reasoning.append(reasoning)
-        self.content.append(content)
+        if reasoning:
+            self.reasoning.append(reasoning)
+        if content:
+            self.content.append(content)
         return reasoning, content

@@ -59,7 +59,8 @@ class HermesCalls(CallReader):
                 content.append(self._pending[:len(self._pending) - keep])
                 self._pending = self._pending[len(self._pending) - keep:]
         text_out = "".join(content)
-        self._content.append(text_out)
+        if text_out:
+            self._content.append(text_out)
         return text_out, deltas
 
     def _block(self, body: str, content: list[str], deltas: list[Delta], closed: bool) -> None:

@@ -80,9 +80,9 @@ def test_seed_16_gives_the_same_tokens_over_grpc_and_http(mesh, stub):
 
 
 REFUSED = [
-    ({"require_reasoning": True}, "require_reasoning: reasoning models are not supported yet"),
+    ({"require_reasoning": True}, "require_reasoning: thinking budgets are not supported"),
     ({"max_thinking_tokens": 256},
-     "max_thinking_tokens: reasoning models are not supported yet"),
+     "max_thinking_tokens: thinking budgets are not supported"),
     ({"sampling_params": {"guided_decoding": {"structural_tag": "{}"}}},
      "sampling_params.guided_decoding.structural_tag: structural tags are not supported; use a "
      "JSON schema, a regex, an EBNF grammar or a choice"),

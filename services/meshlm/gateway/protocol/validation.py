@@ -294,9 +294,9 @@ def _check_unsupported(req: GenerateLike) -> None:
             "disaggregated_params", "prefill/decode disaggregation is not supported yet"
         )
     if req.require_reasoning:  # false is SGLang's default: accepted
-        raise unimplemented("require_reasoning", "reasoning models are not supported yet")
+        raise unimplemented("require_reasoning", "thinking budgets are not supported")
     if req.HasField("max_thinking_tokens"):
-        raise unimplemented("max_thinking_tokens", "reasoning models are not supported yet")
+        raise unimplemented("max_thinking_tokens", "thinking budgets are not supported")
     if req.HasField("routed_dp_rank") and req.routed_dp_rank < 0:
         raise invalid("routed_dp_rank", f"must be >= 0, got {req.routed_dp_rank}")
 

@@ -60,7 +60,7 @@ def test_reasoning_options_are_unimplemented(fields: dict[str, Any], name: str) 
                           (validate_generate, pb.GenerateRequest(input_ids=[1], **fields))):
         err = _refusal(validate, req, LIMITS)
         assert err.code == grpc.StatusCode.UNIMPLEMENTED
-        assert err.message == f"{name}: reasoning models are not supported yet"
+        assert err.message == f"{name}: thinking budgets are not supported"
 
 
 def test_require_reasoning_false_is_the_default_and_accepted() -> None:

@@ -52,12 +52,21 @@ def test_stop_token_ids_finish_with_stop(stub):
                                           ignore_eos=True)))
     )[0].output_ids)
     stop_at = first_ids[3]
-    _, msgs = collect_text(stub, text_request("Hello", max_new_tokens=8, ignore_eos=True,
-                                              stop_token_ids=[stop_at]))
+    text, msgs = collect_text(stub, text_request("Hello", max_new_tokens=8, ignore_eos=True,
+                                                 stop_token_ids=[stop_at]))
     meta = msgs[-1].meta_info
     assert meta["finish_reason"] == "stop"
     assert meta["matched_stop"] == str(stop_at)
-    assert int(meta["completion_tokens"]) == first_ids.index(stop_at) + 1
+    k = first_ids.index(stop_at)
+    assert int(meta["completion_tokens"]) == k + 1
+    # The stop token's text is cut, as a stop string's is; no_stop_trim keeps it.
+    def text_of(ids: list[int]) -> str:
+        return stub.Detokenize(pb.DetokenizeRequest(tokens=ids)).text
+
+    assert text == text_of(first_ids[:k])
+    kept, _ = collect_text(stub, text_request("Hello", max_new_tokens=8, ignore_eos=True,
+                                              stop_token_ids=[stop_at], no_stop_trim=True))
+    assert kept == text_of(first_ids[: k + 1]) and kept != text
 
 
 def test_stop_string_ends_text_before_it(stub, mesh):

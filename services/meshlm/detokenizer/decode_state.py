@@ -18,3 +18,4 @@ class DecodeState:
     decoder: IncrementalDetokenizer | None  # None: token ids only (Generate)
     span: trace.Span
     logprob_texts: bool = False  # return_text_in_logprobs
+    stop_token_text: bool = False  # no_stop_trim: the matched stop token's text is kept

@@ -144,7 +144,7 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
             needs_texts.append((out.token_ids, text_out.logprobs))
         decoder = state.decoder
         if decoder is not None:
-            text_out.text = decoder.push(out.token_ids)
+            text_out.text = decoder.push(wire.text_ids(out, state))
             if decoder.stopped:
                 self._stopped(text_out, decoder, state, stops)
         if out.finished and not text_out.finished:

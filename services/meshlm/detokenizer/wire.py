@@ -4,6 +4,8 @@ TokenOutput the TextOutput its gateway gets."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 from opentelemetry import trace
 from tokenizers import Tokenizer
@@ -25,7 +27,20 @@ def decode_state(header: common_pb2.RequestHeader, tokenizer: Tokenizer,
                                    stop=list(sampling.stop), include_stop=sampling.no_stop_trim)
     return DecodeState(gateway=meta.route.gateway, scheduler=meta.route.scheduler,
                        decoder=decoder, span=span,
-                       logprob_texts=sampling.return_text_in_logprobs)
+                       logprob_texts=sampling.return_text_in_logprobs,
+                       stop_token_text=sampling.no_stop_trim)
+
+
+def text_ids(out: detokenizer_pb2.TokenOutput, state: DecodeState) -> Sequence[int]:
+    """The ids of `out` whose text the client gets: a stop token that ended the request (an
+    end-of-sequence id or one of stop_token_ids, matched by the scheduler) is cut from the
+    text as a stop string is (SGLang and vLLM do the same), unless no_stop_trim keeps it.
+    Its id stays among the output's ids."""
+    ids = out.token_ids
+    if (out.finished and out.HasField("matched_token") and not state.stop_token_text
+            and ids and ids[-1] == out.matched_token):
+        return ids[:-1]
+    return ids
 
 
 def text_output(out: detokenizer_pb2.TokenOutput) -> gateway_pb2.TextOutput:

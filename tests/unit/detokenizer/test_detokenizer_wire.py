@@ -3,7 +3,10 @@ gateway's, untouched."""
 
 from __future__ import annotations
 
-from meshlm.detokenizer.wire import text_output
+from opentelemetry import trace
+
+from meshlm.detokenizer.decode_state import DecodeState
+from meshlm.detokenizer.wire import text_ids, text_output
 from meshlm.v1 import common_pb2, detokenizer_pb2
 
 
@@ -20,3 +23,19 @@ def test_ids_counts_logprobs_and_the_prompts_ids_pass_through() -> None:
     assert not text_out.text and not text_out.finished
     later = text_output(detokenizer_pb2.TokenOutput(rid="r", token_ids=[9]))
     assert not later.prompt_ids and not later.HasField("logprobs")
+
+
+def test_a_matched_stop_token_is_cut_from_the_text_unless_kept() -> None:
+    def state(keep: bool) -> DecodeState:
+        return DecodeState(gateway="g", scheduler="s", decoder=None,
+                           span=trace.INVALID_SPAN, stop_token_text=keep)
+
+    last = detokenizer_pb2.TokenOutput(rid="r", token_ids=[7, 3], finished=True,
+                                       finish_reason="stop", matched_token=3)
+    assert list(text_ids(last, state(False))) == [7]
+    assert list(text_ids(last, state(True))) == [7, 3]  # no_stop_trim
+    cut = detokenizer_pb2.TokenOutput(rid="r", token_ids=[7, 3], finished=True,
+                                      finish_reason="length")
+    assert list(text_ids(cut, state(False))) == [7, 3]
+    running = detokenizer_pb2.TokenOutput(rid="r", token_ids=[3])
+    assert list(text_ids(running, state(False))) == [3]

@@ -46,7 +46,12 @@ from meshlm.gateway.protocol.json_body import MAX_PROMPT_IDS as MAX_PROMPT_IDS
 from meshlm.gateway.protocol.json_body import JsonBody, is_ids, is_int, show
 from meshlm.gateway.protocol.logprob_options import MAX_TOP_LOGPROBS
 from meshlm.gateway.protocol.openai_errors import MAX_NEW_TOKENS
-from meshlm.gateway.protocol.tool_calls import ToolChoice, parse_tools, template_messages
+from meshlm.gateway.protocol.tool_calls import (
+    ToolChoice,
+    checked_message_calls,
+    parse_tools,
+    template_messages,
+)
 from meshlm.gateway.protocol.validation import MAX_N, unimplemented
 from meshlm.v1 import tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
@@ -417,6 +422,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
         role = message.get("role")
         if role not in _ROLES:
             raise invalid(f"{path}.role", f"must be one of {', '.join(_ROLES)}; got {show(role)}")
+        checked_message_calls(message, path)
         flat = {**message, "role": role,
                 "content": _content(message.get("content"), f"{path}.content")}
         out.append(flat)

@@ -180,6 +180,32 @@ def _rebased(schema: Any, root: str) -> Any:
     return out
 
 
+def checked_message_calls(message: dict[str, Any], path: str) -> None:
+    """A chat message's tool-call fields, where given: an assistant's earlier `tool_calls`
+    (a list of function calls, each with a name and its arguments as JSON text or an object)
+    and a tool result's `tool_call_id`; templates read them as such."""
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise invalid(f"{path}.tool_calls", "must be a list of tool calls")
+        for j, call in enumerate(calls):
+            at = f"{path}.tool_calls[{j}]"
+            if not isinstance(call, dict) or call.get("type", "function") != "function":
+                raise invalid(at, 'must be a function call ({"type": "function", "function": '
+                                  '{"name": ..., "arguments": ...}})')
+            function = call.get("function")
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise invalid(f"{at}.function", "must be an object with a name")
+            if not isinstance(function.get("arguments", ""), str | dict):
+                raise invalid(f"{at}.function.arguments", "must be the arguments' JSON text "
+                                                          "or an object")
+            if not isinstance(call.get("id", ""), str):
+                raise invalid(f"{at}.id", "must be a string")
+    for key in ("tool_call_id", "name"):
+        if not isinstance(message.get(key, ""), str):
+            raise invalid(f"{path}.{key}", "must be a string")
+
+
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`messages` with the arguments of earlier tool calls as objects where they are JSON
     objects, as chat templates read them (OpenAI sends them as JSON text)."""

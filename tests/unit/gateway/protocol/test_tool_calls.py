@@ -128,6 +128,37 @@ def test_earlier_calls_reach_the_template_with_object_arguments() -> None:
     assert sent[2] == messages[2] and messages[1]["tool_calls"][0] == call  # not changed
 
 
+_CALL = {"id": "c1", "type": "function", "function": {"name": "unit", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(("message", "start"), [
+    ({"role": "assistant", "tool_calls": "unit"}, "messages[1].tool_calls: must be a list"),
+    ({"role": "assistant", "tool_calls": [{"type": "retrieval"}]},
+     "messages[1].tool_calls[0]: must be a function call"),
+    ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]},
+     "messages[1].tool_calls[0].function: must be an object with a name"),
+    ({"role": "assistant", "tool_calls": [{"function": {"name": "unit", "arguments": 5}}]},
+     "messages[1].tool_calls[0].function.arguments: must be the arguments' JSON text"),
+    ({"role": "assistant", "tool_calls": [{**_CALL, "id": 7}]},
+     "messages[1].tool_calls[0].id: must be a string"),
+    ({"role": "tool", "tool_call_id": ["c1"], "content": "ok"},
+     "messages[1].tool_call_id: must be a string"),
+])
+def test_earlier_calls_in_messages_are_checked(message: dict[str, Any], start: str) -> None:
+    body = orjson.dumps({"model": "m", "messages": [*USER, message]})
+    with pytest.raises(MeshError) as err:
+        parse_chat(body)
+    assert err.value.message.startswith(start), err.value.message
+
+
+def test_earlier_calls_in_their_usual_forms_are_taken() -> None:
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [_CALL]},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "unit",
+                                                                    "arguments": {"u": 1}}}]},
+                {"role": "tool", "tool_call_id": "c1", "name": "unit", "content": "ok"}]
+    assert len(parse_chat(orjson.dumps({"model": "m", "messages": messages})).messages) == 4
+
+
 def _scanned(text: str, named: str | None, sizes: random.Random | int) -> tuple[Any, Any]:
     """The calls rebuilt from the deltas of `text` fed in pieces, and the scanner's own."""
     scanner = ForcedCalls(named)

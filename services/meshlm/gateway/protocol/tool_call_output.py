@@ -3,13 +3,16 @@ returns the content and the tool-call deltas a stretch of output completes (a ca
 delta has its index, id, type and name); `calls` and `content` are the whole reply's, from
 the same reader, so a stream and a whole reply agree. The readers: `forced_calls.py` (the
 output a forced call was constrained to) and `tool_parsers.py` (the model's own formats,
-for tool_choice "auto"). Output cut short by max_tokens gives the calls so far."""
+for tool_choice "auto"); `call_scanner.py` reads JSON calls as they stream for both.
+Output cut short by max_tokens gives the calls so far."""
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from meshlm.gateway.protocol.call_scanner import Event
 
 Delta = dict[str, Any]
 
@@ -58,3 +61,22 @@ class CallReader:
         """A whole call read: kept, and its one delta."""
         self._calls.append(Call(call_id(), name, [arguments]))
         return self._calls[-1].opening(len(self._calls) - 1, arguments)
+
+    def _take(self, events: list[Event], deltas: list[Delta]) -> None:
+        """A call scanner's events as calls and their deltas: a call opens with its name,
+        its arguments' text follows (one delta a call per stretch of output)."""
+        for event, value in events:
+            if event == "name":
+                self._calls.append(Call(call_id(), value))
+                deltas.append(self._calls[-1].opening(len(self._calls) - 1, ""))
+            elif self._calls:  # arguments' text of the last call
+                self._arguments(value, deltas)
+
+    def _arguments(self, text: str, deltas: list[Delta]) -> None:
+        """More of the last call's arguments."""
+        index = len(self._calls) - 1
+        self._calls[index].arguments.append(text)
+        if deltas and deltas[-1]["index"] == index:
+            deltas[-1]["function"]["arguments"] += text
+        else:
+            deltas.append({"index": index, "function": {"arguments": text}})

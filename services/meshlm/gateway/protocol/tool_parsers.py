@@ -3,11 +3,13 @@
 
 - `HermesCalls` (`hermes`, SGLang's `qwen25`): `<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>` blocks (Hermes 2 Pro and later, Qwen2.5 and Qwen3), any text before
-  and between them being content. A block is one delta when it closes; text that may begin
-  a tag is held until it is clear. A block that does not hold such JSON stays content.
+  and between them being content. A block is read as it streams: its call's first delta
+  once the name is complete, then the arguments' text as it comes (vLLM streams them so
+  too); text that may begin a tag is held until it is clear. A block that names no call
+  stays content.
 - `JsonCalls` (`llama3_json`, `llama4_json`, SGLang's `llama3`): Llama 3.1 and later's JSON
   calls, an output that starts with `<|python_tag|>` or `{` being `{"name", "parameters"}`
-  objects separated by `;`, each one delta when complete.
+  objects separated by `;`, each read as it streams once its arguments begin.
 - `PythonicCalls` (`pythonic`): Llama 3.2 and 4's `[f(a=1), g(b="x")]`, read whole at the
   end of the output.
 """
@@ -18,52 +20,71 @@ import ast
 import json
 from typing import Any
 
+from meshlm.gateway.protocol.call_scanner import CallScanner
 from meshlm.gateway.protocol.text_tags import partial_tag
 from meshlm.gateway.protocol.tool_call_output import CallReader, Delta
 
 
 class HermesCalls(CallReader):
-    """`<tool_call>{json}</tool_call>` blocks among content."""
+    """`<tool_call>{json}</tool_call>` blocks among content, each read as it streams."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
         super().__init__()
-        self._pending = ""  # not yet read as content or a call
-        self._in_call = False
+        self._pending = ""  # not yet read as content or a block's text
+        self._block: CallScanner | None = None  # the open block's reader
+        self._body: list[str] = []  # the open block's text
 
     def feed(self, text: str, last: bool = False) -> tuple[str, list[Delta]]:
         self._pending += text
         content: list[str] = []
         deltas: list[Delta] = []
         while True:
-            tag = self.CLOSE if self._in_call else self.OPEN
+            tag = self.OPEN if self._block is None else self.CLOSE
             at = self._pending.find(tag)
             if at < 0:
                 break
             before, self._pending = self._pending[:at], self._pending[at + len(tag):]
-            if self._in_call:
-                self._block(before, content, deltas, closed=True)
-            elif before:
-                content.append(before)
-            self._in_call = not self._in_call
-        if last:
-            if self._in_call:
-                self._block(self._pending, content, deltas, closed=False)
-            elif self._pending:
-                content.append(self._pending)
-            self._pending, self._in_call = "", False
-        elif not self._in_call:  # content up to what may begin a tag
-            keep = partial_tag(self._pending, self.OPEN)
-            if len(self._pending) > keep:
-                content.append(self._pending[:len(self._pending) - keep])
-                self._pending = self._pending[len(self._pending) - keep:]
+            if self._block is None:
+                if before:
+                    content.append(before)
+                self._block, self._body = CallScanner(1, ("arguments", "parameters")), []
+            else:
+                self._read(before, deltas)
+                self._close(content, deltas, closed=True)
+        tag = self.OPEN if self._block is None else self.CLOSE
+        keep = 0 if last else partial_tag(self._pending, tag)
+        ready, self._pending = (self._pending[:len(self._pending) - keep],
+                                self._pending[len(self._pending) - keep:])
+        if self._block is None:
+            if ready:
+                content.append(ready)  # up to what may begin a tag
+        else:
+            self._read(ready, deltas)
+            if last:
+                self._close(content, deltas, closed=False)
         text_out = "".join(content)
         if text_out:
             self._content.append(text_out)
         return text_out, deltas
 
-    def _block(self, body: str, content: list[str], deltas: list[Delta], closed: bool) -> None:
+    def _read(self, text: str, deltas: list[Delta]) -> None:
+        """More of the open block: its call's name once complete, then its arguments."""
+        assert self._block is not None
+        self._body.append(text)
+        self._take(self._block.feed(text), deltas)
+
+    def _close(self, content: list[str], deltas: list[Delta], closed: bool) -> None:
+        """The block ends (`closed`: with its tag; else the output ends in it): a call once
+        named (closed without arguments: `{}`); otherwise a call if its JSON reads as one
+        whole, else content as written."""
+        assert self._block is not None
+        named, body, self._block = self._block.named, "".join(self._body), None
+        if named:
+            if closed and not self._calls[-1].arguments:
+                self._arguments("{}", deltas)
+            return
         try:
             call = _json_call(json.loads(body), ("arguments", "parameters"), required=False)
         except ValueError:
@@ -76,51 +97,46 @@ class HermesCalls(CallReader):
 
 class JsonCalls(CallReader):
     """Llama 3.1+'s JSON tool calls: an output that starts with `<|python_tag|>` or `{` is
-    calls, `{"name": ..., "parameters": {...}}` objects one after another (`;` between them);
-    any other output is content. Each call is one delta once its object is complete; what
-    does not read as calls by the end is content."""
+    calls, `{"name": ..., "parameters": {...}}` objects one after another (`;` between them),
+    each read as it streams once its arguments begin; any other output is content, and so is
+    one that names no call by its end, or text after the last call."""
 
     TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
         super().__init__()
-        self._pending = ""
+        self._pending = ""  # the output's start, until it is clear
+        self._scanner: CallScanner | None = None  # the calls' reader, in calls mode
+        self._text: list[str] = []  # the calls' text, content if none is named
         self._calls_mode: bool | None = None  # undecided until the output's start is seen
 
     def feed(self, text: str, last: bool = False) -> tuple[str, list[Delta]]:
-        self._pending += text
         if self._calls_mode is None:
+            self._pending += text
             start = self._pending.lstrip()
             if not last and (not start or (self.TAG.startswith(start) and start != self.TAG)):
                 return "", []  # not yet clear
             self._calls_mode = start.startswith((self.TAG, "{"))
+            text = start.removeprefix(self.TAG) if self._calls_mode else self._pending
+            self._pending = ""
             if self._calls_mode:
-                self._pending = start.removeprefix(self.TAG)
+                self._scanner = CallScanner(1, ("parameters", "arguments"),
+                                            needs_arguments=True)
         if not self._calls_mode:
-            content, self._pending = self._pending, ""
-            self._content.append(content)
-            return content, []
-        deltas = self._complete_calls()
-        content = ""
-        if last and self._pending.strip():  # not calls after all: the rest is content
-            content, self._pending = self._pending, ""
+            if text:
+                self._content.append(text)
+            return text, []
+        assert self._scanner is not None
+        deltas: list[Delta] = []
+        self._text.append(text)
+        self._take(self._scanner.feed(text), deltas)
+        if not last:
+            return "", deltas
+        content = ("".join(self._scanner.outside).lstrip(" \t\n;") if self._calls
+                   else "".join(self._text))
+        if content:
             self._content.append(content)
         return content, deltas
-
-    def _complete_calls(self) -> list[Delta]:
-        deltas: list[Delta] = []
-        decoder = json.JSONDecoder()
-        while True:
-            start = len(self._pending) - len(self._pending.lstrip(" \t\n;"))
-            try:
-                call, end = decoder.raw_decode(self._pending, start)
-            except ValueError:  # incomplete so far (or not JSON: content at the end)
-                return deltas
-            read = _json_call(call, ("parameters", "arguments"), required=True)
-            if read is None:
-                return deltas
-            self._pending = self._pending[end:]
-            deltas.append(self._called(*read))
 
 
 class PythonicCalls(CallReader):

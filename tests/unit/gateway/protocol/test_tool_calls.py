@@ -169,16 +169,9 @@ def _scanned(text: str, named: str | None, sizes: random.Random | int) -> tuple[
         assert content == ""
         deltas += calls
         i += size
-    rebuilt: dict[int, dict[str, str]] = {}
-    for delta in deltas:
-        call = rebuilt.setdefault(delta["index"], {"name": "", "arguments": ""})
-        if "id" in delta:
-            assert not call["name"] and delta["type"] == "function"
-            call["name"] = delta["function"]["name"]
-        call["arguments"] += delta["function"]["arguments"]
     whole = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
              for c in scanner.calls()]
-    return [rebuilt[i] for i in sorted(rebuilt)], whole
+    return _rebuilt(deltas), whole
 
 
 @pytest.mark.parametrize(("text", "calls"), [
@@ -207,22 +200,39 @@ HERMES = ('Let me look <that> up.<tool_call>\n{"name": "unit", "arguments": {"u"
           "</tool_call>")
 
 
+def _rebuilt(deltas: list[Any]) -> list[dict[str, str]]:
+    """The calls that a stream's tool-call deltas add up to (the first of each its id)."""
+    calls: dict[int, dict[str, str]] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta["index"], {"name": "", "arguments": ""})
+        if "id" in delta:
+            assert not call["name"] and delta["type"] == "function"
+            call["name"] = delta["function"]["name"]
+        call["arguments"] += delta["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
+
+
 @pytest.mark.parametrize("size", [1, 2, 5, 11, len(HERMES)])
-def test_hermes_blocks_become_calls_and_the_rest_content(size: int) -> None:
+def test_hermes_blocks_are_read_as_they_stream(size: int) -> None:
     reader = HermesCalls()
-    content, deltas = "", []
+    content, deltas, named_at = "", [], None
     pieces = [HERMES[i:i + size] for i in range(0, len(HERMES), size)]
     for i, piece in enumerate(pieces):
         text, calls = reader.feed(piece, last=i == len(pieces) - 1)
         assert "<tool" not in text  # a tag's start is held until it is clear
         content += text
         deltas += calls
+        if named_at is None and calls:
+            named_at = i
     assert content == reader.content() == "Let me look <that> up.\n"
-    assert [(d["index"], d["function"]["name"]) for d in deltas] == [(0, "unit"), (1, "other")]
-    assert [c["function"] for c in reader.calls()] == [
+    whole = [c["function"] for c in reader.calls()]
+    assert _rebuilt(deltas) == whole == [
         {"name": "unit", "arguments": '{"u": "c"}'},
         {"name": "other", "arguments": '{"u": "x", "é": 1}'}]
-    assert deltas[0]["function"] == reader.calls()[0]["function"]
+    if size < len(HERMES):  # the first call's name comes before its block ends
+        assert named_at is not None and "</tool_call>" not in "".join(pieces[:named_at + 1])
+    if size == 1:
+        assert len(deltas) > 4  # the arguments came in pieces
 
 
 def test_hermes_text_without_calls_and_broken_blocks_stay_content() -> None:
@@ -234,17 +244,24 @@ def test_hermes_text_without_calls_and_broken_blocks_stay_content() -> None:
     assert broken.feed("<tool_call>{not json}</tool_call>ok") == (
         "<tool_call>{not json}</tool_call>ok", [])
     as_text = HermesCalls()  # arguments written as their JSON's text
-    assert as_text.feed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>',
-                        last=True)[1][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    _, deltas = as_text.feed('<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}'
+                             '</tool_call>', last=True)
+    assert _rebuilt(deltas) == [{"name": "f", "arguments": '{"a": 1}'}]
+    late = HermesCalls()  # the name after the arguments: they wait for it
+    _, deltas = late.feed('<tool_call>{"arguments": {"a": [1, "}"]} , "name": "f"}',
+                          last=False)
+    assert _rebuilt(deltas) == [{"name": "f", "arguments": '{"a": [1, "}"]}'}]
     no_args = HermesCalls()
-    assert no_args.feed('<tool_call>{"name": "f"}</tool_call>', last=True)[1][0]["function"] \
-        == {"name": "f", "arguments": "{}"}
-    cut = HermesCalls()  # unclosed at the end: a call if it parses
-    assert cut.feed('<tool_call>{"name": "f", "arguments": {}}', last=True)[1][0]["function"] \
-        == {"name": "f", "arguments": "{}"}
-    open_end = HermesCalls()
-    assert open_end.feed('x<tool_call>{"name": "f", "argu', last=True) == (
-        'x<tool_call>{"name": "f", "argu', [])
+    _, deltas = no_args.feed('<tool_call>{"name": "f"}</tool_call>', last=True)
+    assert _rebuilt(deltas) == [{"name": "f", "arguments": "{}"}]
+    cut = HermesCalls()  # unclosed at the end: the call so far
+    _, deltas = cut.feed('<tool_call>{"name": "f", "arguments": {"a": 1', last=True)
+    assert _rebuilt(deltas) == [{"name": "f", "arguments": '{"a": 1'}]
+    unnamed = HermesCalls()
+    assert unnamed.feed('x<tool_call>{"na', last=True) == ('x<tool_call>{"na', [])
+    nameless = HermesCalls()  # a block that names no call is content
+    assert nameless.feed('<tool_call>{"arguments": {}}</tool_call>', last=True) == (
+        '<tool_call>{"arguments": {}}</tool_call>', [])
 
 
 def _update(text: str, done: str | None = None) -> Update:
@@ -305,17 +322,19 @@ def test_a_chat_answer_read_by_a_parser() -> None:
 
 
 def _read(reader: Any, text: str, size: int) -> tuple[str, list[tuple[int, str, str]]]:
+    """The content and calls (index, name, arguments) of `text` fed in pieces of `size`,
+    checked against the reader's whole reply."""
     content, deltas = "", []
     pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
     for i, piece in enumerate(pieces):
         more, calls = reader.feed(piece, last=i == len(pieces) - 1)
         content += more
-        deltas += [(d["index"], d["function"]["name"], d["function"]["arguments"])
-                   for d in calls]
+        deltas += calls
     assert content == reader.content()
+    calls = _rebuilt(deltas)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in reader.calls()] == \
-        [(name, arguments) for _, name, arguments in deltas]
-    return content, deltas
+        [(c["name"], c["arguments"]) for c in calls]
+    return content, [(i, c["name"], c["arguments"]) for i, c in enumerate(calls)]
 
 
 @pytest.mark.parametrize("size", [1, 3, 1000])
@@ -325,7 +344,8 @@ def _read(reader: Any, text: str, size: int) -> tuple[str, list[tuple[int, str, 
     (' {"name": "a", "arguments": {"x": 1}}', "", [(0, "a", '{"x": 1}')]),
     ('Hello {"name": "a", "parameters": {}}', 'Hello {"name": "a", "parameters": {}}', []),
     ("<|python", "<|python", []),
-    ('{"name": "a", "parameters": {"x": ', '{"name": "a", "parameters": {"x": ', []),
+    ('{"name": "a", "parameters": {"x": ', "", [(0, "a", '{"x":')]),  # cut: the call so far
+    ('{"name": "a", "parameters": {}}; and so on', "and so on", [(0, "a", "{}")]),
     ('{"not": "a call"}', '{"not": "a call"}', []),
     ('{"name": "Bob"}', '{"name": "Bob"}', []),  # no arguments: an answer in JSON, not a call
     ('{"name": "a", "parameters": "{\\"x\\": 1}"}', "", [(0, "a", '{"x": 1}')]),
@@ -347,3 +367,12 @@ def test_llama_json_calls(size: int, text: str, content: str, calls: Any) -> Non
 ])
 def test_pythonic_calls(size: int, text: str, content: str, calls: Any) -> None:
     assert _read(PythonicCalls(), text, size) == (content, calls)
+
+
+def test_llama_json_calls_stream_their_arguments() -> None:
+    reader = JsonCalls()
+    assert reader.feed('{"name": "a", ') == ("", [])  # not a call until its arguments begin
+    _, deltas = reader.feed('"parameters": {"x"')
+    assert [d["function"] for d in deltas] == [{"name": "a", "arguments": '{"x"'}]
+    _, deltas = reader.feed(': 1}}', last=True)
+    assert deltas == [{"index": 0, "function": {"arguments": ": 1}"}}]

@@ -3,12 +3,13 @@ return_token_ids (the output's and the prompt's ids, carried back through the me
 first output), return_tokens_as_token_ids ("token_id:<id>" in logprobs), prompt_logprobs
 (each prompt token's logprob and rank, and the most likely ones), logprob_token_ids (the asked
 ids listed in place of the most likely), bad_words, truncate_prompt_tokens with
-truncation_side, use_beam_search refused, and the /version and /load routes, as vLLM's own
-server tests read them."""
+truncation_side, use_beam_search refused, cache_salt (the prefix cache split by salt), and
+the /version and /load routes, as vLLM's own server tests read them."""
 
 from __future__ import annotations
 
 import json
+import uuid
 
 import httpx
 import openai
@@ -282,6 +283,36 @@ def test_truncation_and_beam_search_refusals(client, model) -> None:
                                       extra_body={"use_beam_search": False,
                                                   "length_penalty": 1.0})
     assert reply.choices[0].finish_reason == "length"
+
+
+# ---- cache_salt ------------------------------------------------------------------------------
+
+
+def test_a_cache_salt_shares_cached_prompts_only_under_the_same_salt(client, model) -> None:
+    prompt = f"{uuid.uuid4().hex} " + "the quick brown fox jumps over the lazy dog " * 8
+
+    def cached(**salt: str) -> int:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                          extra_body=salt)
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-a") >= 32  # its own: reused
+    assert cached(cache_salt="tenant-b") == 0  # another tenant's: not
+    assert cached() == 0 and cached() >= 32  # unsalted requests share among themselves
+
+    def chat_cached(salt: str) -> int:
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+            extra_body={"cache_salt": salt})
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert chat_cached("tenant-a") < 32 <= chat_cached("tenant-a")
+    assert chat_cached("tenant-b") == 0
+    for bad in ("", "x" * 1025, 7):
+        with pytest.raises(openai.BadRequestError, match="cache_salt"):
+            client.completions.create(model=model, prompt="hi", max_tokens=1,
+                                      extra_body={"cache_salt": bad})
 
 
 # ---- /version and /load ----------------------------------------------------------------------

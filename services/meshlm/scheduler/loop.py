@@ -180,7 +180,8 @@ class EngineLoop:
                 self.engine.add_request(rid, list(req.input_ids),
                                         wire.engine_params(meta.sampling, req.bad_words),
                                         after=meta.after or None,
-                                        priority=meta.priority, matcher=matcher)
+                                        priority=meta.priority, matcher=matcher,
+                                        cache_salt=meta.cache_salt)
         except ValueError as exc:
             self._pending.append(_final(rid, prompt_tokens, "error", str(exc)))
 

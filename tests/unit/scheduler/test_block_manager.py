@@ -87,6 +87,22 @@ def test_prefix_match_is_whole_blocks_chained_and_capped() -> None:
     assert bm.match_prefix(tokens[:4] + [0, 0, 0, 0], 100)[0] == a.blocks[:1]
 
 
+def test_a_salted_chain_is_shared_only_under_its_salt() -> None:
+    bm = BlockManager(16, BS)
+    tokens = list(range(10, 19))
+    plain = computed(bm, tokens)
+    root = block_manager.salt_root("tenant-a")
+    assert block_manager.salt_root("") is None and root != block_manager.salt_root("tenant-b")
+    assert bm.match_prefix(tokens, 100, root)[0] == []  # the unsalted blocks: not for a salt
+    salted = table_for(bm, tokens, reuse=False)
+    salted.root = root
+    bm.register_full_blocks(salted, tokens, len(tokens))
+    assert bm.match_prefix(tokens, 100, root)[0] == salted.blocks[:2]
+    assert bm.match_prefix(tokens, 100)[0] == plain.blocks[:2]
+    assert bm.match_prefix(tokens, 100, block_manager.salt_root("tenant-b"))[0] == []
+    bm.check()
+
+
 def test_register_only_computed_full_blocks_and_incrementally() -> None:
     bm = BlockManager(16, BS)
     tokens = list(range(10, 22))

@@ -172,13 +172,16 @@ async def test_the_waiting_queue_is_bounded(make_engine: Any):
 class _FakeEngine:
     def __init__(self) -> None:
         self.added: list[tuple[str, list[int], SamplingParams, int]] = []
+        self.salts: dict[str, str] = {}
         self.matchers: dict[str, Any] = {}
         self.model_config = SimpleNamespace(has_lm_head=True)
         self.num_waiting = 0
 
     def add_request(self, rid: str, ids: list[int], params: SamplingParams,
-                    after: str | None = None, priority: int = 0, matcher: Any = None) -> None:
+                    after: str | None = None, priority: int = 0, matcher: Any = None,
+                    cache_salt: str = "") -> None:
         self.added.append((rid, ids, params, priority))
+        self.salts[rid] = cache_salt
         self.matchers[rid] = matcher
 
 
@@ -230,15 +233,17 @@ async def test_a_batch_with_constraints_waits_for_its_matchers_then_keeps_its_or
     assert loop.tracked["broken"].error_code == Code.INVALID_ARGUMENT
 
 
-def test_admission_passes_the_gateways_priority_to_the_engine() -> None:
+def test_admission_passes_the_gateways_priority_and_salt_to_the_engine() -> None:
     engine = _FakeEngine()
     loop = EngineLoop(engine, None, None)  # type: ignore[arg-type]
     for rid, priority in (("low", -3), ("none", 0), ("high", 7)):
         loop.admit(scheduler_pb2.TokenizedRequest(input_ids=[1], meta=common_pb2.RequestMeta(
             rid=rid, route=common_pb2.Route(detokenizer="d"), priority=priority,
+            cache_salt=f"salt-{rid}" if priority else "",
             sampling=common_pb2.SamplingParams(top_p=1.0, max_new_tokens=1))))
     assert [(rid, priority) for rid, _, _, priority in engine.added] == [
         ("low", -3), ("none", 0), ("high", 7)]
+    assert engine.salts == {"low": "salt-low", "none": "", "high": "salt-high"}
 
 
 def _long(rid: str, n: int, **kw: Any) -> scheduler_pb2.TokenizedRequest:

@@ -116,7 +116,7 @@ class OpenAIRPCs:
         except MeshError as e:
             raise renamed(e, req.names) from None
         v.return_text = True
-        v.return_prompt_ids = req.return_token_ids
+        v.return_prompt_ids, v.cache_salt = req.return_token_ids, req.cache_salt
         v.truncate, v.truncate_right = truncation(req, limits), req.truncate_right
         answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,
                             stream=req.stream, include_usage=req.include_usage,
@@ -142,7 +142,7 @@ class OpenAIRPCs:
                 prompt = truncated(prompt, cut, req.truncate_right)
             v = await _validated(public_request(req, prompt), limits, names)
             v.add_special_tokens = req.add_special_tokens
-            v.return_prompt_ids = req.return_token_ids
+            v.return_prompt_ids, v.cache_salt = req.return_token_ids, req.cache_salt
             v.truncate, v.truncate_right = cut, req.truncate_right
             runs.append((v, names))
         echo = None

@@ -21,7 +21,7 @@ def tokenizer_request(v: ValidatedRequest, child: Child, route: common_pb2.Route
         rid=child.rid, sampling=child.sampling, stream=v.stream, return_text=v.return_text,
         route=route, arrival_time=arrival, embed=v.embed, after=child.after,
         deadline=deadline.wire(expires), priority=v.priority,
-        return_prompt_ids=v.return_prompt_ids,
+        return_prompt_ids=v.return_prompt_ids, cache_salt=v.cache_salt,
     )
     msg = tokenizer_pb2.GenerateRequest(meta=meta, trace=trace,
                                         add_special_tokens=v.add_special_tokens,

@@ -58,6 +58,7 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 
 MAX_PROMPTS = 64          # prompts or inputs in one completions / embeddings request
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CACHE_SALT = 1024  # characters: a tenant's key, not a payload
 _INT32 = 2**31 - 1
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -84,6 +85,7 @@ class GenerationRequest:
     truncate: int | None = None  # vLLM's truncate_prompt_tokens (-1: the context length)
     truncate_right: bool = False  # vLLM's truncation_side "right": the first ones kept
     logprob_ids: list[int] = field(default_factory=list)  # vLLM's logprob_token_ids
+    cache_salt: str = ""  # vLLM's: prefix-cache reuse only among requests with the same salt
 
     @property
     def n(self) -> int:
@@ -236,9 +238,9 @@ def _stream(body: JsonBody) -> tuple[bool, bool, bool]:
 
 def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
     """vLLM's return_token_ids, return_tokens_as_token_ids, prompt_logprobs,
-    truncate_prompt_tokens and truncation_side, as GenerationRequest fields. prompt_logprobs
-    come in the whole answer only: refused with stream, but 0 is taken there and changes
-    nothing, as in vLLM."""
+    truncate_prompt_tokens, truncation_side and cache_salt, as GenerationRequest fields.
+    prompt_logprobs come in the whole answer only: refused with stream, but 0 is taken there
+    and changes nothing, as in vLLM."""
     k = b.integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)
     if k is not None and stream:
         if k:
@@ -257,7 +259,12 @@ def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
     side = b.string("truncation_side")
     if side not in (None, "left", "right"):
         raise invalid("truncation_side", f"must be \"left\" or \"right\", got {show(side)}")
-    return {"return_token_ids": bool(b.boolean("return_token_ids")),
+    salt = b.string("cache_salt")
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT:
+        raise invalid("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} "
+                                    f"characters, got {len(salt)}")
+    return {"cache_salt": salt or "",
+            "return_token_ids": bool(b.boolean("return_token_ids")),
             "tokens_as_ids": bool(b.boolean("return_tokens_as_token_ids")),
             "prompt_logprobs": k, "truncate": truncate, "truncate_right": side == "right",
             "logprob_ids": _logprob_ids(b.get("logprob_token_ids"))}

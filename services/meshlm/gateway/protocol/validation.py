@@ -83,6 +83,7 @@ class ValidatedRequest:
     fill_max_new_tokens: bool = False
     add_special_tokens: bool = True  # a text prompt's, when encoded (a chat's: in `chat`)
     return_prompt_ids: bool = False  # the prompt's ids come back with the first output
+    cache_salt: str = ""  # vLLM's: cached prefixes shared only among requests with this salt
     # vLLM's truncate_prompt_tokens: the tokenizer cuts the prompt's ids to this many (0: no
     # cut), keeping the last ones, or the first ones with truncate_right.
     truncate: int = 0

@@ -24,6 +24,12 @@ def chain_hash(parent: int | None, tokens: Seq[int]) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def salt_root(cache_salt: str) -> int | None:
+    """Where a request's chain of block hashes starts: None, or (vLLM's cache_salt) a root of
+    its salt's own, so that only requests with the same salt share cached blocks."""
+    return hash(("cache_salt", cache_salt)) if cache_salt else None
+
+
 @dataclass
 class Block:
     block_id: int
@@ -38,6 +44,7 @@ class BlockTable:
 
     blocks: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # one per registered (full) block
+    root: int | None = None  # the hash its first block chains from (`salt_root`)
 
 
 class BlockManager:
@@ -88,12 +95,14 @@ class BlockManager:
 
     # -- prefix cache -----------------------------------------------------------------------
 
-    def match_prefix(self, token_ids: Seq[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: Seq[int], max_tokens: int, root: int | None = None
+                     ) -> tuple[list[int], list[int]]:
         """The cached blocks holding the longest prefix of `token_ids`, at most `max_tokens`
-        long, whole blocks only: (block ids, their hashes). Takes no reference."""
+        long, whole blocks only, on the chain from `root`: (block ids, their hashes). Takes no
+        reference."""
         ids: list[int] = []
         hashes: list[int] = []
-        parent: int | None = None
+        parent = root
         bs = self.block_size
         for i in range(min(max_tokens, len(token_ids)) // bs):
             tokens = token_ids[i * bs : (i + 1) * bs]
@@ -112,7 +121,7 @@ class BlockManager:
         there first) stays private; the chain goes on with the same hash."""
         bs = self.block_size
         for i in range(len(table.hashes), min(computed // bs, len(table.blocks))):
-            parent = table.hashes[-1] if table.hashes else None
+            parent = table.hashes[-1] if table.hashes else table.root
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = chain_hash(parent, tokens)
             table.hashes.append(h)

@@ -217,15 +217,17 @@ class Engine:
         return blocks
 
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                    after: str | None = None, priority: int = 0, matcher: Any = None) -> None:
+                    after: str | None = None, priority: int = 0, matcher: Any = None,
+                    cache_salt: str = "") -> None:
         """Queue a request (loop thread). Raises ValueError if `rid` is still live. A request
         that cannot run (prompt empty, too long for max_model_len, token ids out of range,
         bad params) is not raised on: it finishes with finish_reason "error" and a message in
         the next postprocess(). `after`: the rid of a live request with the same prompt whose
         KV this one should share (n > 1); it starts once that prompt is computed. Waiting
         requests are admitted larger `priority` first, then in arrival order. `matcher`: the
-        grammar's (params.grammar: `scheduler/grammar.py` builds it), fed each token drawn."""
-        self.planner.add(rid, prompt_ids, params, after, priority, matcher)
+        grammar's (params.grammar: `scheduler/grammar.py` builds it), fed each token drawn.
+        `cache_salt`: prefix-cache reuse only among requests with the same salt."""
+        self.planner.add(rid, prompt_ids, params, after, priority, matcher, cache_salt)
 
     def add_embed_request(self, rid: str, prompt_ids: list[int]) -> None:
         """Queue an embedding request (loop thread): its one output has `embedding`, the

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from meshlm.scheduler.engine.block_manager import BlockManager
+from meshlm.scheduler.engine.block_manager import BlockManager, salt_root
 from meshlm.scheduler.engine.outputs import step_output
 from meshlm.scheduler.engine.sequence import (
     ItemResult,
@@ -82,7 +82,8 @@ class BatchPlanner:
     # -- requests ---------------------------------------------------------------------------
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-            after: str | None = None, priority: int = 0, matcher: Any = None) -> None:
+            after: str | None = None, priority: int = 0, matcher: Any = None,
+            cache_salt: str = "") -> None:
         """Queue a request, ahead of those of lower `priority`. Raises ValueError if `rid` is
         live. An unusable request is not queued: it finishes with "error" at once, its output
         coming from the next postprocess. max_new_tokens 0 computes the prompt only
@@ -93,8 +94,13 @@ class BatchPlanner:
         prefix cache, sharing its prompt blocks instead of computing them again.
 
         `matcher`: the grammar's (params.grammar), built by the caller; the model runner feeds
-        it every token drawn, and the request stops once it is complete."""
-        self._enqueue(Sequence.new(rid, prompt_ids, params, priority, matcher), after)
+        it every token drawn, and the request stops once it is complete.
+
+        `cache_salt` (vLLM's): the request shares cached prefix blocks only with requests of
+        the same salt."""
+        seq = Sequence.new(rid, prompt_ids, params, priority, matcher)
+        seq.table.root = salt_root(cache_salt)
+        self._enqueue(seq, after)
 
     def add_embed(self, rid: str, prompt_ids: list[int], pooling: str,
                   pool_at: int | None = None) -> None:
@@ -284,7 +290,8 @@ class BatchPlanner:
         """Admit `seq` if its prompt's blocks (minus the cached prefix) are free."""
         bm = self.blocks
         reused, hashes = bm.match_prefix(seq.token_ids,
-                                         seq.reusable_prefix if self.prefix_cache else 0)
+                                         seq.reusable_prefix if self.prefix_cache else 0,
+                                         seq.table.root)
         need = bm.blocks_for(seq.num_tokens) - len(reused)
         if not bm.can_allocate(need + self.watermark_blocks, reused):
             if self.running or not bm.can_allocate(need, reused):

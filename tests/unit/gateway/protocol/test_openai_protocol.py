@@ -290,9 +290,9 @@ def test_add_special_tokens_defaults_as_vllm() -> None:
 
 def test_a_null_field_is_not_given_even_when_unknown() -> None:
     parse_chat(_body({"messages": USER, "bootstrap_host": None, "lora_path": None}))
-    parse_completion(_body({"prompt": "a", "cache_salt": None}))
-    err = _refusal(parse_completion, {"prompt": "a", "cache_salt": "x"})
-    assert err.message == "cache_salt: unknown field"
+    parse_completion(_body({"prompt": "a", "kv_transfer_params": None}))
+    err = _refusal(parse_completion, {"prompt": "a", "kv_transfer_params": {}})
+    assert err.message == "kv_transfer_params: unknown field"
     with pytest.raises(MeshError) as info:
         parse_chat(_body({"messages": USER, "lora_path": "/adapters/a"}))
     assert info.value.code == grpc.StatusCode.UNIMPLEMENTED

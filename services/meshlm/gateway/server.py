@@ -91,8 +91,10 @@ class GatewayConfig(ServiceConfig):
                                           "or qwen25 (<tool_call>{json}</tool_call>: Hermes 2 "
                                           "Pro and later, Qwen2.5, Qwen3), llama3_json, "
                                           "llama4_json or llama3 (Llama 3.1 and later's JSON "
-                                          "calls), pythonic (Llama 3.2 and 4's [f(a=1)]); "
-                                          "empty: auto is refused (forced calls need none)")
+                                          "calls), pythonic (Llama 3.2 and 4's [f(a=1)]), "
+                                          "mistral ([TOOL_CALLS]: Mistral, Mixtral, Magistral, "
+                                          "Devstral); empty: auto is refused (forced calls "
+                                          "need none)")
     reasoning_parser: str = cfg.field("", "the model's thinking, split from its chat answers "
                                           "as reasoning_content: deepseek-r1 (deepseek_r1) or "
                                           "qwen3-thinking (the output starts in thought, up "

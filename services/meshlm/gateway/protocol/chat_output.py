@@ -15,9 +15,9 @@ from meshlm.gateway.protocol.forced_calls import ForcedCalls
 from meshlm.gateway.protocol.openai import ChatRequest
 from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
 from meshlm.gateway.protocol.reasoning import ReasoningReader
-from meshlm.gateway.protocol.tool_call_output import CallReader
+from meshlm.gateway.protocol.tool_call_output import CallReader, call_id
 from meshlm.gateway.protocol.tool_calls import auto_refused
-from meshlm.gateway.protocol.tool_parsers import PARSERS
+from meshlm.gateway.protocol.tool_parsers import CALL_IDS, PARSERS
 
 
 @dataclass
@@ -111,7 +111,7 @@ def call_reader(req: ChatRequest, parser: str) -> Callable[[], CallReader] | Non
     if choice is None:
         return None
     if not choice.auto:
-        return partial(ForcedCalls, choice.named)
+        return partial(ForcedCalls, choice.named, CALL_IDS.get(parser, call_id))
     if parser not in PARSERS:
         raise auto_refused()
     if not req.sampling.HasField("skip_special_tokens"):

@@ -5,15 +5,17 @@ comes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from meshlm.gateway.protocol.call_scanner import CallScanner
-from meshlm.gateway.protocol.tool_call_output import Call, CallReader, Delta, call_id
+from meshlm.gateway.protocol.tool_call_output import CallReader, Delta, call_id
 
 
 class ForcedCalls(CallReader):
     """A forced call's output: `named`'s arguments, or (None) "required"'s array."""
 
-    def __init__(self, named: str | None) -> None:
-        super().__init__()
+    def __init__(self, named: str | None, new_id: Callable[[], str] = call_id) -> None:
+        super().__init__(new_id)
         self._named = named
         self._array = CallScanner(2, ("parameters",)) if named is None else None
 
@@ -21,12 +23,12 @@ class ForcedCalls(CallReader):
         if not text:
             return "", []
         if self._array is None:  # a named function: the whole output is its arguments
+            deltas: list[Delta] = []
             if not self._calls:
                 assert self._named is not None
-                self._calls.append(Call(call_id(), self._named, [text]))
-                return "", [self._calls[0].opening(0, text)]
-            self._calls[0].arguments.append(text)
-            return "", [{"index": 0, "function": {"arguments": text}}]
-        deltas: list[Delta] = []
+                self._open(self._named, deltas)
+            self._arguments(text, deltas)
+            return "", deltas
+        deltas = []
         self._take(self._array.feed(text), deltas)
         return "", deltas

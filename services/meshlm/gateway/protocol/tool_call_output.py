@@ -8,7 +8,10 @@ Output cut short by max_tokens gives the calls so far."""
 
 from __future__ import annotations
 
+import secrets
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +22,15 @@ Delta = dict[str, Any]
 
 def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
+
+
+_ALNUM = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other tool call id when
+    the call comes back in the next turn's messages."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
 
 
 @dataclass
@@ -41,7 +53,8 @@ class Call:
 class CallReader:
     """One choice's output, read as tool calls and content."""
 
-    def __init__(self) -> None:
+    def __init__(self, new_id: Callable[[], str] = call_id) -> None:
+        self._new_id = new_id  # each call's id
         self._calls: list[Call] = []
         self._content: list[str] = []
 
@@ -59,7 +72,7 @@ class CallReader:
 
     def _called(self, name: str, arguments: str) -> Delta:
         """A whole call read: kept, and its one delta."""
-        self._calls.append(Call(call_id(), name, [arguments]))
+        self._calls.append(Call(self._new_id(), name, [arguments]))
         return self._calls[-1].opening(len(self._calls) - 1, arguments)
 
     def _take(self, events: list[Event], deltas: list[Delta]) -> None:
@@ -67,10 +80,14 @@ class CallReader:
         its arguments' text follows (one delta a call per stretch of output)."""
         for event, value in events:
             if event == "name":
-                self._calls.append(Call(call_id(), value))
-                deltas.append(self._calls[-1].opening(len(self._calls) - 1, ""))
+                self._open(value, deltas)
             elif self._calls:  # arguments' text of the last call
                 self._arguments(value, deltas)
+
+    def _open(self, name: str, deltas: list[Delta], id_: str = "") -> None:
+        """A new call, named: its first delta (its arguments follow)."""
+        self._calls.append(Call(id_ or self._new_id(), name))
+        deltas.append(self._calls[-1].opening(len(self._calls) - 1, ""))
 
     def _arguments(self, text: str, deltas: list[Delta]) -> None:
         """More of the last call's arguments."""

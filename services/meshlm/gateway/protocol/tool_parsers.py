@@ -10,6 +10,8 @@
 - `JsonCalls` (`llama3_json`, `llama4_json`, SGLang's `llama3`): Llama 3.1 and later's JSON
   calls, an output that starts with `<|python_tag|>` or `{` being `{"name", "parameters"}`
   objects separated by `;`, each read as it streams once its arguments begin.
+- `MistralCalls` (`mistral`): `[TOOL_CALLS]` then a JSON array of calls, or (Mistral's
+  tokenizers v11 and later) `name[ARGS]{...}` per call; ids of nine letters and digits.
 - `PythonicCalls` (`pythonic`): Llama 3.2 and 4's `[f(a=1), g(b="x")]`, read whole at the
   end of the output.
 """
@@ -18,11 +20,12 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Callable
 from typing import Any
 
 from meshlm.gateway.protocol.call_scanner import CallScanner
 from meshlm.gateway.protocol.text_tags import partial_tag
-from meshlm.gateway.protocol.tool_call_output import CallReader, Delta
+from meshlm.gateway.protocol.tool_call_output import CallReader, Delta, mistral_call_id
 
 
 class HermesCalls(CallReader):
@@ -139,6 +142,81 @@ class JsonCalls(CallReader):
         return content, deltas
 
 
+class MistralCalls(CallReader):
+    """Mistral's `[TOOL_CALLS]`, after any content: then either a JSON array of
+    `{"name", "arguments"}` calls (tokenizers before v11: Mistral 7B v0.3, Mixtral 8x22B,
+    Mistral Nemo), or each call as `name[ARGS]{arguments}` (v11 and later: Mistral Small 3.2,
+    Magistral, Devstral; `name[CALL_ID]id[ARGS]...` keeps the model's id), another
+    `[TOOL_CALLS]` before each further call. Read as they stream; ids are Mistral's nine
+    letters and digits, which its chat templates require of earlier calls."""
+
+    TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+
+    def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
+        super().__init__(new_id)
+        self._pending = ""  # not yet read
+        self._mode = ""  # "": content; "start": after the tag; "json"; "name"; "arguments"
+        self._scanner: CallScanner | None = None  # the array's or a call's arguments' reader
+
+    def feed(self, text: str, last: bool = False) -> tuple[str, list[Delta]]:
+        self._pending += text
+        content: list[str] = []
+        deltas: list[Delta] = []
+        while self._step(content, deltas, last):
+            pass
+        text_out = "".join(content)
+        if text_out:
+            self._content.append(text_out)
+        return text_out, deltas
+
+    def _step(self, content: list[str], deltas: list[Delta], last: bool) -> bool:
+        """Read what can be read of the pending text; True to go on."""
+        pending = self._pending
+        if self._mode == "json":  # the array (or object) of calls, to the end
+            assert self._scanner is not None
+            self._take(self._scanner.feed(pending), deltas)
+            self._pending = ""
+            return False
+        if self._mode in ("", "arguments"):  # content, or a call's arguments, to a tag
+            at = pending.find(self.TAG)
+            end = at if at >= 0 else len(pending) - (0 if last else
+                                                     partial_tag(pending, self.TAG))
+            if self._mode == "":
+                if end:
+                    content.append(pending[:end])
+            else:
+                assert self._scanner is not None
+                self._take(self._scanner.feed(pending[:end]), deltas)
+            if at < 0:
+                self._pending = pending[end:]
+                return False
+            self._pending, self._mode = pending[at + len(self.TAG):], "start"
+            return True
+        if self._mode == "start":
+            start = pending.lstrip()
+            if not start and not last:
+                return False
+            if start[:1] in ("[", "{"):
+                self._mode, self._pending = "json", start
+                self._scanner = CallScanner(2 if start[0] == "[" else 1, ("arguments",))
+            else:
+                self._mode = "name"
+            return bool(start)
+        # "name": up to [ARGS], maybe by way of [CALL_ID]
+        at = pending.find(self.ARGS)
+        if at < 0:
+            if last and pending.strip():
+                content.append(self.TAG + pending)  # a name without arguments: not a call
+                self._pending = ""
+            return False
+        name, _, given_id = pending[:at].partition(self.CALL_ID)
+        self._open(name.strip(), deltas, given_id.strip())
+        self._scanner = CallScanner(1, ("arguments",))
+        self._scanner.feed('{"name": "", "arguments": ')  # the call is open: read its arguments
+        self._pending, self._mode = pending[at + len(self.ARGS):], "arguments"
+        return True
+
+
 class PythonicCalls(CallReader):
     """Calls written as a Python list of calls with keyword arguments,
     `[get_weather(city="Paris"), get_time(zone="UTC")]` (Llama 3.2 and 4's pythonic form): an
@@ -215,4 +293,7 @@ def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
 # --tool-call-parser's names: vLLM's, and SGLang's for the same formats.
 PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesCalls,
                                         "llama3_json": JsonCalls, "llama4_json": JsonCalls,
-                                        "llama3": JsonCalls, "pythonic": PythonicCalls}
+                                        "llama3": JsonCalls, "pythonic": PythonicCalls,
+                                        "mistral": MistralCalls}
+# The ids a parser's models need for their calls (a forced call's too); others: call_id's.
+CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}

@@ -15,13 +15,18 @@ import pytest
 
 from meshlm.common.errors import MeshError
 from meshlm.gateway.mesh.inbox import Update
-from meshlm.gateway.protocol.chat_output import ChatOutput
+from meshlm.gateway.protocol.chat_output import ChatOutput, call_reader
 from meshlm.gateway.protocol.forced_calls import ForcedCalls
 from meshlm.gateway.protocol.json_body import JsonBody
 from meshlm.gateway.protocol.openai import parse_chat, template_request
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
 from meshlm.gateway.protocol.tool_calls import parse_tools
-from meshlm.gateway.protocol.tool_parsers import HermesCalls, JsonCalls, PythonicCalls
+from meshlm.gateway.protocol.tool_parsers import (
+    HermesCalls,
+    JsonCalls,
+    MistralCalls,
+    PythonicCalls,
+)
 from meshlm.v1 import gateway_pb2
 
 USER = [{"role": "user", "content": "hi"}]
@@ -376,3 +381,43 @@ def test_llama_json_calls_stream_their_arguments() -> None:
     assert [d["function"] for d in deltas] == [{"name": "a", "arguments": '{"x"'}]
     _, deltas = reader.feed(': 1}}', last=True)
     assert deltas == [{"index": 0, "function": {"arguments": ": 1}"}}]
+
+
+MISTRAL_V11 = ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+               '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"zone": "UTC"}')
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('[TOOL_CALLS] [{"name": "a", "arguments": {"x": [1, "]"]}}, {"name": "b", "arguments": {}}]',
+     "", [(0, "a", '{"x": [1, "]"]}'), (1, "b", "{}")]),
+    ('Let me check. [TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}]', "Let me check. ",
+     [(0, "a", '{"x": 1}')]),
+    (MISTRAL_V11, "Sure.", [(0, "get_weather", '{"city": "Paris"}'),
+                            (1, "get_time", '{"zone": "UTC"}')]),
+    ("[TOOL_CALLS]f[ARGS]{}", "", [(0, "f", "{}")]),
+    ("Just text, [TOOL_CALL] not a tag", "Just text, [TOOL_CALL] not a tag", []),
+    ("[TOOL_CALLS]f", "[TOOL_CALLS]f", []),  # no arguments by the end: content
+    ('[TOOL_CALLS]f[ARGS]{"x": "cut', "", [(0, "f", '{"x": "cut')]),
+])
+def test_mistral_calls(size: int, text: str, content: str, calls: Any) -> None:
+    assert _read(MistralCalls(), text, size) == (content, calls)
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits_or_the_models() -> None:
+    reader = MistralCalls()
+    reader.feed(MISTRAL_V11, last=True)
+    first, second = (c["id"] for c in reader.calls())
+    assert len(first) == 9 and first.isalnum() and second == "a1B2c3D4e"
+
+
+def test_a_forced_calls_ids_follow_the_gateways_parser() -> None:
+    body = orjson.dumps({"model": "m", "messages": USER, "tools": [UNIT],
+                         "tool_choice": "required"})
+    for parser, mistral in (("mistral", True), ("hermes", False), ("", False)):
+        reader = call_reader(parse_chat(body), parser)
+        assert reader is not None
+        calls = reader()
+        calls.feed('[{"name": "unit", "parameters": {"u": "c"}}]', last=True)
+        [call] = calls.calls()
+        assert (len(call["id"]) == 9 and call["id"].isalnum()) is mistral, call["id"]

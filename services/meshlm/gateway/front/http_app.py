@@ -52,6 +52,7 @@ from meshlm.gateway.front.http_streams import (
 from meshlm.gateway.front.native_routes import NATIVE_OWN_SHAPES, native_routes
 from meshlm.gateway.front.openai_routes import OPENAI_OWN_SHAPES, openai_routes
 from meshlm.gateway.front.reclaim import Reclaimer
+from meshlm.gateway.front.responses_route import responses_routes
 from meshlm.gateway.front.sse import NativeChoices, native_embedding
 from meshlm.gateway.front.token_routes import token_routes
 from meshlm.gateway.protocol import native, transcode
@@ -80,7 +81,7 @@ def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
         *native_routes(api),
         *token_routes(api, ""),
     ]
-    openai = openai_routes(api) + token_routes(api, "/v1")
+    openai = openai_routes(api) + responses_routes(api) + token_routes(api, "/v1")
     transcoded = [_TranscodedRoute(b, partial(h.transcoded, b)) for b in transcode.routes()]
     routes = native + openai + transcoded
     if metrics is not None:

@@ -105,7 +105,7 @@ async def _generation(parse: Callable[[bytes], GenerationRequest],
     req = parse(await request.body())
     chunks = run(req)
     if not req.stream:
-        last = await unless_disconnected(_last(chunks), request.receive)
+        last = await unless_disconnected(last_chunk(chunks), request.receive)
         return Response(last.json_chunk, media_type=JSON)
     try:
         head = await unless_disconnected(first(chunks), request.receive)
@@ -126,7 +126,7 @@ async def _reply(parse: Callable[[bytes], Any], run: Callable[[Any], Awaitable[b
     return Response(body, media_type=JSON)
 
 
-async def _last(chunks: Chunks) -> pb.OpenAIStreamChunk:
+async def last_chunk(chunks: Chunks) -> pb.OpenAIStreamChunk:
     """The stream's last chunk (not streaming, its only one), read to the end."""
     last = None
     async with aclosing(chunks):

@@ -107,6 +107,13 @@ async def _generation(parse: Callable[[bytes], GenerationRequest],
     if not req.stream:
         last = await unless_disconnected(last_chunk(chunks), request.receive)
         return Response(last.json_chunk, media_type=JSON)
+    head = await first_chunk(chunks, request)
+    return StreamResponse(_events(head, chunks, request.url.path), chunks, "text/event-stream")
+
+
+async def first_chunk(chunks: Chunks, request: Request) -> pb.OpenAIStreamChunk:
+    """A streamed answer's first chunk (its failure raised as it is, the stream closed), read
+    unless the client goes away first."""
     try:
         head = await unless_disconnected(first(chunks), request.receive)
     except BaseException:
@@ -114,7 +121,7 @@ async def _generation(parse: Callable[[bytes], GenerationRequest],
         raise
     if head is EMPTY:  # cannot happen: a stream ends with its finish chunk
         raise MeshError(grpc.StatusCode.INTERNAL, "the stream ended without a chunk")
-    return StreamResponse(_events(head, chunks, request.url.path), chunks, "text/event-stream")
+    return head
 
 
 async def _reply(parse: Callable[[bytes], Any], run: Callable[[Any], Awaitable[bytes]],

@@ -11,19 +11,17 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
-import grpc
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from meshlm.common.errors import MeshError
 from meshlm.gateway.api.openai import Chunks
 from meshlm.gateway.front.disconnect import unless_disconnected
 from meshlm.gateway.front.errors import Shape, error_body, failure
 from meshlm.gateway.front.http_call import call_context
-from meshlm.gateway.front.http_streams import EMPTY, StreamResponse, aclose, first
-from meshlm.gateway.front.openai_routes import JSON, last_chunk
+from meshlm.gateway.front.http_streams import StreamResponse
+from meshlm.gateway.front.openai_routes import JSON, first_chunk, last_chunk
 from meshlm.gateway.protocol.openai_logprobs import dumps
 from meshlm.gateway.protocol.responses import parse_responses
 from meshlm.gateway.protocol.responses_output import ResponseShape
@@ -42,13 +40,7 @@ async def _responses(api: Any, request: Request) -> Response:
     if not req.chat.stream:
         last = await unless_disconnected(last_chunk(chunks), request.receive)
         return Response(dumps(shape.whole(orjson.loads(last.json_chunk))), media_type=JSON)
-    try:
-        head = await unless_disconnected(first(chunks), request.receive)
-    except BaseException:
-        await aclose(chunks)
-        raise
-    if head is EMPTY:  # cannot happen: a stream ends with its finish chunk
-        raise MeshError(grpc.StatusCode.INTERNAL, "the stream ended without a chunk")
+    head = await first_chunk(chunks, request)
     return StreamResponse(_events(shape, head, chunks, request.url.path), chunks,
                           "text/event-stream")
 

@@ -25,7 +25,7 @@ from meshlm.gateway.protocol.validation import unimplemented
 
 # Chat fields a Responses request says otherwise (`input`, `max_output_tokens`, `text`...).
 _CHAT_ONLY = ("messages", "max_tokens", "max_completion_tokens", "response_format", "logprobs",
-              "n", "stream_options", "functions", "function_call", "echo", "stop")
+              "n", "functions", "function_call", "echo", "stop")
 _STATEFUL = {"previous_response_id": "responses are not stored here; send the conversation "
                                      "so far as input",
              "conversation": "conversations are not stored here; send them as input",
@@ -75,6 +75,11 @@ def _chat_doc(doc: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
                                                     f'{show(truncation)}')
     if doc.pop("max_tool_calls", None) is not None:
         raise unimplemented("max_tool_calls", "not supported")
+    options = doc.pop("stream_options", None)  # include_obfuscation: nothing is padded here
+    if options is not None and (not isinstance(options, dict)
+                                or set(options) - {"include_obfuscation"}):
+        raise invalid("stream_options", "may hold include_obfuscation only, got "
+                                        f"{show(options)}")
     include = doc.pop("include", None) or []
     if not isinstance(include, list) or any(i not in _INCLUDE for i in include):
         raise invalid("include", f"may list {', '.join(_INCLUDE)}, got {show(include)}")

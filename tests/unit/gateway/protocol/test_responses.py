@@ -32,6 +32,7 @@ def test_input_and_instructions_become_the_chats_messages() -> None:
     assert req.echo["instructions"] == "Be brief." and req.echo["max_output_tokens"] == 7
     assert _parse(input="x", include=["message.output_text.logprobs"]).chat.top_logprobs == 0
     assert _parse(input="x").chat.top_logprobs is None
+    assert _parse(input="x", stream=True, stream_options={"include_obfuscation": False}).chat.stream
 
 
 def test_input_items_calls_and_their_outputs() -> None:
@@ -82,6 +83,8 @@ def test_tool_choice_and_text_format_become_the_chats_constraints() -> None:
      False),
     ({"input": "x", "messages": []}, "messages: unknown field", False),
     ({"input": "x", "include": ["file_search_call.results"]}, "include: may list", False),
+    ({"input": "x", "stream_options": {"include_usage": True}}, "stream_options: may hold",
+     False),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id:", True),
     ({"input": "x", "background": True}, "background:", True),
     ({"input": "x", "truncation": "auto"}, "truncation:", True),

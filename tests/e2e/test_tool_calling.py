@@ -5,9 +5,10 @@ whole, n samples each, over HTTP and the gRPC ChatComplete alike. Earlier calls 
 results in the conversation reach the chat template. The default model has random weights:
 only the constraint makes its output a call. "auto" is refused without a tool-call parser;
 a gateway with --tool-call-parser hermes reads the model's own <tool_call> blocks (here
-forced into that form by a regex, as the random model would never write them), and one
-with --reasoning-parser qwen3 also splits a <think> block from the answer. Bad tools are
-refused by the field's name."""
+forced into that form by a regex, as the random model would never write them; their
+arguments streamed as they come), one with --tool-call-parser mistral its [TOOL_CALLS] (with
+Mistral's nine-character call ids), and one with --reasoning-parser qwen3 also splits a
+<think> block from the answer. Bad tools are refused by the field's name."""
 
 from __future__ import annotations
 
@@ -231,6 +232,33 @@ def test_auto_reads_the_models_own_tool_calls_with_a_parser(hermes_gateway, mode
                                           temperature=0, tools=TOOLS)
     assert text.choices[0].message.tool_calls is None
     assert text.choices[0].message.content and text.choices[0].finish_reason == "length"
+
+
+@pytest.fixture(scope="module")
+def mistral_gateway(mesh) -> Iterator[ServiceProcess]:
+    name = f"gateway-mistral-{uuid.uuid4().hex[:6]}"
+    proc = mesh.start_gateway(name, tool_call_parser="mistral")
+    yield proc
+    proc.stop(10)
+    del mesh.services[name]
+
+
+def test_mistral_calls_and_their_nine_character_ids(mistral_gateway, model):
+    """Mistral's v11 format (`[TOOL_CALLS]name[ARGS]{...}`, forced by a regex) read as calls;
+    every call id, a forced call's too, is the nine letters and digits its templates want."""
+    client = openai.OpenAI(base_url=f"{mistral_gateway.http_address}/v1", api_key="x")
+    regex = r'Sure\.\[TOOL_CALLS\]get_time\[ARGS\]\{"zone": "(UTC|CET)"\}'
+    reply = client.chat.completions.create(
+        model=model, messages=USER, max_tokens=60, temperature=0, tools=TOOLS,
+        extra_body={"structured_outputs": {"regex": regex}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_time" and len(call.id) == 9 and call.id.isalnum()
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    forced = client.chat.completions.create(model=model, messages=USER, max_tokens=80,
+                                            tools=TOOLS, tool_choice="required")
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in forced.choices[0].message.tool_calls)
 
 
 @pytest.fixture(scope="module")

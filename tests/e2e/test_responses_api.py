@@ -89,3 +89,11 @@ def test_refusals_name_the_responses_field(mesh, model, extra, status, param) ->
 def test_an_unknown_model_is_not_found(client) -> None:
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="no-such-model", input="x")
+
+
+def test_stored_responses_are_not_found(client, model) -> None:
+    reply = client.responses.create(model=model, input="x", max_output_tokens=1)
+    with pytest.raises(openai.NotFoundError, match="not stored"):
+        client.responses.retrieve(reply.id)
+    with pytest.raises(openai.NotFoundError, match="not stored"):
+        client.responses.cancel(reply.id)

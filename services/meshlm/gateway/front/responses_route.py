@@ -11,11 +11,13 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+import grpc
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from meshlm.common.errors import MeshError
 from meshlm.gateway.api.openai import Chunks
 from meshlm.gateway.front.disconnect import unless_disconnected
 from meshlm.gateway.front.errors import Shape, error_body, failure
@@ -29,7 +31,15 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 
 
 def responses_routes(api: Any) -> list[BaseRoute]:
-    return [Route("/v1/responses", partial(_responses, api), methods=["POST"])]
+    return [Route("/v1/responses", partial(_responses, api), methods=["POST"]),
+            Route("/v1/responses/{rest:path}", _not_stored, methods=["GET", "POST", "DELETE"])]
+
+
+async def _not_stored(request: Request) -> Response:
+    """Retrieving, cancelling or deleting a response, or listing its input: nothing is kept."""
+    raise MeshError(grpc.StatusCode.NOT_FOUND, "response_id: responses are not stored by this "
+                                               "server; each answer is returned only to the "
+                                               "request that asked for it")
 
 
 async def _responses(api: Any, request: Request) -> Response:

@@ -301,3 +301,26 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(thinking_gateway
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     assert choice.message.tool_calls[0].function.name == "get_time"
     assert choice.message.model_dump()["reasoning_content"].strip()
+
+
+def test_a_json_answer_comes_after_the_thinking(thinking_gateway, model):
+    """With a reasoning parser, a JSON constraint (response_format here) starts after the
+    thinking, which the model may open (qwen3): barred from writing "<" it answers in JSON
+    at once; pushed to write it, it is in thought (unconstrained) until max_tokens."""
+    client = openai.OpenAI(base_url=f"{thinking_gateway.http_address}/v1", api_key="x")
+    ids = httpx.post(f"{thinking_gateway.http_address}/v1/tokenize", timeout=10,
+                     json={"model": model, "prompt": "<", "add_special_tokens": False})
+    [angle] = ids.json()["tokens"]
+    schema = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+              "required": ["zone"], "additionalProperties": False}
+    args = {"model": model, "messages": USER, "max_tokens": 30, "temperature": 0,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "zone", "schema": schema}}}
+    direct = client.chat.completions.create(**args, logit_bias={str(angle): -100})
+    message = direct.choices[0].message.model_dump()
+    assert json.loads(message["content"])["zone"] in ("UTC", "CET"), message
+    assert not message["reasoning_content"]
+    thought = client.chat.completions.create(**args, logit_bias={str(angle): 100})
+    message = thought.choices[0].message.model_dump()
+    assert thought.choices[0].finish_reason == "length" and not message["content"], message
+    assert message["reasoning_content"], message

@@ -32,7 +32,8 @@ from meshlm.gateway.api.core import GatewayCore
 from meshlm.gateway.api.generation import GenerationRPCs, validated
 from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.protocol.bounds import text_chars
-from meshlm.gateway.protocol.chat_output import output_reader
+from meshlm.gateway.protocol.chat_output import json_after_thinking, output_reader, thinking
+from meshlm.gateway.protocol.constraints import think_first
 from meshlm.gateway.protocol.openai import (
     ChatRequest,
     CompletionRequest,
@@ -116,6 +117,9 @@ class OpenAIRPCs:
         except MeshError as e:
             raise renamed(e, req.names) from None
         v.return_text = True
+        starts_in_thought = thinking(req, identity.reasoning_parser)
+        if starts_in_thought is not None and json_after_thinking(req):
+            v.sampling.grammar = think_first(v.sampling.grammar, starts_in_thought)
         v.return_prompt_ids, v.cache_salt = req.return_token_ids, req.cache_salt
         v.truncate, v.truncate_right = truncation(req, limits), req.truncate_right
         answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,

@@ -81,25 +81,41 @@ class ChatOutput:
 def output_reader(req: ChatRequest, tool_call_parser: str, reasoning_parser: str
                   ) -> Callable[[], ChatOutput] | None:
     """What reads each choice's output as reasoning, content and tool calls, with the
-    gateway's parsers (None: all of it is content). Output constrained from its first token
-    (a forced call, response_format, ...) is not in thought unless it starts with <think>
-    itself."""
+    gateway's parsers (None: all of it is content)."""
     calls = call_reader(req, tool_call_parser)
-    starts_in_thought = REASONING_PARSERS.get(reasoning_parser)
-    if not req.separate_reasoning:
-        starts_in_thought = None
-    elif starts_in_thought and req.sampling.HasField("guided_decoding"):
-        starts_in_thought = False
+    starts_in_thought = thinking(req, reasoning_parser)
     if calls is None and starts_in_thought is None:
         return None
 
     def output() -> ChatOutput:
-        thinking = (ReasoningReader(starts_in_thought) if starts_in_thought is not None
-                    else None)
-        return ChatOutput(thinking, calls() if calls else None, req.include_reasoning,
+        reader = (ReasoningReader(starts_in_thought) if starts_in_thought is not None
+                  else None)
+        return ChatOutput(reader, calls() if calls else None, req.include_reasoning,
                           req.stream_reasoning)
 
     return output
+
+
+def thinking(req: ChatRequest, reasoning_parser: str) -> bool | None:
+    """Whether the chat's output starts in thought (None: its thinking is not read apart:
+    no reasoning parser, or SGLang's separate_reasoning false). A JSON constraint (a forced
+    call, response_format, ...) comes after the thinking (`json_after_thinking`); a regex, a
+    grammar or a choice describes the whole output, so it is in thought only where it
+    starts with <think>."""
+    if not req.separate_reasoning:
+        return None
+    starts_in_thought = REASONING_PARSERS.get(reasoning_parser)
+    if starts_in_thought and req.sampling.HasField("guided_decoding") and not (
+            json_after_thinking(req)):
+        return False
+    return starts_in_thought
+
+
+def json_after_thinking(req: ChatRequest) -> bool:
+    """Whether the chat's constraint is a JSON schema: with a reasoning parser, the model
+    thinks first and the JSON follows its </think> (`constraints.think_first`), as vLLM
+    applies structured outputs once the reasoning ends."""
+    return req.sampling.guided_decoding.WhichOneof("constraint") == "json_schema"
 
 
 def call_reader(req: ChatRequest, parser: str) -> Callable[[], CallReader] | None:

@@ -82,6 +82,28 @@ def grammar_of(p: sglang_pb2.SamplingParams, prefix: str = "sampling_params") ->
     return choice_grammar(tuple(guided.choice.values), f"{field_path}.values")
 
 
+# A reasoning model's thinking before the constraint: free text up to its </think> (kept in
+# the output, for the reasoning parser), a few blanks (templates put two newlines there; a
+# bound, or a model could write nothing else), then the constrained answer.
+_THINKING = ('thinking[suffix="</think>"]: /(.|\\n)*/\n'
+             'answer: /[ \\t\\r\\n]{0,4}/ @meshlm_answer\n')
+
+
+def think_first(grammar: str, starts_in_thought: bool) -> str:
+    """`grammar` (one built here) after a reasoning model's thinking, as vLLM applies a
+    constraint once the reasoning ends: the output starts in thought (`starts_in_thought`:
+    its template opened <think>) or may open a <think> block first. A grammar of several
+    parts is left as it is (constrained from the first token)."""
+    top = json.loads(grammar)
+    if len(top.get("grammars", ())) != 1:
+        return grammar
+    start = ("start: thinking answer\n" if starts_in_thought
+             else 'start: answer | "<think>" thinking answer\n')
+    top["grammars"] = [{"lark_grammar": start + _THINKING},
+                       {**top["grammars"][0], "name": "meshlm_answer"}]
+    return json.dumps(top)
+
+
 def large_constraint(p: sglang_pb2.SamplingParams) -> bool:
     """Whether `p`'s constraint is too large to build on the event loop."""
     size = len(p.json_schema) + len(p.regex)

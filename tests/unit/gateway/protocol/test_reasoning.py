@@ -1,16 +1,26 @@
 """A reasoning model's thinking split from its answer, however the output is cut into pieces:
 the parsers' two forms (starting in thought, or only after <think>), the answer's leading
-blanks, tags held until clear, the switches (kept, dropped, held whole), and a chat answer
-that reads reasoning, then tool calls, streamed and whole."""
+blanks, tags held until clear, the switches (kept, dropped, held whole), a chat answer
+that reads reasoning, then tool calls, streamed and whole, and a JSON constraint put after
+the thinking."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import llguidance
+import orjson
 import pytest
 
 from meshlm.gateway.mesh.inbox import Update
-from meshlm.gateway.protocol.chat_output import ChatOutput, Pieces
+from meshlm.gateway.protocol.chat_output import (
+    ChatOutput,
+    Pieces,
+    json_after_thinking,
+    thinking,
+)
+from meshlm.gateway.protocol.constraints import json_schema_grammar, think_first
+from meshlm.gateway.protocol.openai import parse_chat
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
 from meshlm.gateway.protocol.reasoning import PARSERS, ReasoningReader
 from meshlm.gateway.protocol.tool_parsers import HermesCalls
@@ -110,3 +120,50 @@ def test_a_chat_answer_with_reasoning() -> None:
     plain.add(0, _update("No thinking.", "stop"), {"id": "r"})
     message = plain.response()["choices"][0]["message"]
     assert message["reasoning_content"] is None and message["content"] == "No thinking."
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}
+
+
+def _chat(**doc: Any) -> Any:
+    return parse_chat(orjson.dumps({"model": "m", "messages": [{"role": "user",
+                                                                "content": "hi"}], **doc}))
+
+
+def _follows(grammar: str, text: str) -> bool:
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), grammar)
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize(("starts_in_thought", "text", "follows"), [
+    (True, 'Hmm, a < b, </thin...</think>\n\n{"a":1}', True),
+    (True, '</think>{"a":1}', True),
+    (True, '{"a":1}', False),  # in thought until </think>
+    (True, "Hmm.</think>\n\nyes", False),  # the answer is the JSON
+    (True, 'Hmm.</think>{"a":1} and more', False),
+    (False, '{"a":1}', True),  # no thinking
+    (False, '<think>\nHmm.\n</think>\n\n{"a":1}', True),
+    (False, 'Hmm.</think>{"a":1}', False),
+    (False, '\n\n\n\n\n{"a":1}', False),  # a few blanks at most before the answer
+])
+def test_a_json_answer_comes_after_the_thinking(starts_in_thought: bool, text: str,
+                                               follows: bool) -> None:
+    grammar = think_first(json_schema_grammar(orjson.dumps(SCHEMA).decode(), "f"),
+                          starts_in_thought)
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    assert _follows(grammar, text) is follows
+
+
+def test_which_constrained_chats_think_first() -> None:
+    json_chat = _chat(response_format={"type": "json_schema",
+                                       "json_schema": {"name": "a", "schema": SCHEMA}})
+    regex_chat = _chat(structured_outputs={"regex": "(yes|no)"})
+    forced = _chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                   tool_choice="required")
+    for req in (json_chat, forced):
+        assert json_after_thinking(req) and thinking(req, "deepseek-r1") is True
+        assert thinking(req, "qwen3") is False and thinking(req, "") is None
+    # A regex describes the whole output: in thought only where it opens <think> itself.
+    assert not json_after_thinking(regex_chat) and thinking(regex_chat, "deepseek-r1") is False
+    assert thinking(_chat(separate_reasoning=False), "deepseek-r1") is None

@@ -431,9 +431,25 @@ def _messages(value: Any) -> list[dict[str, Any]]:
             raise invalid(f"{path}.role", f"must be one of {', '.join(_ROLES)}; got {show(role)}")
         checked_message_calls(message, path)
         flat = {**message, "role": role,
-                "content": _content(message.get("content"), f"{path}.content")}
+                "content": _content(message.get("content"), f"{path}.content"),
+                **_earlier_reasoning(message, path)}
         out.append(flat)
     return out
+
+
+def _earlier_reasoning(message: dict[str, Any], path: str) -> dict[str, str]:
+    """An earlier answer's thinking, given as `reasoning` (vLLM's name) or `reasoning_content`
+    (SGLang's), under both names for the chat template (Qwen3's and others' read
+    `reasoning_content` to keep it in the conversation)."""
+    given = {k: message[k] for k in ("reasoning", "reasoning_content")
+             if message.get(k) is not None}
+    for key, value in given.items():
+        if not isinstance(value, str):
+            raise invalid(f"{path}.{key}", f"must be a string, got {show(value)}")
+    if not given:
+        return {}
+    text = given.get("reasoning_content", given.get("reasoning", ""))
+    return {"reasoning": text, "reasoning_content": text}
 
 
 def _content(content: Any, path: str) -> str:

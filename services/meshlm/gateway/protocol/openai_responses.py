@@ -12,7 +12,9 @@ Streaming, `add` returns the chunks due for each update ("object": "chat.complet
 "text_completion"): chat starts every choice with a chunk whose delta is
 {"role": "assistant", "content": "", "reasoning_content": null} (then, with `echo`, one with
 the echoed content); then one chunk per update that brings text, with its tokens' logprobs
-(chat deltas are {"content", "reasoning_content": null}). Tokens whose text the detokenizer
+(chat deltas are {"content", "reasoning_content": null}; a reasoning model's thinking, read
+by the gateway's reasoning parser, comes as "reasoning_content", SGLang's name, and again as
+"reasoning", vLLM's current one). Tokens whose text the detokenizer
 still holds back wait for it, so every chunk with text carries the logprobs of the tokens
 that made it. A choice's last chunk carries its finish_reason together with its last text
 and logprobs (as SGLang's completions and vLLM's do), never an empty chunk of its own. With
@@ -241,8 +243,8 @@ class ChatAnswer(Answer):
         if self._outputs[index] is not None:
             pieces, self._unsent[index] = self._unsent[index], Pieces()
             delta: Chunk = {"content": pieces.content} if pieces.content else {}
-            if pieces.reasoning:
-                delta["reasoning_content"] = pieces.reasoning
+            if pieces.reasoning:  # SGLang's name, and vLLM's current one
+                delta["reasoning_content"] = delta["reasoning"] = pieces.reasoning
             if pieces.calls:
                 delta["tool_calls"] = pieces.calls
         else:
@@ -258,7 +260,9 @@ class ChatAnswer(Answer):
         output = self._outputs[index]
         if output is not None:
             content = (self.echo or "") + output.content()
-            message["reasoning_content"] = output.reasoning()
+            message["reasoning_content"] = reasoning = output.reasoning()
+            if reasoning is not None:
+                message["reasoning"] = reasoning  # vLLM's name for it now
             if calls := output.tool_calls():
                 message["tool_calls"] = calls
             message["content"] = content or (None if calls else "")

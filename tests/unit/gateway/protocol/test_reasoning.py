@@ -12,6 +12,7 @@ import llguidance
 import orjson
 import pytest
 
+from meshlm.common.errors import MeshError
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.chat_output import (
     ChatOutput,
@@ -106,6 +107,7 @@ def test_a_chat_answer_with_reasoning() -> None:
     whole.add(0, _update("<think>two and two</think>\n\nFour.", "stop"), {"id": "r"})
     [choice] = whole.response()["choices"]
     assert choice["message"]["reasoning_content"] == "two and two"
+    assert choice["message"]["reasoning"] == "two and two"  # vLLM's name for it
     assert choice["message"]["content"] == "Four." and choice["finish_reason"] == "stop"
     stream = _answer(stream=True)
     chunks = []
@@ -114,12 +116,24 @@ def test_a_chat_answer_with_reasoning() -> None:
     chunks += stream.add(0, _update("", "stop"), {"id": "r"})
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "two and two"
+    assert all(d.get("reasoning") == d["reasoning_content"] for d in deltas
+               if d.get("reasoning_content"))
     assert "".join(d.get("content") or "" for d in deltas) == "Four."
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     plain = _answer(stream=False)
     plain.add(0, _update("No thinking.", "stop"), {"id": "r"})
     message = plain.response()["choices"][0]["message"]
     assert message["reasoning_content"] is None and message["content"] == "No thinking."
+    assert "reasoning" not in message
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_an_earlier_answers_thinking_reaches_the_template_under_both_names(key: str) -> None:
+    earlier = {"role": "assistant", "content": "Four.", key: "two and two"}
+    messages = _chat(messages=[{"role": "user", "content": "2+2?"}, earlier]).messages
+    assert messages[1]["reasoning"] == messages[1]["reasoning_content"] == "two and two"
+    with pytest.raises(MeshError, match=rf"messages\[1\]\.{key}: must be a string"):
+        _chat(messages=[{"role": "user", "content": "2+2?"}, {**earlier, key: 5}])
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],

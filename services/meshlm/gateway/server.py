@@ -98,8 +98,9 @@ class GatewayConfig(ServiceConfig):
     reasoning_parser: str = cfg.field("", "the model's thinking, split from its chat answers "
                                           "as reasoning_content: deepseek-r1 (deepseek_r1) or "
                                           "qwen3-thinking (the output starts in thought, up "
-                                          "to </think>), qwen3 (<think>...</think> when the "
-                                          "output starts so); empty: none")
+                                          "to </think>), qwen3 or glm45 (<think>...</think> "
+                                          "when the output starts so), mistral ([THINK]..."
+                                          "[/THINK], Magistral); empty: none")
     max_inflight: int = cfg.field(1024, "requests in flight on this gateway (each of n samples "
                                         "counts); beyond it RESOURCE_EXHAUSTED / 429 at once")
     http_max_body_bytes: int = cfg.field(DEFAULT_BODY_BYTES, "largest HTTP request body; past "

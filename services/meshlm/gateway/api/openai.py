@@ -53,6 +53,7 @@ from meshlm.gateway.protocol.openai_responses import (
     CompletionAnswer,
     embedding_body,
 )
+from meshlm.gateway.protocol.reasoning import tags
 from meshlm.gateway.protocol.validation import (
     Limits,
     ValidatedRequest,
@@ -119,7 +120,8 @@ class OpenAIRPCs:
         v.return_text = True
         starts_in_thought = thinking(req, identity.reasoning_parser)
         if starts_in_thought is not None and json_after_thinking(req):
-            v.sampling.grammar = think_first(v.sampling.grammar, starts_in_thought)
+            v.sampling.grammar = think_first(v.sampling.grammar, starts_in_thought,
+                                             tags(identity.reasoning_parser))
         v.return_prompt_ids, v.cache_salt = req.return_token_ids, req.cache_salt
         v.truncate, v.truncate_right = truncation(req, limits), req.truncate_right
         answer = ChatAnswer(model=model, created=int(time.time()), n=v.n, prompts=1,

@@ -14,7 +14,7 @@ from typing import Any
 from meshlm.gateway.protocol.forced_calls import ForcedCalls
 from meshlm.gateway.protocol.openai import ChatRequest
 from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
-from meshlm.gateway.protocol.reasoning import ReasoningReader
+from meshlm.gateway.protocol.reasoning import ReasoningReader, tags
 from meshlm.gateway.protocol.tool_call_output import CallReader, call_id
 from meshlm.gateway.protocol.tool_calls import auto_refused
 from meshlm.gateway.protocol.tool_parsers import CALL_IDS, PARSERS
@@ -88,8 +88,8 @@ def output_reader(req: ChatRequest, tool_call_parser: str, reasoning_parser: str
         return None
 
     def output() -> ChatOutput:
-        reader = (ReasoningReader(starts_in_thought) if starts_in_thought is not None
-                  else None)
+        reader = (ReasoningReader(starts_in_thought, tags(reasoning_parser))
+                  if starts_in_thought is not None else None)
         return ChatOutput(reader, calls() if calls else None, req.include_reasoning,
                           req.stream_reasoning)
 

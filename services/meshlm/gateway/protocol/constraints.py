@@ -82,25 +82,27 @@ def grammar_of(p: sglang_pb2.SamplingParams, prefix: str = "sampling_params") ->
     return choice_grammar(tuple(guided.choice.values), f"{field_path}.values")
 
 
-# A reasoning model's thinking before the constraint: free text up to its </think> (kept in
-# the output, for the reasoning parser), a few blanks (templates put two newlines there; a
-# bound, or a model could write nothing else), then the constrained answer.
-_THINKING = ('thinking[suffix="</think>"]: /(.|\\n)*/\n'
-             'answer: /[ \\t\\r\\n]{0,4}/ @meshlm_answer\n')
+# A reasoning model's thinking before the constraint: free text up to its closing tag (kept
+# in the output, for the reasoning parser), a few blanks (templates put two newlines there;
+# a bound, or a model could write nothing else), then the constrained answer.
+_ANSWER = 'answer: /[ \\t\\r\\n]{0,4}/ @meshlm_answer\n'
 
 
-def think_first(grammar: str, starts_in_thought: bool) -> str:
+def think_first(grammar: str, starts_in_thought: bool,
+                tags: tuple[str, str] = ("<think>", "</think>")) -> str:
     """`grammar` (one built here) after a reasoning model's thinking, as vLLM applies a
     constraint once the reasoning ends: the output starts in thought (`starts_in_thought`:
-    its template opened <think>) or may open a <think> block first. A grammar of several
-    parts is left as it is (constrained from the first token)."""
+    its template opened it) or may open a thinking block first (`tags`: its opening and
+    closing tags). A grammar of several parts is left as it is (constrained from the first
+    token)."""
     top = json.loads(grammar)
     if len(top.get("grammars", ())) != 1:
         return grammar
+    opening, closing = (json.dumps(tag) for tag in tags)
     start = ("start: thinking answer\n" if starts_in_thought
-             else 'start: answer | "<think>" thinking answer\n')
-    top["grammars"] = [{"lark_grammar": start + _THINKING},
-                       {**top["grammars"][0], "name": "meshlm_answer"}]
+             else f"start: answer | {opening} thinking answer\n")
+    lark = start + f"thinking[suffix={closing}]: /(.|\\n)*/\n" + _ANSWER
+    top["grammars"] = [{"lark_grammar": lark}, {**top["grammars"][0], "name": "meshlm_answer"}]
     return json.dumps(top)
 
 

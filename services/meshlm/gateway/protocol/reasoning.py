@@ -7,7 +7,8 @@ The gateway's `--reasoning-parser` names the model's form (SGLang's names, and v
   templates open `<think>` in the prompt): everything before `</think>` is reasoning, a
   leading `<think>` dropped; with no `</think>` at all, all of it.
 - `qwen3`: reasoning only when the output starts with `<think>` (Qwen3 thinks unless its
-  template's `enable_thinking` is false).
+  template's `enable_thinking` is false); `glm45` the same (GLM-4.5 and later).
+- `mistral`: reasoning only in a leading `[THINK]...[/THINK]` (Magistral).
 
 The answer after `</think>` starts at its first non-blank character. Streamed, text that may
 begin or end a tag is held until it is clear.
@@ -19,14 +20,23 @@ from meshlm.gateway.protocol.text_tags import partial_tag
 
 OPEN, CLOSE = "<think>", "</think>"
 # Whether the output starts in thought, by parser name.
-PARSERS = {"deepseek-r1": True, "deepseek_r1": True, "qwen3-thinking": True, "qwen3": False}
+PARSERS = {"deepseek-r1": True, "deepseek_r1": True, "qwen3-thinking": True, "qwen3": False,
+           "glm45": False, "mistral": False}
+# The thinking's tags, where a parser's model has its own.
+_TAGS = {"mistral": ("[THINK]", "[/THINK]")}
+
+
+def tags(parser: str) -> tuple[str, str]:
+    """The opening and closing tags of the thinking of `parser`'s model."""
+    return _TAGS.get(parser, (OPEN, CLOSE))
 
 
 class ReasoningReader:
     """One choice's output, read as (reasoning, content) pieces as it comes."""
 
-    def __init__(self, starts_in_thought: bool) -> None:
+    def __init__(self, starts_in_thought: bool, tags: tuple[str, str] = (OPEN, CLOSE)) -> None:
         self._forced = starts_in_thought
+        self._open, self._close = tags
         self._pending = ""
         self._state = "start"  # start -> thinking -> (after: blanks skipped) -> answer
         self.reasoning: list[str] = []
@@ -43,19 +53,20 @@ class ReasoningReader:
         reasoning = content = ""
         if self._state == "start":
             start = self._pending.lstrip()
-            if not last and OPEN.startswith(start) and start != OPEN:
+            if not last and self._open.startswith(start) and start != self._open:
                 return "", ""  # "<thi": not yet clear
-            if start.startswith(OPEN):
-                self._pending, self._state = start[len(OPEN):], "thinking"
+            if start.startswith(self._open):
+                self._pending, self._state = start[len(self._open):], "thinking"
             else:
                 self._state = "thinking" if self._forced else "answer"
         if self._state == "thinking":
-            at = self._pending.find(CLOSE)
+            at = self._pending.find(self._close)
             if at >= 0:
-                reasoning, self._pending = self._pending[:at], self._pending[at + len(CLOSE):]
+                reasoning = self._pending[:at]
+                self._pending = self._pending[at + len(self._close):]
                 self._state = "after"
             else:
-                keep = 0 if last else partial_tag(self._pending, CLOSE)
+                keep = 0 if last else partial_tag(self._pending, self._close)
                 cut = len(self._pending) - keep
                 reasoning, self._pending = self._pending[:cut], self._pending[cut:]
         if self._state == "after":

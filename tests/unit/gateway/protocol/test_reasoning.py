@@ -23,7 +23,7 @@ from meshlm.gateway.protocol.chat_output import (
 from meshlm.gateway.protocol.constraints import json_schema_grammar, think_first
 from meshlm.gateway.protocol.openai import parse_chat
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
-from meshlm.gateway.protocol.reasoning import PARSERS, ReasoningReader
+from meshlm.gateway.protocol.reasoning import PARSERS, ReasoningReader, tags
 from meshlm.gateway.protocol.tool_parsers import HermesCalls
 from meshlm.v1 import gateway_pb2
 
@@ -33,7 +33,7 @@ def _split(reader: ReasoningReader, text: str, size: int) -> tuple[str, str]:
     pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
     for i, piece in enumerate(pieces):
         r, c = reader.feed(piece, last=i == len(pieces) - 1)
-        assert "<think" not in r + c and "</think" not in r + c, (r, c)
+        assert not any(tag in r + c for tag in ("<think", "</think", "[THINK", "[/THINK")), (r, c)
         reasoning += r
         content += c
     assert (reasoning, content) == ("".join(reader.reasoning), "".join(reader.content))
@@ -49,11 +49,15 @@ def _split(reader: ReasoningReader, text: str, size: int) -> tuple[str, str]:
     ("deepseek-r1", "Hmm, so.</think>\n\nAnswer: 4", "Hmm, so.", "Answer: 4"),
     ("deepseek_r1", "<think>Hmm.</think>4", "Hmm.", "4"),
     ("qwen3-thinking", "all thought, no end", "all thought, no end", ""),
+    ("glm45", "<think>a</think>b", "a", "b"),
+    ("mistral", "[THINK]Hmm, so.[/THINK]\n\nParis.", "Hmm, so.", "Paris."),
+    ("mistral", "Paris, no thought.", "", "Paris, no thought."),
     ("deepseek-r1", "a < b and </thin ok</think>x", "a < b and </thin ok", "x"),
 ])
 def test_the_thinking_is_split_from_the_answer(parser: str, text: str, reasoning: str,
                                                content: str, size: int) -> None:
-    assert _split(ReasoningReader(PARSERS[parser]), text, size) == (reasoning, content)
+    reader = ReasoningReader(PARSERS[parser], tags(parser))
+    assert _split(reader, text, size) == (reasoning, content)
 
 
 def test_a_short_output_that_may_be_a_tag_waits() -> None:
@@ -167,6 +171,13 @@ def test_a_json_answer_comes_after_the_thinking(starts_in_thought: bool, text: s
                           starts_in_thought)
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""
     assert _follows(grammar, text) is follows
+
+
+def test_a_json_answer_after_mistrals_thinking() -> None:
+    grammar = think_first(json_schema_grammar(orjson.dumps(SCHEMA).decode(), "f"), False,
+                          tags("mistral"))
+    assert _follows(grammar, '[THINK]Hmm.[/THINK]\n\n{"a":1}') and _follows(grammar, '{"a":1}')
+    assert not _follows(grammar, '<think>Hmm.</think>{"a":1}')
 
 
 def test_which_constrained_chats_think_first() -> None:

@@ -188,13 +188,18 @@ def test_tools_that_cannot_be_served_are_refused_by_name(client, model, extra, f
     assert error["param"] == field and words in error["message"], error
 
 
-@pytest.fixture(scope="module")
-def hermes_gateway(mesh) -> Iterator[ServiceProcess]:
-    name = f"gateway-hermes-{uuid.uuid4().hex[:6]}"
-    proc = mesh.start_gateway(name, tool_call_parser="hermes")
+def _gateway(mesh, kind: str, **parsers: str) -> Iterator[ServiceProcess]:
+    """A second gateway of the mesh with the given parsers, stopped afterwards."""
+    name = f"gateway-{kind}-{uuid.uuid4().hex[:6]}"
+    proc = mesh.start_gateway(name, **parsers)
     yield proc
     proc.stop(10)
     del mesh.services[name]
+
+
+@pytest.fixture(scope="module")
+def hermes_gateway(mesh) -> Iterator[ServiceProcess]:
+    yield from _gateway(mesh, "hermes", tool_call_parser="hermes")
 
 
 # The model's own format, as Hermes and Qwen templates teach it: content, then a call.
@@ -236,11 +241,7 @@ def test_auto_reads_the_models_own_tool_calls_with_a_parser(hermes_gateway, mode
 
 @pytest.fixture(scope="module")
 def mistral_gateway(mesh) -> Iterator[ServiceProcess]:
-    name = f"gateway-mistral-{uuid.uuid4().hex[:6]}"
-    proc = mesh.start_gateway(name, tool_call_parser="mistral")
-    yield proc
-    proc.stop(10)
-    del mesh.services[name]
+    yield from _gateway(mesh, "mistral", tool_call_parser="mistral")
 
 
 def test_mistral_calls_and_their_nine_character_ids(mistral_gateway, model):
@@ -263,11 +264,7 @@ def test_mistral_calls_and_their_nine_character_ids(mistral_gateway, model):
 
 @pytest.fixture(scope="module")
 def thinking_gateway(mesh) -> Iterator[ServiceProcess]:
-    name = f"gateway-thinking-{uuid.uuid4().hex[:6]}"
-    proc = mesh.start_gateway(name, reasoning_parser="qwen3", tool_call_parser="hermes")
-    yield proc
-    proc.stop(10)
-    del mesh.services[name]
+    yield from _gateway(mesh, "thinking", reasoning_parser="qwen3", tool_call_parser="hermes")
 
 
 def test_a_reasoning_parser_splits_the_thinking_from_the_answer(thinking_gateway, model):

@@ -91,6 +91,18 @@ def test_an_unknown_model_is_not_found(client) -> None:
         client.responses.create(model="no-such-model", input="x")
 
 
+def test_input_tokens_count_the_rendered_input(mesh, client, model) -> None:
+    base = mesh.addresses.gateway_http
+    doc = {"model": model, "input": "What time is it?", "instructions": "Be brief."}
+    r = httpx.post(f"{base}/v1/responses/input_tokens", json=doc, timeout=30)
+    assert r.status_code == 200 and r.json()["object"] == "response.input_tokens"
+    reply = client.responses.create(**doc, max_output_tokens=1)
+    assert r.json()["input_tokens"] == reply.usage.input_tokens
+    bad = httpx.post(f"{base}/v1/responses/input_tokens", json={"model": model, "input": []},
+                     timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input"
+
+
 def test_stored_responses_are_not_found(client, model) -> None:
     reply = client.responses.create(model=model, input="x", max_output_tokens=1)
     with pytest.raises(openai.NotFoundError, match="not stored"):

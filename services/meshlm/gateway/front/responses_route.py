@@ -1,8 +1,9 @@
 """OpenAI's Responses API over HTTP: POST /v1/responses, served as the chat completion it asks
 for (`protocol/responses.py`) by the chat's own implementation (`api/openai.py`), its answer
 reshaped (`protocol/responses_output.py`): one Response object, or (stream) the API's SSE
-events. Failures before the first event are OpenAI's error JSON, later ones an `error`
-event and `response.failed`."""
+events. POST /v1/responses/input_tokens counts a request's input tokens; nothing is stored,
+so the routes of a stored response are 404s. Failures before the first event are OpenAI's
+error JSON, later ones an `error` event and `response.failed`."""
 
 from __future__ import annotations
 
@@ -32,7 +33,19 @@ from sglang.runtime.v1 import sglang_pb2 as pb
 
 def responses_routes(api: Any) -> list[BaseRoute]:
     return [Route("/v1/responses", partial(_responses, api), methods=["POST"]),
+            Route("/v1/responses/input_tokens", partial(_input_tokens, api), methods=["POST"]),
             Route("/v1/responses/{rest:path}", _not_stored, methods=["GET", "POST", "DELETE"])]
+
+
+async def _input_tokens(api: Any, request: Request) -> Response:
+    """How many tokens a Responses request's input comes to, rendered as it would be."""
+    call_context(request)
+    chat = parse_responses(await request.body()).chat
+    tokens = await unless_disconnected(api.tokens.chat_tokens(
+        chat.messages, chat.add_generation_prompt, chat.continue_final_message,
+        chat.template_kwargs, chat.add_special_tokens, chat.tools), request.receive)
+    return Response(dumps({"object": "response.input_tokens", "input_tokens": len(tokens)}),
+                    media_type=JSON)
 
 
 async def _not_stored(request: Request) -> Response:

@@ -3,7 +3,8 @@ and one ASGI middleware, so every RPC and every HTTP route (transcoded, native, 
 added later) is covered without a line in its handler.
 
 With keys configured (`--api-key`, `MESHLM_API_KEY`), a call must carry
-`authorization: Bearer <key>` (gRPC metadata or HTTP header); otherwise it fails with
+`authorization: Bearer <key>` (gRPC metadata or HTTP header; over HTTP Anthropic's
+`x-api-key: <key>` too); otherwise it fails with
 UNAUTHENTICATED / HTTP 401 before any handler runs. Health stays open for load balancers and
 probes (grpc.health.v1, the HealthCheck RPC, /health, /health_generate), as do server
 reflection (so grpcurl can discover the API) and /metrics (Prometheus scrapers).
@@ -23,6 +24,7 @@ from meshlm.common.errors import MeshError
 from meshlm.gateway.front.errors import Shape, error_response
 
 HEADER = "authorization"
+ANTHROPIC_HEADER = b"x-api-key"
 SCHEME = "bearer"
 
 # gRPC methods ("/package.Service/Method") that need no key; a trailing "/" opens a service.
@@ -37,6 +39,7 @@ OPEN_PATHS = frozenset({"/health", "/health_generate", "/v1/runtime/health", "/m
 # OpenAI clients read errors in OpenAI's shape; the transcoded RPCs (also under /v1/) do not.
 OPENAI_PREFIX = "/v1/"
 TRANSCODED_PREFIX = "/v1/runtime/"
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
 class ApiKeys:
@@ -131,6 +134,9 @@ class ApiKeyMiddleware:
             return
         value = next((v.decode("latin-1") for k, v in scope["headers"]
                       if k.lower() == HEADER.encode()), None)
+        if value is None:  # Anthropic's clients send the key alone, as x-api-key
+            value = next((f"Bearer {v.decode('latin-1')}" for k, v in scope["headers"]
+                          if k.lower() == ANTHROPIC_HEADER), None)
         problem = self._keys.check(value)
         if problem is None:
             await self.app(scope, receive, send)
@@ -142,6 +148,9 @@ class ApiKeyMiddleware:
 
 
 def _shape(path: str) -> Shape:
-    """OpenAI's error object on OpenAI routes, else Status JSON."""
+    """Anthropic's error object on its route, OpenAI's on the other OpenAI-family routes,
+    else Status JSON."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return Shape.ANTHROPIC
     openai = path.startswith(OPENAI_PREFIX) and not path.startswith(TRANSCODED_PREFIX)
     return Shape.OPENAI if openai else Shape.STATUS

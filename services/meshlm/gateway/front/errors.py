@@ -7,8 +7,9 @@ its first chunk ends with an error line or event of the same shape (`failure`, `
 Shapes: Status JSON ({"code", "message", "details"}: the transcoded RPCs, unknown routes),
 SGLang's ({"error": {"message", "code": <HTTP>, "type": <gRPC code>}}: the native routes),
 OpenAI's error object (the /v1/ OpenAI routes), SGLang's top-level ErrorResponse ({"object":
-"error", "message", "type", "param", "code": <HTTP>}: /v1/score, as SGLang answers it) and
-SGLang's /update_weights_from_disk reply.
+"error", "message", "type", "param", "code": <HTTP>}: /v1/score, as SGLang answers it),
+SGLang's /update_weights_from_disk reply and Anthropic's ({"type": "error", "error": {"type",
+"message"}}: /v1/messages).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from meshlm.common.errors import MeshError, cancelled_under
 from meshlm.common.logs import get_logger
 from meshlm.gateway.front.disconnect import ClientGone
+from meshlm.gateway.protocol.anthropic_output import error_object as anthropic_error
 from meshlm.gateway.protocol.openai_errors import error_body as openai_error
 from meshlm.gateway.protocol.transcode import status_dict
 
@@ -41,6 +43,7 @@ class Shape(enum.Enum):
     OPENAI = "openai"
     ERROR_RESPONSE = "error_response"
     WEIGHTS = "weights"
+    ANTHROPIC = "anthropic"
 
 
 def _native_error(err: MeshError, status: int) -> dict[str, Any]:
@@ -66,6 +69,7 @@ SHAPES: dict[Shape, Callable[[MeshError, int], dict[str, Any]]] = {
     Shape.OPENAI: lambda err, status: openai_error(err),
     Shape.ERROR_RESPONSE: _error_response,
     Shape.WEIGHTS: _weights_error,
+    Shape.ANTHROPIC: anthropic_error,
 }
 
 

@@ -49,6 +49,7 @@ from meshlm.gateway.front.http_streams import (
     ndjson,
     sse,
 )
+from meshlm.gateway.front.messages_route import messages_routes
 from meshlm.gateway.front.native_routes import NATIVE_OWN_SHAPES, native_routes
 from meshlm.gateway.front.openai_routes import OPENAI_OWN_SHAPES, openai_routes
 from meshlm.gateway.front.reclaim import Reclaimer
@@ -87,8 +88,11 @@ def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
     if metrics is not None:
         routes.append(Route("/metrics", partial(_metrics, metrics), methods=["GET"]))
     # Each route family's error shape; the rest (transcoded RPCs, no route) Status JSON.
+    anthropic = messages_routes(api)
+    routes += anthropic
     shapes = {**{r.path: Shape.NATIVE for r in native if isinstance(r, Route)},
               **{r.path: Shape.OPENAI for r in openai if isinstance(r, Route)},
+              **{r.path: Shape.ANTHROPIC for r in anthropic if isinstance(r, Route)},
               **NATIVE_OWN_SHAPES, **OPENAI_OWN_SHAPES}
     middleware = [Middleware(ApiKeyMiddleware, keys=keys)] if keys else []
     middleware += [Middleware(BodyLimit, limit=bounds.max_body_bytes, reclaim=reclaim),

@@ -8,27 +8,22 @@ error JSON, later ones an `error` event and `response.failed`."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
 import grpc
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from meshlm.common.errors import MeshError
-from meshlm.gateway.api.openai import Chunks
 from meshlm.gateway.front.disconnect import unless_disconnected
-from meshlm.gateway.front.errors import Shape, error_body, failure
 from meshlm.gateway.front.http_call import call_context
-from meshlm.gateway.front.http_streams import StreamResponse
-from meshlm.gateway.front.openai_routes import JSON, first_chunk, last_chunk
+from meshlm.gateway.front.openai_routes import JSON
+from meshlm.gateway.front.reshaped_chat import reshaped
 from meshlm.gateway.protocol.openai_logprobs import dumps
 from meshlm.gateway.protocol.responses import parse_responses
 from meshlm.gateway.protocol.responses_output import ResponseShape
-from sglang.runtime.v1 import sglang_pb2 as pb
 
 
 def responses_routes(api: Any) -> list[BaseRoute]:
@@ -58,27 +53,6 @@ async def _not_stored(request: Request) -> Response:
 async def _responses(api: Any, request: Request) -> Response:
     call_context(request)  # the deadline of a grpc-timeout header
     req = parse_responses(await request.body())
-    chunks = api.openai.chat_chunks(req.chat)
-    shape = ResponseShape(req.echo, int(time.time()))
-    if not req.chat.stream:
-        last = await unless_disconnected(last_chunk(chunks), request.receive)
-        return Response(dumps(shape.whole(orjson.loads(last.json_chunk))), media_type=JSON)
-    head = await first_chunk(chunks, request)
-    return StreamResponse(_events(shape, head, chunks, request.url.path), chunks,
-                          "text/event-stream")
-
-
-async def _events(shape: ResponseShape, head: pb.OpenAIStreamChunk, chunks: Chunks,
-                  path: str) -> AsyncIterator[bytes]:
-    for event in shape.start() + shape.chunk(orjson.loads(head.json_chunk)):
-        yield shape.sse(event)
-    try:
-        async for chunk in chunks:
-            for event in shape.chunk(orjson.loads(chunk.json_chunk)):
-                yield shape.sse(event)
-    except Exception as e:  # noqa: BLE001 - the stream's error event says it
-        for event in shape.failed(error_body(Shape.OPENAI, failure(e, path))):
-            yield shape.sse(event)
-        return
-    for event in shape.end():
-        yield shape.sse(event)
+    created = int(time.time())
+    return await reshaped(api, req.chat, lambda model: ResponseShape(req.echo, created),
+                          request)

@@ -17,9 +17,14 @@ from typing import Any
 import orjson
 
 from meshlm.common.errors import MeshError, invalid
+from meshlm.gateway.protocol.as_chat import (
+    chat_tools,
+    client_path,
+    in_client_words,
+    optional_object,
+)
 from meshlm.gateway.protocol.json_body import show
 from meshlm.gateway.protocol.openai import ChatRequest, parse_chat
-from meshlm.gateway.protocol.openai_errors import field_of
 from meshlm.gateway.protocol.transcode import parse_json_body
 from meshlm.gateway.protocol.validation import unimplemented
 
@@ -52,9 +57,9 @@ def parse_responses(body: bytes) -> ResponsesRequest:
     try:
         request = parse_chat(orjson.dumps(chat))
     except MeshError as e:
-        raise _renamed(e, paths) from None
+        raise in_client_words(e, paths) from None
     # Errors found later (the gateway's checks, the scheduler's) name the client's fields too.
-    request.names = {k: _client_path(v, paths) for k, v in request.names.items()}
+    request.names = {k: client_path(v, paths) for k, v in request.names.items()}
     request.names.setdefault("messages", "input")
     return ResponsesRequest(request, _echo(doc))
 
@@ -100,7 +105,8 @@ def _chat_doc(doc: dict[str, Any], paths: dict[str, str]) -> dict[str, Any]:
     _text_format(doc.get("text"), chat, paths)
     _reasoning(doc.get("reasoning"), chat, paths)
     if (tools := doc.get("tools")) is not None:
-        chat["tools"] = _tools(tools, paths)
+        chat["tools"] = chat_tools(tools, "function", 'function tools ({"type": "function", '
+                                   '"name": ...})', _function, paths)
     if (choice := doc.get("tool_choice")) is not None:
         chat["tool_choice"] = _tool_choice(choice, paths)
     return chat
@@ -177,12 +183,10 @@ def _text(parts: Any, path: str) -> str:
     return "".join(texts)
 
 
-def _text_format(text: Any, chat: dict[str, Any], paths: dict[str, str]) -> None:
+def _text_format(given: Any, chat: dict[str, Any], paths: dict[str, str]) -> None:
     """`text.format` as the chat's response_format (text: none)."""
-    if text is None:
+    if (text := optional_object(given, "text")) is None:
         return
-    if not isinstance(text, dict):
-        raise invalid("text", f"must be an object, got {show(text)}")
     form = text.get("format")
     if form is None or (isinstance(form, dict) and form.get("type") == "text"):
         return
@@ -197,29 +201,16 @@ def _text_format(text: Any, chat: dict[str, Any], paths: dict[str, str]) -> None
     paths["response_format"] = "text.format"
 
 
-def _reasoning(reasoning: Any, chat: dict[str, Any], paths: dict[str, str]) -> None:
-    if reasoning is None:
+def _reasoning(given: Any, chat: dict[str, Any], paths: dict[str, str]) -> None:
+    if (reasoning := optional_object(given, "reasoning")) is None:
         return
-    if not isinstance(reasoning, dict):
-        raise invalid("reasoning", f"must be an object, got {show(reasoning)}")
     if reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
         paths["reasoning_effort"] = "reasoning.effort"
 
 
-def _tools(tools: Any, paths: dict[str, str]) -> Any:
-    """The Responses API's flat function tools as the chat's."""
-    if not isinstance(tools, list):
-        return tools  # the chat's check says what is wrong
-    out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise invalid(f"tools[{i}].type", "only function tools ({\"type\": \"function\", "
-                                              "\"name\": ...}) are supported")
-        function = {k: v for k, v in tool.items() if k != "type"}
-        out.append({"type": "function", "function": function})
-        paths[f"tools[{i}].function"] = f"tools[{i}]"
-    return out
+def _function(tool: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in tool.items() if k != "type"}
 
 
 def _tool_choice(choice: Any, paths: dict[str, str]) -> Any:
@@ -227,25 +218,6 @@ def _tool_choice(choice: Any, paths: dict[str, str]) -> Any:
         paths["tool_choice.function.name"] = "tool_choice.name"
         return {"type": "function", "function": {"name": choice.get("name")}}
     return choice
-
-
-def _renamed(err: MeshError, paths: dict[str, str]) -> MeshError:
-    """`err` with its field path in the Responses request's words."""
-    path = field_of(err.message)
-    if path is None:
-        return err
-    problem = err.message[len(path) + 2:]
-    if path.startswith("max_"):
-        problem = problem.replace(path, "max_output_tokens")
-    return MeshError(err.code, f"{_client_path(path, paths)}: {problem}")
-
-
-def _client_path(path: str, paths: dict[str, str]) -> str:
-    """A chat field's path as the Responses request's (by the longest chat path leading it)."""
-    for chat_path in sorted(paths, key=len, reverse=True):
-        if path == chat_path or path.startswith((chat_path + ".", chat_path + "[")):
-            return paths[chat_path] + path[len(chat_path):]
-    return path
 
 
 def _echo(doc: dict[str, Any]) -> dict[str, Any]:

@@ -11,19 +11,20 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import orjson
-
-Event = dict[str, Any]
+from meshlm.common.errors import MeshError
+from meshlm.gateway.protocol.as_chat_output import Event, ReshapedAnswer
+from meshlm.gateway.protocol.openai_errors import error_body
 
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponseShape:
+class ResponseShape(ReshapedAnswer):
     """One response: its id, its request's echoed fields, and its output items as they come."""
 
     def __init__(self, echo: dict[str, Any], created: int) -> None:
+        super().__init__()
         self.id = _id("resp")
         self._echo = echo
         self._created = created
@@ -32,8 +33,6 @@ class ResponseShape:
         self._texts: dict[int, list[str]] = {}  # an item's text (or arguments) so far
         self._logprobs: dict[int, list[Any]] = {}  # a message item's logprobs
         self._open: tuple[str, int] | None = None  # (kind, call index) of the open item
-        self._finish: str | None = None
-        self._usage: dict[str, Any] | None = None
         self._seq = 0
 
     # ---- a whole answer ----------------------------------------------------------------------
@@ -64,24 +63,11 @@ class ResponseShape:
         return [self._event("response.created", response=self._response("in_progress")),
                 self._event("response.in_progress", response=self._response("in_progress"))]
 
-    def chunk(self, chunk: dict[str, Any]) -> list[Event]:
-        """The events of one chat.completion.chunk."""
-        self._model = chunk.get("model", self._model)
-        if chunk.get("usage"):
-            self._usage = chunk["usage"]
-        events: list[Event] = []
-        for choice in chunk.get("choices", []):
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._delta("reasoning", delta["reasoning_content"])
-            if delta.get("content"):
-                logprobs = (choice.get("logprobs") or {}).get("content") or []
-                events += self._delta("message", delta["content"], logprobs)
-            for call in delta.get("tool_calls") or []:
-                events += self._call_delta(call)
-            if choice.get("finish_reason"):
-                self._finish = choice["finish_reason"]
-        return events
+    def _reasoning(self, text: str) -> list[Event]:
+        return self._delta("reasoning", text)
+
+    def _text(self, text: str, logprobs: list[Any]) -> list[Event]:
+        return self._delta("message", text, logprobs)
 
     def end(self) -> list[Event]:
         """The open item's end, then the response's."""
@@ -96,19 +82,14 @@ class ResponseShape:
             "response.completed"
         return events + [self._event(kind, response=response)]
 
-    def failed(self, error: dict[str, Any]) -> list[Event]:
+    def failed(self, err: MeshError) -> list[Event]:
         """A failure during the stream: OpenAI's error event, then the failed response."""
-        body = error.get("error", error)
+        body = error_body(err)["error"]
         response = self._response("failed")
-        response["error"] = {"code": str(body.get("code") or "server_error"),
-                             "message": str(body.get("message", ""))}
-        return [self._event("error", code=body.get("code"), message=body.get("message"),
-                            param=body.get("param")),
+        response["error"] = {"code": body["code"], "message": body["message"]}
+        return [self._event("error", code=body["code"], message=body["message"],
+                            param=body["param"]),
                 self._event("response.failed", response=response)]
-
-    @staticmethod
-    def sse(event: Event) -> bytes:
-        return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
     # ---- items -------------------------------------------------------------------------------
 
@@ -132,7 +113,7 @@ class ResponseShape:
                                       output_index=index, content_index=0, delta=text))
         return events
 
-    def _call_delta(self, call: dict[str, Any]) -> list[Event]:
+    def _call(self, call: dict[str, Any]) -> list[Event]:
         events: list[Event] = []
         function = call.get("function") or {}
         if self._open != ("function_call", call["index"]):

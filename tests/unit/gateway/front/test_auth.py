@@ -190,3 +190,12 @@ async def test_health_and_metrics_stay_open(client):
     # Only these exact paths: look-alikes are not open.
     for path in ("/metrics2", "/health/x", "/v1/runtime/health2"):
         assert (await client.get(path)).status_code == 401, path
+
+
+async def test_anthropics_x_api_key_and_error_shape(client):
+    r = await client.post("/v1/messages", json={}, headers={"x-api-key": "wrong"})
+    assert r.status_code == 401
+    assert r.json() == {"type": "error", "error": {"type": "authentication_error",
+                                                   "message": "invalid API key"}}
+    r = await client.get("/v1/models", headers={"x-api-key": "alpha-key"})
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
 import orjson
 import pytest
 
@@ -172,7 +173,7 @@ def test_a_stream_as_the_responses_events() -> None:
 
 def test_a_stream_that_fails_or_says_nothing() -> None:
     shape = ResponseShape({}, 1)
-    failed = shape.failed({"error": {"message": "boom", "code": "internal", "param": None}})
+    failed = shape.failed(MeshError(grpc.StatusCode.INTERNAL, "boom"))
     assert [e["type"] for e in failed] == ["error", "response.failed"]
     assert failed[1]["response"]["error"] == {"code": "internal", "message": "boom"}
     empty = ResponseShape({}, 1)

@@ -58,6 +58,13 @@ def test_a_forced_tool_use_and_the_turn_after_it(claude, model) -> None:
     assert final.content[0].type == "tool_use" and final.content[0].input == use.input
 
 
+def test_count_tokens_counts_the_rendered_input(claude, model) -> None:
+    args = {"model": model, "system": "Be brief.", "tools": [TIME], "messages": USER}
+    counted = claude.messages.count_tokens(**args)
+    reply = claude.messages.create(**args, max_tokens=1, tool_choice={"type": "none"})
+    assert counted.input_tokens == reply.usage.input_tokens > 0
+
+
 @pytest.mark.parametrize(("body", "status", "kind", "words"), [
     ({"messages": USER}, 400, "invalid_request_error", "max_tokens: is required"),
     ({"max_tokens": 0, "messages": USER}, 400, "invalid_request_error", "max_tokens:"),

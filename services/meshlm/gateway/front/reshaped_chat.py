@@ -35,6 +35,14 @@ async def reshaped(api: Any, chat: ChatRequest, shape_for: Callable[[str], Resha
                           chunks, "text/event-stream")
 
 
+async def input_tokens(api: Any, chat: ChatRequest, request: Request) -> int:
+    """How many tokens `chat`'s messages come to, rendered with its template and tools."""
+    tokens = await unless_disconnected(api.tokens.chat_tokens(
+        chat.messages, chat.add_generation_prompt, chat.continue_final_message,
+        chat.template_kwargs, chat.add_special_tokens, chat.tools), request.receive)
+    return len(tokens)
+
+
 async def _events(shape: ReshapedAnswer, head: dict[str, Any], chunks: Chunks,
                   path: str) -> AsyncIterator[bytes]:
     for event in shape.start() + shape.chunk(head):

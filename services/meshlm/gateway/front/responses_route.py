@@ -17,10 +17,9 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from meshlm.common.errors import MeshError
-from meshlm.gateway.front.disconnect import unless_disconnected
 from meshlm.gateway.front.http_call import call_context
 from meshlm.gateway.front.openai_routes import JSON
-from meshlm.gateway.front.reshaped_chat import reshaped
+from meshlm.gateway.front.reshaped_chat import input_tokens, reshaped
 from meshlm.gateway.protocol.openai_logprobs import dumps
 from meshlm.gateway.protocol.responses import parse_responses
 from meshlm.gateway.protocol.responses_output import ResponseShape
@@ -35,11 +34,8 @@ def responses_routes(api: Any) -> list[BaseRoute]:
 async def _input_tokens(api: Any, request: Request) -> Response:
     """How many tokens a Responses request's input comes to, rendered as it would be."""
     call_context(request)
-    chat = parse_responses(await request.body()).chat
-    tokens = await unless_disconnected(api.tokens.chat_tokens(
-        chat.messages, chat.add_generation_prompt, chat.continue_final_message,
-        chat.template_kwargs, chat.add_special_tokens, chat.tools), request.receive)
-    return Response(dumps({"object": "response.input_tokens", "input_tokens": len(tokens)}),
+    count = await input_tokens(api, parse_responses(await request.body()).chat, request)
+    return Response(dumps({"object": "response.input_tokens", "input_tokens": count}),
                     media_type=JSON)
 
 

@@ -1,8 +1,9 @@
-"""Constrained decoding end to end: a JSON schema, a regex, a choice or an EBNF grammar given by
-OpenAI's response_format, SGLang's fields or vLLM's structured_outputs / guided_* holds every
-token the engine draws, streamed or not, greedy or sampled, n samples each; the request stops
-once the grammar is complete. The default model has random weights: left alone it writes
-nothing of the kind. A constraint that cannot be followed is refused by its field's name."""
+"""Constrained decoding end to end: a JSON schema, a regex, a choice, an EBNF grammar or a
+structural tag given by OpenAI's response_format, SGLang's fields or vLLM's structured_outputs /
+guided_* holds every token the engine draws, streamed or not, greedy or sampled, n samples
+each; the request stops once the grammar is complete. The default model has random weights:
+left alone it writes nothing of the kind. A constraint that cannot be followed is refused by
+its field's name."""
 
 from __future__ import annotations
 
@@ -116,11 +117,81 @@ def test_a_constraint_that_cannot_be_followed_is_400(client, model, extra, param
     assert error["param"] == param and words in error["message"], error
 
 
-def test_structural_tags_are_501(client, model) -> None:
-    with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model=model, prompt="x", max_tokens=2,
-                                  extra_body={"structural_tag": "{}"})
-    assert info.value.status_code == 501
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city"],
+           "properties": {"city": {"type": "string", "maxLength": 10}}}
+ONE_CALL = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<f="], "at_least_one": True,
+    "stop_after_first": True, "tags": [
+        {"type": "tag", "begin": "<f=weather>", "content": {"type": "json_schema",
+                                                            "json_schema": WEATHER},
+         "end": "</f>"},
+        {"type": "tag", "begin": "<f=time>", "content": {"type": "regex",
+                                                         "pattern": "[0-9]{2}:[0-9]{2}"},
+         "end": "</f>"}]}}
+CALL = re.compile(r'<f=weather>(\{.*\})</f>|<f=time>[0-9]{2}:[0-9]{2}</f>')
+
+
+def _one_call(text: str) -> None:
+    match = CALL.fullmatch(text)
+    assert match, text
+    if match.group(1):
+        assert set(json.loads(match.group(1))) == {"city"}
+
+
+def test_a_structural_tag_forces_one_tool_call(client, model) -> None:
+    """XGrammar's form as SGLang and vLLM take it in response_format: exactly one tag, its
+    content held to its JSON schema or regex, then the request stops (the grammar is done)."""
+    for seed in (1, 2, 3):
+        reply = client.chat.completions.create(model=model, messages=USER, max_tokens=60,
+                                               temperature=1.0, seed=seed,
+                                               response_format=ONE_CALL)
+        _one_call(reply.choices[0].message.content)
+        assert reply.choices[0].finish_reason == "stop"
+
+
+def test_structural_tags_by_vllms_fields_and_the_earlier_form(client, model, mesh) -> None:
+    """structured_outputs.structural_tag (its text), and the earlier form (structures and
+    triggers) in the native /generate's sampling_params: free text, with every call that a
+    trigger starts held to its structure; streamed too."""
+    reply = client.completions.create(
+        model=model, prompt="Call:", max_tokens=60, temperature=0,
+        extra_body={"structured_outputs": {"structural_tag": json.dumps(ONE_CALL)}})
+    _one_call(reply.choices[0].text)
+    think = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": "<think>", "end": "</think>",
+         "content": {"type": "any_text", "max_chars": 12}},
+        {"type": "const_string", "value": "\nAnswer: "},
+        {"type": "json_schema", "json_schema": WEATHER}]}}
+    text = "".join(chunk.choices[0].text for chunk in client.completions.create(
+        model=model, prompt="Think:", max_tokens=60, temperature=1.0, seed=4, stream=True,
+        extra_body={"structural_tag": think}))
+    thought, _, answer = text.partition("</think>\nAnswer: ")
+    assert thought.startswith("<think>") and len(thought) <= len("<think>") + 12, text
+    assert set(json.loads(answer)) == {"city"}, text
+    earlier = {"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=weather>", "schema": WEATHER, "end": "</f>"}]}
+    r = httpx.post(f"{mesh.addresses.gateway_http}/generate", timeout=60, json={
+        "text": "Free text, with calls:", "sampling_params": {
+            "max_new_tokens": 30, "temperature": 0, "structural_tag": json.dumps(earlier)}})
+    assert r.status_code == 200, r.text
+    for call in r.json()["text"].split("<f=")[1:]:  # free text: a call only if the model wrote
+        assert call.startswith("weather>{"), r.json()["text"]
+
+
+def test_a_structural_tag_that_cannot_be_followed_is_400_naming_its_part(client,
+                                                                         model) -> None:
+    bad = json.loads(json.dumps(ONE_CALL).replace('"<f=time>"', '"<g=time>"'))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=USER, max_tokens=5,
+                                       response_format=bad)
+    error = info.value.body
+    assert error["param"] == "response_format.format.tags[1].begin", error
+    assert "must start with exactly one of the triggers" in error["message"], error
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=USER, max_tokens=5,
+                                       response_format={"type": "structural_tag", "format": {
+                                           "type": "token", "token": "<|im_end|>"}})
+    assert info.value.body["param"] == "response_format.format.type", info.value.body
 
 
 def test_large_schemas_are_served_or_refused_at_once(client, model) -> None:

@@ -3,8 +3,8 @@
 seed at 16, priority), their message types built here from the descriptors written down in
 tests/sglang_upstream.py (not fetched), their bytes sent over gRPC as they are. Then, over gRPC
 and HTTP (native /generate and the transcoded /v1/runtime routes): seed=16 gives the same
-tokens for the same seed, reasoning options and structural tags are refused UNIMPLEMENTED /
-501 naming what is missing, and guided decoding's other constraints are followed."""
+tokens for the same seed, reasoning budgets are refused UNIMPLEMENTED / 501 naming what is
+missing, and guided decoding's constraints (a structural tag among them) are followed."""
 
 from __future__ import annotations
 
@@ -83,15 +83,11 @@ REFUSED = [
     ({"require_reasoning": True}, "require_reasoning: thinking budgets are not supported"),
     ({"max_thinking_tokens": 256},
      "max_thinking_tokens: thinking budgets are not supported"),
-    ({"sampling_params": {"guided_decoding": {"structural_tag": "{}"}}},
-     "sampling_params.guided_decoding.structural_tag: structural tags are not supported; use a "
-     "JSON schema, a regex, an EBNF grammar or a choice"),
 ]
 
 
 @pytest.mark.parametrize("fields,message", REFUSED, ids=["require_reasoning",
-                                                          "max_thinking_tokens",
-                                                          "structural_tag"])
+                                                          "max_thinking_tokens"])
 def test_unserved_options_are_unimplemented_everywhere(mesh, stub, fields, message):
     from google.protobuf import json_format
 
@@ -115,7 +111,11 @@ def test_guided_decoding_is_followed_by_both_eras(mesh, stub):
     """The RFC's and main's guided_decoding (and SGLang's native ebnf) constrain the output."""
     from google.protobuf import json_format
 
-    for guided in ({"choice": {"values": ["yes", "no"]}}, {"regex": "(yes|no)!"}):
+    tag = json.dumps({"type": "structural_tag", "format": {
+        "type": "tag", "begin": "y", "content": {"type": "const_string", "value": "es"},
+        "end": ""}})
+    for guided in ({"choice": {"values": ["yes", "no"]}}, {"regex": "(yes|no)!"},
+                   {"structural_tag": tag}):
         request = json_format.ParseDict({"text": "hi", "sampling_params": {
             "max_new_tokens": 20, "guided_decoding": guided}}, pb.TextGenerateRequest())
         messages = list(stub.TextGenerate(request, timeout=30))

@@ -8,47 +8,38 @@ grammar in llama.cpp's GBNF form or Lark, or a choice of strings). The routes' o
 `structured_outputs` and `guided_*`) are put into `guided_decoding` by their parsers
 (`openai_constraint`, native.py). Each is turned into a grammar and checked here, so a schema
 or regex that cannot be followed is refused (400, naming the field) before anything else sees
-the request. JSON is written compactly (no whitespace between tokens, as `json.dumps` with
-separators "," and ":" writes it) unless the schema's own "x-guidance" options say otherwise;
-`structural_tag` is not supported (UNIMPLEMENTED).
+the request (the builders: grammars.py; structural tags: structural_tag.py).
 """
 
 from __future__ import annotations
 
-import functools
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import grpc
-import llguidance
-
-from meshlm.common.errors import MeshError, invalid
+from meshlm.common.errors import invalid
+from meshlm.gateway.protocol.grammars import (
+    choice_grammar,
+    ebnf_grammar,
+    json_schema_grammar,
+    regex_grammar,
+)
 from meshlm.gateway.protocol.json_body import JsonBody, show
+from meshlm.gateway.protocol.structural_tag import structural_tag_grammar
 from sglang.runtime.v1 import sglang_pb2
 
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions  # typing only: the stub's, not the module's
-
-JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}  # compact
-MAX_CHOICES = 1024
 # A constraint this large or smaller is built where it is checked, on the gateway's event
 # loop (1-2 ms at most); a larger one is checked on a worker thread (`large_constraint`), as
 # its build grows faster than its size (a schema of 5,000 properties: 0.6 s), so one client's
 # schema never stalls the other streams. llguidance bounds the build itself.
 INLINE_CONSTRAINT_BYTES = 2048
-GRAMMARS_KEPT = 32
 # Constrained decoding beside response_format: SGLang's fields, then vLLM's (older and
 # current), each with the kind of constraint it gives.
 _CONSTRAINTS = (("regex", "regex"), ("ebnf", "ebnf"), ("json_schema", "json_schema"),
                 ("guided_json", "json_schema"), ("guided_regex", "regex"),
-                ("guided_choice", "choice"), ("guided_grammar", "ebnf"))
-_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf"}
-
-
-def unimplemented_tag(field_path: str) -> MeshError:
-    return MeshError(grpc.StatusCode.UNIMPLEMENTED,
-                     f"{field_path}: structural tags are not supported; use a JSON schema, a "
-                     "regex, an EBNF grammar or a choice")
+                ("guided_choice", "choice"), ("guided_grammar", "ebnf"),
+                ("structural_tag", "structural_tag"))
+_STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf",
+               "structural_tag": "structural_tag"}
 
 
 def grammar_of(p: sglang_pb2.SamplingParams, prefix: str = "sampling_params") -> str:
@@ -70,9 +61,9 @@ def grammar_of(p: sglang_pb2.SamplingParams, prefix: str = "sampling_params") ->
     field_path = f"{prefix}.guided_decoding.{which}"
     if which is None:
         raise invalid(f"{prefix}.guided_decoding", "names no constraint; give json_schema, "
-                                                   "regex, ebnf or choice")
+                                                   "regex, ebnf, choice or structural_tag")
     if which == "structural_tag":
-        raise unimplemented_tag(field_path)
+        return structural_tag_grammar(guided.structural_tag, field_path)
     if which == "json_schema":
         return json_schema_grammar(guided.json_schema, field_path)
     if which == "regex":
@@ -114,74 +105,18 @@ def large_constraint(p: sglang_pb2.SamplingParams) -> bool:
     return size > INLINE_CONSTRAINT_BYTES
 
 
-# Each builder keeps its last grammars (by the constraint's text and field): clients tend to
-# send the same schema with every request, and a completions request with several prompts
-# checks it once per prompt. Refusals are not kept.
-
-
-@functools.lru_cache(maxsize=GRAMMARS_KEPT)
-def json_schema_grammar(schema: str, field_path: str) -> str:
-    return _checked(_built(
-        lambda: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS),
-        field_path, "JSON schema"), field_path, "JSON schema")
-
-
-@functools.lru_cache(maxsize=GRAMMARS_KEPT)
-def regex_grammar(regex: str, field_path: str) -> str:
-    return _checked(llguidance.LLMatcher.grammar_from_regex(regex), field_path, "regex")
-
-
-@functools.lru_cache(maxsize=GRAMMARS_KEPT)
-def ebnf_grammar(ebnf: str, field_path: str) -> str:
-    return _checked(_built(lambda: llguidance.grammar_from("ebnf", ebnf), field_path,
-                           "EBNF grammar"), field_path, "EBNF grammar")
-
-
-@functools.lru_cache(maxsize=GRAMMARS_KEPT)
-def choice_grammar(values: tuple[str, ...], field_path: str) -> str:
-    if not values:
-        raise invalid(field_path, "give at least one string to choose from")
-    if len(values) > MAX_CHOICES:
-        raise invalid(field_path, f"at most {MAX_CHOICES} strings, got {len(values)}")
-    if any(not v for v in values):
-        raise invalid(field_path, "the strings to choose from must not be empty")
-    lark = "start: " + " | ".join(json.dumps(v) for v in values)
-    return _checked(llguidance.LLMatcher.grammar_from_lark(lark), field_path, "choice")
-
-
-def _built(build: Any, field_path: str, what: str) -> str:
-    try:
-        return str(build())
-    except (ValueError, TypeError) as exc:
-        raise invalid(field_path, f"not a valid {what}: {exc}") from None
-
-
-def _checked(grammar: str, field_path: str, what: str) -> str:
-    problem = llguidance.LLMatcher.validate_grammar(grammar)
-    if problem:
-        raise invalid(field_path, f"not a valid {what}: {_one_line(problem)}")
-    return grammar
-
-
-def _one_line(problem: str) -> str:
-    """llguidance's message without its drawing of where the error is: the first line and
-    the one that says what is wrong."""
-    lines = [line.strip() for line in problem.strip().splitlines()]
-    said = [line for line in lines[1:] if line.startswith("error:")]
-    return "; ".join(lines[:1] + said)
-
-
 # ---- the routes' spellings -> guided_decoding -------------------------------------------------
 
 
 def set_guided(p: sglang_pb2.SamplingParams, kind: str, value: Any) -> None:
-    """Put one constraint of `kind` (json_schema, regex, ebnf, choice) into
-    p.guided_decoding; a JSON schema may be given as an object or as its text."""
+    """Put one constraint of `kind` (json_schema, regex, ebnf, choice, structural_tag) into
+    p.guided_decoding; a JSON schema or a structural tag may be given as an object or as its
+    text."""
     guided = p.guided_decoding
     if kind == "choice":
         guided.choice.values.extend(value)
-    elif kind == "json_schema" and not isinstance(value, str):
-        guided.json_schema = json.dumps(value)
+    elif kind in ("json_schema", "structural_tag") and not isinstance(value, str):
+        setattr(guided, kind, json.dumps(value))
     else:
         setattr(guided, kind, value)
 
@@ -199,8 +134,6 @@ def openai_constraint(b: JsonBody, p: sglang_pb2.SamplingParams,
         value = b.get(key)
         if value is not None:
             found.append((key, kind, value))
-    if b.get("structural_tag") is not None:
-        raise unimplemented_tag("structural_tag")
     structured = b.get("structured_outputs")
     flexible = False  # vLLM's disable_any_whitespace: false, given: JSON with any whitespace
     if structured is not None:
@@ -221,6 +154,9 @@ def openai_constraint(b: JsonBody, p: sglang_pb2.SamplingParams,
         if flexible and isinstance(value, dict):  # llguidance's own option, in the schema
             value = {**value, "x-guidance": {**value.get("x-guidance", {}),
                                              "whitespace_flexible": True}}
+    elif kind == "structural_tag":
+        if not isinstance(value, str | dict):
+            raise invalid(key, "must be a structural tag (an object, or its text)")
     elif not isinstance(value, str):
         raise invalid(key, "must be a string")
     set_guided(p, kind, value)
@@ -229,8 +165,8 @@ def openai_constraint(b: JsonBody, p: sglang_pb2.SamplingParams,
 
 
 def _response_format(fmt: Any) -> list[tuple[str, str, Any]]:
-    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or
-    json_schema (its "schema")."""
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object),
+    json_schema (its "schema") or structural_tag (SGLang's and vLLM's: the object itself)."""
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if kind == "text":
         return []
@@ -243,14 +179,15 @@ def _response_format(fmt: Any) -> list[tuple[str, str, Any]]:
             raise invalid("response_format.json_schema.schema", "must be a JSON schema object")
         return [("response_format.json_schema.schema", "json_schema", schema)]
     if kind == "structural_tag":
-        raise unimplemented_tag("response_format")
-    raise invalid("response_format.type", "must be text, json_object or json_schema, got "
-                                          f"{show(kind)}")
+        return [("response_format", "structural_tag", fmt)]
+    raise invalid("response_format.type", "must be text, json_object, json_schema or "
+                                          f"structural_tag, got {show(kind)}")
 
 
 def _structured_outputs(value: Any) -> list[tuple[str, str, Any]]:
-    """vLLM's structured_outputs: one of json, regex, choice, grammar or json_object (and
-    disable_any_whitespace: false lets JSON have any whitespace; disable_fallback is taken)."""
+    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object or
+    structural_tag (and disable_any_whitespace: false lets JSON have any whitespace;
+    disable_fallback is taken)."""
     if not isinstance(value, dict):
         raise invalid("structured_outputs", "must be an object")
     found = []
@@ -266,9 +203,7 @@ def _structured_outputs(value: Any) -> list[tuple[str, str, Any]]:
             found.append((path, "json_schema", {"type": "object"}))
         elif key in _STRUCTURED:
             found.append((path, _STRUCTURED[key], item))
-        elif key == "structural_tag":
-            raise unimplemented_tag(path)
         else:
-            raise invalid(path, "not supported; give json, regex, choice, grammar or "
-                                "json_object")
+            raise invalid(path, "not supported; give json, regex, choice, grammar, "
+                                "json_object or structural_tag")
     return found

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 from meshlm.common.errors import invalid
-from meshlm.gateway.protocol.constraints import unimplemented_tag
 from meshlm.gateway.protocol.json_body import is_int
 from meshlm.gateway.protocol.transcode import check_known_fields, parse_dict, parse_json_body
 from meshlm.gateway.protocol.validation import check_batch
@@ -38,8 +37,8 @@ def native_generate_requests(body: bytes, max_batch: int = 0
     a list with one value per prompt.
 
     Sampling params use SGLang's names, which are the proto's; "stop" may be a single string.
-    JSON nulls mean "not given"; SGLang's "ebnf" and "structural_tag" are UNIMPLEMENTED, as
-    the proto's constraints are. "token_ids_logprob" is a flat list of token ids (in a batch
+    JSON nulls mean "not given"; SGLang's "ebnf" and "structural_tag" go into the proto's
+    guided_decoding. "token_ids_logprob" is a flat list of token ids (in a batch
     also a list of them, one per prompt). A batch of more than `max_batch` prompts (0: no limit)
     is refused before it is split.
     """
@@ -73,9 +72,10 @@ def _native_generate(doc: dict[str, Any], has_text: bool) -> NativeRequest:
             sampling["stop"] = [sampling["stop"]]
         for name in _GUIDED:
             if name in sampling:
-                if name == "structural_tag":
-                    raise unimplemented_tag("sampling_params.structural_tag")
-                sampling.setdefault("guided_decoding", {})[name] = sampling.pop(name)
+                value = sampling.pop(name)
+                if name == "structural_tag" and isinstance(value, dict):  # SGLang: its text
+                    value = json.dumps(value)
+                sampling.setdefault("guided_decoding", {})[name] = value
         if isinstance(sampling.get("json_schema"), dict):  # SGLang takes its text; either here
             sampling["json_schema"] = json.dumps(sampling["json_schema"])
         doc["sampling_params"] = sampling

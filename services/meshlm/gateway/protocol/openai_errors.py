@@ -29,11 +29,16 @@ def field_of(message: str) -> str | None:
 
 def renamed(err: MeshError, names: Mapping[str, str]) -> MeshError:
     """`err` with its leading field path in the client's words: `names` maps a gateway path
-    (without an index) to the client's; other sampling_params.* lose their prefix."""
+    (without an index, or one leading the field's) to the client's; other sampling_params.*
+    lose their prefix."""
     field = field_of(err.message)
     if field is None:
         return err
     problem = err.message[len(field) + 2:]
+    leading = [name for name in names if field.startswith(name + ".")]
+    if leading:  # a field inside a named one (a structural tag's part)
+        name = max(leading, key=len)
+        return MeshError(err.code, f"{names[name]}{field[len(name):]}: {problem}")
     base, bracket, index = field.partition("[")
     new = names.get(base)
     if new is None:

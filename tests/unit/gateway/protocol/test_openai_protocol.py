@@ -201,13 +201,30 @@ def test_a_constraint_that_cannot_be_followed_is_refused_by_its_name(doc: dict[s
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT and err.message.startswith(start), err
 
 
-def test_structural_tags_are_unimplemented() -> None:
-    for doc in ({"structural_tag": "x"}, {"response_format": {"type": "structural_tag"}},
-                {"structured_outputs": {"structural_tag": "x"}}):
-        with pytest.raises(MeshError) as info:
-            parse_chat(_body({"messages": USER, **doc}))
-        assert info.value.code == grpc.StatusCode.UNIMPLEMENTED
-        assert "structural tags are not supported" in info.value.message
+TAG = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<f="],
+    "tags": [{"type": "tag", "begin": "<f=a>", "content": {"type": "any_text"}, "end": "</f>"}]}}
+
+
+@pytest.mark.parametrize(("doc", "client_path"), [
+    ({"response_format": TAG}, "response_format"),
+    ({"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+     "structured_outputs.structural_tag"),
+    ({"structural_tag": TAG}, "structural_tag"),
+])
+def test_structural_tags_by_each_spelling(doc: dict[str, Any], client_path: str) -> None:
+    """The structural tag reaches guided_decoding; a fault in it is named in the client's
+    words, down to the part."""
+    public = public_request(parse_completion(_body({"prompt": "a", **doc})), "a")
+    tag = public.sampling_params.guided_decoding.structural_tag
+    assert json.loads(tag) == TAG
+    assert normalize_sampling(public.sampling_params).grammar
+    bad = json.loads(json.dumps(doc).replace("<f=a>", "<g=a>"))
+    req = parse_completion(_body({"prompt": "a", **bad}))
+    with pytest.raises(MeshError) as info:
+        validate_text_generate(public_request(req, "a"), LIMITS)
+    err = renamed(info.value, req.names)
+    assert err.message.startswith(f"{client_path}.format.tags[0].begin: must start with "), err
 
 
 def test_priority_and_kept_stop_strings() -> None:

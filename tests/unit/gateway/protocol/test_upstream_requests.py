@@ -1,8 +1,8 @@
 """Upstream's newer request fields at the gateway: session_id and priority are carried on (the
 routing key, the scheduler's queue order), seed=16 reaches the engine's params, and what meshlm
-does not serve yet (reasoning, structural tags) is refused UNIMPLEMENTED naming the field; in
-gRPC messages and in native /generate bodies alike. Guided decoding's other constraints become
-the grammar the engine follows."""
+does not serve yet (reasoning budgets) is refused UNIMPLEMENTED naming the field; in gRPC
+messages and in native /generate bodies alike. Guided decoding's constraints, structural tags
+among them, become the grammar the engine follows."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ from meshlm.v1 import common_pb2
 from sglang.runtime.v1 import sglang_pb2 as pb
 
 LIMITS = Limits(max_model_len=256, vocab_size=100)
+TAG = orjson.dumps({"type": "structural_tag", "format": {
+    "type": "tag", "begin": "<a>", "content": {"type": "any_text"}, "end": "</a>"}}).decode()
 GUIDED = [("json_schema", "{}"), ("regex", "a+"), ("ebnf", 'root ::= "a"'),
-               ("choice", pb.ChoiceConstraint(values=["yes", "no"])), ("structural_tag", "{}")]
+               ("choice", pb.ChoiceConstraint(values=["yes", "no"])), ("structural_tag", TAG)]
 
 
 def _refusal(fn: Any, *args: Any) -> MeshError:
@@ -69,14 +71,9 @@ def test_require_reasoning_false_is_the_default_and_accepted() -> None:
 
 
 @pytest.mark.parametrize("kind,value", GUIDED, ids=[k for k, _ in GUIDED])
-def test_guided_decoding_becomes_a_grammar_but_structural_tags(kind: str, value: Any) -> None:
+def test_guided_decoding_becomes_a_grammar(kind: str, value: Any) -> None:
     params = pb.SamplingParams(guided_decoding=pb.GuidedDecoding(**{kind: value}))
     request = pb.TextGenerateRequest(text="a", sampling_params=params)
-    if kind == "structural_tag":
-        err = _refusal(validate_text_generate, request, LIMITS)
-        assert err.code == grpc.StatusCode.UNIMPLEMENTED
-        assert err.message.startswith("sampling_params.guided_decoding.structural_tag: ")
-        return
     grammar = validate_text_generate(request, LIMITS).sampling.grammar
     assert grammar  # an llguidance grammar (its JSON or Lark text), carried to the engine
     # The same constraint by upstream's older fields gives the same grammar.
@@ -106,15 +103,22 @@ def test_native_body_takes_upstreams_fields_one_per_prompt_or_one_for_all() -> N
 
 
 def test_native_constraint_params_go_where_the_proto_has_them() -> None:
-    """SGLang's native ebnf is guided_decoding's; json_schema may be an object or its text;
-    structural_tag is UNIMPLEMENTED."""
+    """SGLang's native ebnf and structural_tag are guided_decoding's; json_schema and
+    structural_tag may be an object or its text."""
     one = native.native_generate_request(orjson.dumps(
         {"text": "a", "sampling_params": {"ebnf": "root ::= \"a\""}}))
     assert one.sampling_params.guided_decoding.ebnf == 'root ::= "a"'
     one = native.native_generate_request(orjson.dumps(
         {"text": "a", "sampling_params": {"json_schema": {"type": "integer"}}}))
     assert orjson.loads(one.sampling_params.json_schema) == {"type": "integer"}
-    err = _refusal(native.native_generate_request,
-                   orjson.dumps({"text": "a", "sampling_params": {"structural_tag": "x"}}))
-    assert err.code == grpc.StatusCode.UNIMPLEMENTED
-    assert err.message.startswith("sampling_params.structural_tag: structural tags are not")
+    for tag in (TAG, orjson.loads(TAG)):
+        one = native.native_generate_request(orjson.dumps(
+            {"text": "a", "sampling_params": {"structural_tag": tag}}))
+        assert orjson.loads(one.sampling_params.guided_decoding.structural_tag) == orjson.loads(
+            TAG)
+    err = _refusal(validate_text_generate, pb.TextGenerateRequest(
+        text="a", sampling_params=pb.SamplingParams(guided_decoding=pb.GuidedDecoding(
+            structural_tag='{"format": {"type": "tag"}}'))), LIMITS)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.message == ("sampling_params.guided_decoding.structural_tag.format.begin: is "
+                           "required")

@@ -343,3 +343,13 @@ def total(samples: Samples, name: str, **labels: str) -> float:
     """The sum of `name` over the series whose labels include `labels`."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def extra_gateway(mesh, kind: str, **flags: str) -> Iterator[Any]:
+    """A second gateway of the mesh with the given flags (parsers), stopped afterwards: for a
+    module fixture, `yield from extra_gateway(mesh, ...)`."""
+    name = f"gateway-{kind}-{uuid.uuid4().hex[:6]}"
+    proc = mesh.start_gateway(name, **flags)
+    yield proc
+    proc.stop(10)
+    del mesh.services[name]

@@ -3,8 +3,9 @@
 seed at 16, priority), their message types built here from the descriptors written down in
 tests/sglang_upstream.py (not fetched), their bytes sent over gRPC as they are. Then, over gRPC
 and HTTP (native /generate and the transcoded /v1/runtime routes): seed=16 gives the same
-tokens for the same seed, reasoning budgets are refused UNIMPLEMENTED / 501 naming what is
-missing, and guided decoding's constraints (a structural tag among them) are followed."""
+tokens for the same seed, reasoning options are refused by name where the gateway has no
+reasoning parser, and guided decoding's constraints (a structural tag among them) are
+followed."""
 
 from __future__ import annotations
 
@@ -79,16 +80,17 @@ def test_seed_16_gives_the_same_tokens_over_grpc_and_http(mesh, stub):
     assert native.json()["output_ids"] == over_grpc == line["result"]["output_ids"]
 
 
-REFUSED = [
-    ({"require_reasoning": True}, "require_reasoning: thinking budgets are not supported"),
-    ({"max_thinking_tokens": 256},
-     "max_thinking_tokens: thinking budgets are not supported"),
+NEEDS_A_PARSER = "needs a gateway started with --reasoning-parser"
+REASONING = [
+    ({"require_reasoning": True, "sampling_params": {"regex": "a+"}}, "require_reasoning"),
+    ({"max_thinking_tokens": 256}, "max_thinking_tokens"),
 ]
 
 
-@pytest.mark.parametrize("fields,message", REFUSED, ids=["require_reasoning",
-                                                          "max_thinking_tokens"])
-def test_unserved_options_are_unimplemented_everywhere(mesh, stub, fields, message):
+@pytest.mark.parametrize("fields,name", REASONING, ids=[n for _, n in REASONING])
+def test_reasoning_options_without_a_reasoning_parser_are_400_everywhere(mesh, stub, fields,
+                                                                          name):
+    """They need the thinking's tags (tests/e2e/test_thinking_budget.py serves them)."""
     from google.protobuf import json_format
 
     for method, prompt in ((stub.TextGenerate, {"text": "hi"}),
@@ -96,15 +98,19 @@ def test_unserved_options_are_unimplemented_everywhere(mesh, stub, fields, messa
         cls = pb.TextGenerateRequest if "text" in prompt else pb.GenerateRequest
         with pytest.raises(grpc.RpcError) as err:
             list(method(json_format.ParseDict({**prompt, **fields}, cls()), timeout=30))
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        assert err.value.details() == message
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"{name}: {NEEDS_A_PARSER}")
     base = mesh.addresses.gateway_http
     for path, prompt in (("/generate", {"text": "hi"}), ("/generate", {"input_ids": [1, 2]}),
                          ("/v1/runtime/text_generate", {"text": "hi"}),
                          ("/v1/runtime/generate", {"input_ids": [1, 2]})):
         r = httpx.post(f"{base}{path}", json={**prompt, **fields}, timeout=30)
-        assert r.status_code == 501, (path, r.text)
-        assert message in r.text, (path, r.text)
+        assert r.status_code == 400, (path, r.text)
+        assert f"{name}: {NEEDS_A_PARSER}" in r.text, (path, r.text)
+    # Without a constraint to put after the thinking, require_reasoning changes nothing.
+    r = httpx.post(f"{base}/generate", timeout=30, json={
+        "text": "hi", "require_reasoning": True, "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
 
 
 def test_guided_decoding_is_followed_by_both_eras(mesh, stub):

@@ -13,13 +13,13 @@ Mistral's nine-character call ids), and one with --reasoning-parser qwen3 also s
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 
 import grpc
 import httpx
 import openai
 import pytest
+from helpers import extra_gateway
 
 from meshlm.launch.process import ServiceProcess
 from sglang.runtime.v1 import sglang_pb2
@@ -188,18 +188,9 @@ def test_tools_that_cannot_be_served_are_refused_by_name(client, model, extra, f
     assert error["param"] == field and words in error["message"], error
 
 
-def _gateway(mesh, kind: str, **parsers: str) -> Iterator[ServiceProcess]:
-    """A second gateway of the mesh with the given parsers, stopped afterwards."""
-    name = f"gateway-{kind}-{uuid.uuid4().hex[:6]}"
-    proc = mesh.start_gateway(name, **parsers)
-    yield proc
-    proc.stop(10)
-    del mesh.services[name]
-
-
 @pytest.fixture(scope="module")
 def hermes_gateway(mesh) -> Iterator[ServiceProcess]:
-    yield from _gateway(mesh, "hermes", tool_call_parser="hermes")
+    yield from extra_gateway(mesh, "hermes", tool_call_parser="hermes")
 
 
 # The model's own format, as Hermes and Qwen templates teach it: content, then a call.
@@ -241,7 +232,7 @@ def test_auto_reads_the_models_own_tool_calls_with_a_parser(hermes_gateway, mode
 
 @pytest.fixture(scope="module")
 def mistral_gateway(mesh) -> Iterator[ServiceProcess]:
-    yield from _gateway(mesh, "mistral", tool_call_parser="mistral")
+    yield from extra_gateway(mesh, "mistral", tool_call_parser="mistral")
 
 
 def test_mistral_calls_and_their_nine_character_ids(mistral_gateway, model):
@@ -264,7 +255,7 @@ def test_mistral_calls_and_their_nine_character_ids(mistral_gateway, model):
 
 @pytest.fixture(scope="module")
 def thinking_gateway(mesh) -> Iterator[ServiceProcess]:
-    yield from _gateway(mesh, "thinking", reasoning_parser="qwen3", tool_call_parser="hermes")
+    yield from extra_gateway(mesh, "thinking", reasoning_parser="qwen3", tool_call_parser="hermes")
 
 
 def test_a_reasoning_parser_splits_the_thinking_from_the_answer(thinking_gateway, model):

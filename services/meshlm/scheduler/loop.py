@@ -178,7 +178,8 @@ class EngineLoop:
                 self.engine.add_embed_request(rid, list(req.input_ids))
             else:
                 self.engine.add_request(rid, list(req.input_ids),
-                                        wire.engine_params(meta.sampling, req.bad_words),
+                                        wire.engine_params(meta.sampling, req.bad_words,
+                                                           wire.thinking_tags(req)),
                                         after=meta.after or None,
                                         priority=meta.priority, matcher=matcher,
                                         cache_salt=meta.cache_salt)

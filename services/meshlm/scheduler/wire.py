@@ -19,7 +19,13 @@ from meshlm.v1 import common_pb2, detokenizer_pb2, scheduler_pb2
 
 
 def engine_params(p: common_pb2.SamplingParams,
-                  bad_words: Sequence[scheduler_pb2.TokenSequence] = ()) -> SamplingParams:
+                  bad_words: Sequence[scheduler_pb2.TokenSequence] = (),
+                  thinking: tuple[Sequence[int], Sequence[int]] | None = None) -> SamplingParams:
+    """The engine's parameters; `thinking`: the thinking budget's tags encoded (opening,
+    closing), with p.thinking_budget."""
+    budget = None
+    if p.HasField("thinking_budget") and thinking is not None:
+        budget = (p.thinking_budget.tokens, tuple(thinking[0]), tuple(thinking[1]))
     return SamplingParams(
         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty, frequency_penalty=p.frequency_penalty,
@@ -34,7 +40,15 @@ def engine_params(p: common_pb2.SamplingParams,
         allowed_token_ids=tuple(p.allowed_token_ids),
         grammar=p.grammar,
         bad_words=tuple(tuple(word.ids) for word in bad_words),
+        thinking=budget,
     )
+
+
+def thinking_tags(req: scheduler_pb2.TokenizedRequest) -> tuple[list[int], list[int]] | None:
+    """The thinking budget's tags as the tokenizer encoded them, if the request has a budget."""
+    if not req.meta.sampling.HasField("thinking_budget"):
+        return None
+    return list(req.thinking_open.ids), list(req.thinking_close.ids)
 
 
 def tracked_of(req: scheduler_pb2.TokenizedRequest, span: trace.Span) -> Tracked:

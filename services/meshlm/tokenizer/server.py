@@ -209,8 +209,11 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                     rejections.append(wire.rejection(meta.rid, code, problem or ""))
                     continue
                 words = self._tok.word_ids(sampling.bad_words) if sampling.bad_words else None
+                budget = sampling.thinking_budget if sampling.HasField("thinking_budget") else None
+                tags = None if budget is None else self._tok.encode_batch(
+                    [budget.open, budget.close], add_special_tokens=False)
                 by_scheduler.setdefault(meta.route.scheduler, []).append(
-                    wire.tokenized(req, prompt, carrier_of(span), words))
+                    wire.tokenized(req, prompt, carrier_of(span), words, tags))
         for address, items in by_scheduler.items():
             await self._schedulers.get(address).put(items)
             events.record("send", (r.meta.rid for r in items))

@@ -32,12 +32,16 @@ def truncated(req: tokenizer_pb2.GenerateRequest, ids: list[int]) -> list[int]:
 
 
 def tokenized(req: tokenizer_pb2.GenerateRequest, ids: list[int], trace: dict[str, str],
-              bad_words: list[list[int]] | None = None) -> scheduler_pb2.TokenizedRequest:
+              bad_words: list[list[int]] | None = None,
+              thinking: list[list[int]] | None = None) -> scheduler_pb2.TokenizedRequest:
     """`req` for its scheduler: its meta as the gateway built it, the prompt's `ids`, the W3C
-    context of this hop's span (`trace`) and its bad_words encoded."""
+    context of this hop's span (`trace`), its bad_words and its thinking budget's tags
+    (opening, closing) encoded."""
     out = scheduler_pb2.TokenizedRequest(meta=req.meta, input_ids=ids, trace=trace)
     for word in bad_words or ():
         out.bad_words.add(ids=word)
+    if thinking is not None:
+        out.thinking_open.ids[:], out.thinking_close.ids[:] = thinking
     return out
 
 

@@ -19,6 +19,7 @@ from meshlm.gateway.mesh.dependencies import Dependencies
 from meshlm.gateway.mesh.inbox import RequestTable
 from meshlm.gateway.mesh.registry import RidRegistry
 from meshlm.gateway.protocol.bounds import Bounds
+from meshlm.gateway.protocol.reasoning import tags
 from meshlm.gateway.protocol.validation import Limits
 from meshlm.v1 import common_pb2, scheduler_pb2_grpc, tokenizer_pb2_grpc
 
@@ -108,9 +109,11 @@ class GatewayCore:
         return self.limits_of(self.model)
 
     def limits_of(self, info: common_pb2.ModelInfo) -> Limits:
+        parser = self.identity.reasoning_parser
         return Limits(max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                       max_prompt_chars=self.bounds.prompt_chars(info.max_model_len),
-                      max_batch=self.bounds.batch)
+                      max_batch=self.bounds.batch,
+                      thinking_tags=tags(parser) if parser else None)
 
     def is_healthy(self) -> bool:
         return self.deps.ready and self.model is not None

@@ -105,6 +105,8 @@ class OpenAIRPCs:
         check_batch(req.n, limits.max_batch, "n")
         check_prompt_chars(text_chars([req.messages, req.tools]), limits, "messages")
         identity = self.core.identity
+        if req.budget_if_read and not identity.reasoning_parser:
+            req.thinking_budget = None  # Anthropic's budget_tokens: a target, not a must
         output = output_reader(req, identity.tool_call_parser, identity.reasoning_parser)
         chat = template_request(req.messages, req.add_generation_prompt,
                                 req.continue_final_message, req.template_kwargs,

@@ -4,7 +4,8 @@ reasoning). `system` and `messages` (text, `tool_use` and `tool_result` blocks; 
 `thinking` blocks as the turn's reasoning) become the chat's messages; `max_tokens`
 (required), `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`),
 `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`) and `thinking` (the
-template's enable_thinking) their chat counterparts. `anthropic_output.py` shapes the answer.
+template's enable_thinking; its budget_tokens a thinking budget where the gateway has a
+reasoning parser) their chat counterparts. `anthropic_output.py` shapes the answer.
 Pure: no I/O."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from meshlm.gateway.protocol.as_chat import (
     in_client_words,
     optional_object,
 )
-from meshlm.gateway.protocol.json_body import show
+from meshlm.gateway.protocol.json_body import is_int, show
 from meshlm.gateway.protocol.openai import ChatRequest, parse_chat
 from meshlm.gateway.protocol.transcode import parse_json_body
 from meshlm.gateway.protocol.validation import unimplemented
@@ -70,12 +71,15 @@ def parse_messages(body: bytes) -> MessagesRequest:
         paths.update({f"tools[{i}].function.parameters": f"tools[{i}].input_schema"
                       for i in range(len(tools) if isinstance(tools, list) else 0)})
     _tool_choice(doc.get("tool_choice"), chat, paths)
-    _thinking(doc.get("thinking"), chat)
+    budget = _thinking(doc.get("thinking"), chat)
     try:
         request = parse_chat(orjson.dumps(chat))
     except MeshError as e:
         raise in_client_words(e, paths) from None
     request.names = {k: client_path(v, paths) for k, v in request.names.items()}
+    if budget is not None:  # kept where the gateway reads the thinking (a reasoning parser)
+        request.thinking_budget, request.budget_if_read = budget, True
+        request.names["max_thinking_tokens"] = "thinking.budget_tokens"
     return MessagesRequest(request, str(doc.get("model") or ""))
 
 
@@ -182,13 +186,20 @@ def _tool_choice(given: Any, chat: dict[str, Any], paths: dict[str, str]) -> Non
         chat["parallel_tool_calls"] = False
 
 
-def _thinking(thinking: Any, chat: dict[str, Any]) -> None:
-    """Extended thinking on or off: the template's enable_thinking (no budget is kept)."""
+def _thinking(thinking: Any, chat: dict[str, Any]) -> int | None:
+    """Extended thinking on or off: the template's enable_thinking; its budget_tokens, if
+    given."""
     if thinking is None:
-        return
+        return None
     kind = thinking.get("type") if isinstance(thinking, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
         raise invalid("thinking.type", f'must be "enabled" or "disabled", got {show(kind)}')
     kwargs = dict(chat.get("chat_template_kwargs") or {})
     kwargs.setdefault("enable_thinking", kind != "disabled")
     chat["chat_template_kwargs"] = kwargs
+    budget = thinking.get("budget_tokens")
+    if budget is None or kind != "enabled":
+        return None
+    if not is_int(budget) or not 1 <= budget < 2**31:
+        raise invalid("thinking.budget_tokens", f"must be a positive integer, got {show(budget)}")
+    return int(budget)

@@ -84,16 +84,15 @@ def think_first(grammar: str, starts_in_thought: bool,
     """`grammar` (one built here) after a reasoning model's thinking, as vLLM applies a
     constraint once the reasoning ends: the output starts in thought (`starts_in_thought`:
     its template opened it) or may open a thinking block first (`tags`: its opening and
-    closing tags). A grammar of several parts is left as it is (constrained from the first
-    token)."""
-    top = json.loads(grammar)
-    if len(top.get("grammars", ())) != 1:
-        return grammar
+    closing tags)."""
+    top = json.loads(grammar) if grammar.lstrip().startswith("{") else {
+        "grammars": [{"lark_grammar": grammar}]}
+    answer, *sides = top["grammars"]  # the first is the whole answer's; it may name the others
     opening, closing = (json.dumps(tag) for tag in tags)
     start = ("start: thinking answer\n" if starts_in_thought
              else f"start: answer | {opening} thinking answer\n")
     lark = start + f"thinking[suffix={closing}]: /(.|\\n)*/\n" + _ANSWER
-    top["grammars"] = [{"lark_grammar": lark}, {**top["grammars"][0], "name": "meshlm_answer"}]
+    top["grammars"] = [{"lark_grammar": lark}, {**answer, "name": "meshlm_answer"}, *sides]
     return json.dumps(top)
 
 

@@ -86,6 +86,8 @@ class GenerationRequest:
     truncate_right: bool = False  # vLLM's truncation_side "right": the first ones kept
     logprob_ids: list[int] = field(default_factory=list)  # vLLM's logprob_token_ids
     cache_salt: str = ""  # vLLM's: prefix-cache reuse only among requests with the same salt
+    thinking_budget: int | None = None  # vLLM's thinking_token_budget: SGLang's max_thinking_tokens
+    budget_if_read: bool = False  # the budget only where the gateway has a reasoning parser
 
     @property
     def n(self) -> int:
@@ -238,7 +240,8 @@ def _stream(body: JsonBody) -> tuple[bool, bool, bool]:
 
 def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
     """vLLM's return_token_ids, return_tokens_as_token_ids, prompt_logprobs,
-    truncate_prompt_tokens, truncation_side and cache_salt, as GenerationRequest fields.
+    truncate_prompt_tokens, truncation_side, cache_salt and thinking_token_budget, as
+    GenerationRequest fields.
     prompt_logprobs come in the whole answer only: refused with stream, but 0 is taken there
     and changes nothing, as in vLLM."""
     k = b.integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -264,6 +267,7 @@ def _vllm_options(b: JsonBody, stream: bool) -> dict[str, Any]:
         raise invalid("cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT} "
                                     f"characters, got {len(salt)}")
     return {"cache_salt": salt or "",
+            "thinking_budget": b.integer("thinking_token_budget", 0, _INT32),
             "return_token_ids": bool(b.boolean("return_token_ids")),
             "tokens_as_ids": bool(b.boolean("return_tokens_as_token_ids")),
             "prompt_logprobs": k, "truncate": truncate, "truncate_right": side == "right",
@@ -296,7 +300,9 @@ def _logprob_ids(value: Any) -> list[int]:
 
 
 def _needs_logprobs(options: dict[str, Any], logprobs: bool, names: dict[str, str]) -> None:
-    """logprob_token_ids lists its ids in the logprobs: it needs them asked for."""
+    """logprob_token_ids lists its ids in the logprobs: it needs them asked for. (And the
+    thinking budget's name, the client's.)"""
+    names["max_thinking_tokens"] = "thinking_token_budget"
     if options["logprob_ids"]:
         if not logprobs:
             raise invalid("logprob_token_ids", "needs logprobs to be set")
@@ -538,7 +544,7 @@ def public_request(
     """The public request for one prompt: its sampling params (with `max_new_tokens` when the
     client gave none), logprob options (the tokens' texts included; prompt logprobs from
     position 0 for an echoed completion and for prompt_logprobs, the top ones as many as the
-    larger of the two asks), rid and priority."""
+    larger of the two asks), rid, priority and thinking budget."""
     sampling = pb.SamplingParams()
     sampling.CopyFrom(req.sampling)
     if max_new_tokens is not None and not sampling.HasField("max_new_tokens"):
@@ -561,6 +567,8 @@ def public_request(
         out.rid = req.rid
     if req.priority is not None:
         out.priority = req.priority
+    if req.thinking_budget is not None:
+        out.max_thinking_tokens = req.thinking_budget
     return out
 
 

@@ -30,7 +30,7 @@ import grpc
 
 from meshlm.common.context_length import completion_too_long, prompt_too_long
 from meshlm.common.errors import MeshError, invalid
-from meshlm.gateway.protocol.constraints import grammar_of
+from meshlm.gateway.protocol.constraints import grammar_of, think_first
 from meshlm.gateway.protocol.logprob_options import GenerateLike, logprob_options
 from meshlm.v1 import common_pb2, tokenizer_pb2
 from sglang.runtime.v1 import sglang_pb2
@@ -50,12 +50,15 @@ _RID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 @dataclass(frozen=True)
 class Limits:
     """What the served model allows: context length (prompt + output) and vocabulary size;
-    and the gateway's bounds: characters of a text prompt, requests of one call (0: unchecked)."""
+    and the gateway's bounds: characters of a text prompt, requests of one call (0: unchecked),
+    and its reasoning parser's tags."""
 
     max_model_len: int
     vocab_size: int
     max_prompt_chars: int = 0
     max_batch: int = 0
+    # The reasoning parser's tags (opening, closing) for thinking budgets; None: no parser.
+    thinking_tags: tuple[str, str] | None = None
 
 
 @dataclass
@@ -294,12 +297,23 @@ def _check_unsupported(req: GenerateLike) -> None:
         raise unimplemented(
             "disaggregated_params", "prefill/decode disaggregation is not supported yet"
         )
-    if req.require_reasoning:  # false is SGLang's default: accepted
-        raise unimplemented("require_reasoning", "thinking budgets are not supported")
-    if req.HasField("max_thinking_tokens"):
-        raise unimplemented("max_thinking_tokens", "thinking budgets are not supported")
     if req.HasField("routed_dp_rank") and req.routed_dp_rank < 0:
         raise invalid("routed_dp_rank", f"must be >= 0, got {req.routed_dp_rank}")
+
+
+def thinking_budget(tokens: int, limits: Limits) -> common_pb2.ThinkingBudget:
+    """A budget of `tokens` for the thinking, between the reasoning parser's tags."""
+    opening, closing = reasoning_tags(limits, "max_thinking_tokens")
+    return common_pb2.ThinkingBudget(tokens=min(tokens, limits.max_model_len), open=opening,
+                                     close=closing)
+
+
+def reasoning_tags(limits: Limits, field_path: str) -> tuple[str, str]:
+    """The reasoning parser's tags, for the field that needs them."""
+    if limits.thinking_tags is None:
+        raise invalid(field_path, "needs a gateway started with --reasoning-parser (it knows "
+                                  "where the model's thinking ends)")
+    return limits.thinking_tags
 
 
 def _validated(
@@ -307,6 +321,11 @@ def _validated(
     text: str | None, input_ids: list[int] | None,
 ) -> ValidatedRequest:
     _check_unsupported(req)
+    if req.HasField("max_thinking_tokens"):
+        sampling.thinking_budget.CopyFrom(thinking_budget(req.max_thinking_tokens, limits))
+    if req.require_reasoning and sampling.grammar:  # SGLang's: the constraint after the thinking
+        opening, closing = reasoning_tags(limits, "require_reasoning")
+        sampling.grammar = think_first(sampling.grammar, True, (opening, closing))
     check_token_ids(list(req.token_ids_logprob), limits, "token_ids_logprob")
     logprob_options(req, sampling, None if input_ids is None else len(input_ids))
     rid = req.rid if req.HasField("rid") else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshlm.scheduler.engine.block_manager import BlockTable
+from meshlm.scheduler.engine.thinking import ThinkingBudget
 
 # Temperatures below this are greedy (division by ~0 would overflow).
 GREEDY_EPS = 1e-5
@@ -54,6 +55,9 @@ class SamplingParams:
     # vLLM's bad_words, encoded: the last id of each is never drawn right after the ones before
     # it (a one-id word never).
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # A thinking budget: (tokens, the opening tag's ids, the closing tag's ids), or None. The
+    # sequence's matcher is then a ThinkingBudget (`engine/thinking.py`).
+    thinking: tuple[int, tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +71,8 @@ class SamplingParams:
         return (self.temperature < GREEDY_EPS and self.repetition_penalty == 1.0
                 and self.frequency_penalty == 0.0 and self.presence_penalty == 0.0
                 and not self.return_logprob and not self.logit_bias
-                and not self.allowed_token_ids and not self.grammar and not self.bad_words)
+                and not self.allowed_token_ids and not self.grammar and not self.bad_words
+                and self.thinking is None)
 
     def problem(self) -> str | None:
         """Why these parameters are unusable, or None when they are fine."""
@@ -148,6 +153,8 @@ class Sequence:
     @classmethod
     def new(cls, rid: str, prompt_ids: list[int], params: SamplingParams,
             priority: int = 0, matcher: Any = None) -> Sequence:
+        if params.thinking is not None:
+            matcher = ThinkingBudget(*params.thinking, prompt_ids, matcher)
         return cls(rid, list(prompt_ids), len(prompt_ids), params, priority=priority,
                    matcher=matcher)
 

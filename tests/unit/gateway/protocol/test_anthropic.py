@@ -55,6 +55,11 @@ def test_tool_choice_and_thinking() -> None:
     assert _parse(messages=USER, thinking={"type": "disabled"}).template_kwargs == {
         "enable_thinking": False}
     assert _parse(messages=USER, stream=True).include_usage
+    # budget_tokens: a thinking budget, kept where the gateway reads the thinking.
+    budgeted = _parse(messages=USER, thinking={"type": "enabled", "budget_tokens": 2048})
+    assert (budgeted.thinking_budget, budgeted.budget_if_read) == (2048, True)
+    assert budgeted.names["max_thinking_tokens"] == "thinking.budget_tokens"
+    assert _parse(messages=USER, thinking={"type": "enabled"}).thinking_budget is None
 
 
 @pytest.mark.parametrize(("doc", "start"), [
@@ -74,6 +79,8 @@ def test_tool_choice_and_thinking() -> None:
      "tool_choice.name:"),
     ({"messages": USER, "tool_choice": {"type": "sometimes"}}, "tool_choice.type: must be"),
     ({"messages": USER, "thinking": {"type": "on"}}, "thinking.type: must be"),
+    ({"messages": USER, "thinking": {"type": "enabled", "budget_tokens": 0}},
+     "thinking.budget_tokens: must be a positive integer"),
     ({"messages": USER, "stop_sequences": "x"}, "stop_sequences:"),
     ({"messages": USER, "max_completion_tokens": 5}, "max_completion_tokens: unknown field"),
 ])

@@ -227,6 +227,22 @@ def test_structural_tags_by_each_spelling(doc: dict[str, Any], client_path: str)
     assert err.message.startswith(f"{client_path}.format.tags[0].begin: must start with "), err
 
 
+def test_vllms_thinking_token_budget_is_sglangs_max_thinking_tokens() -> None:
+    """On both routes; it needs the gateway's reasoning parser (its tags), and says so under
+    the client's name for it."""
+    for parse, base in ((parse_chat, {"messages": USER}), (parse_completion, {"prompt": "a"})):
+        req = parse(_body({**base, "thinking_token_budget": 64}))
+        public = public_request(req, "a")
+        assert public.max_thinking_tokens == 64
+        with pytest.raises(MeshError) as info:
+            validate_text_generate(public, LIMITS)
+        err = renamed(info.value, req.names)
+        assert err.message.startswith("thinking_token_budget: needs a gateway started with "
+                                      "--reasoning-parser"), err
+    with pytest.raises(MeshError, match="thinking_token_budget: must be in"):
+        parse_chat(_body({"messages": USER, "thinking_token_budget": -1}))
+
+
 def test_priority_and_kept_stop_strings() -> None:
     """SGLang's priority and no_stop_trim, and vLLM's include_stop_str_in_output, reach the
     public request."""

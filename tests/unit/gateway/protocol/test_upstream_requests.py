@@ -6,9 +6,11 @@ among them, become the grammar the engine follows."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import grpc
+import llguidance
 import orjson
 import pytest
 
@@ -53,16 +55,37 @@ def test_the_priority_rides_in_every_childs_request_meta() -> None:
 
 
 @pytest.mark.parametrize("fields,name", [
-    ({"require_reasoning": True}, "require_reasoning"),
+    ({"require_reasoning": True, "sampling_params": pb.SamplingParams(regex="a+")},
+     "require_reasoning"),
     ({"max_thinking_tokens": 0}, "max_thinking_tokens"),
     ({"max_thinking_tokens": 512, "require_reasoning": False}, "max_thinking_tokens"),
 ])
-def test_reasoning_options_are_unimplemented(fields: dict[str, Any], name: str) -> None:
+def test_reasoning_options_need_a_reasoning_parser(fields: dict[str, Any], name: str) -> None:
     for validate, req in ((validate_text_generate, pb.TextGenerateRequest(text="a", **fields)),
                           (validate_generate, pb.GenerateRequest(input_ids=[1], **fields))):
         err = _refusal(validate, req, LIMITS)
-        assert err.code == grpc.StatusCode.UNIMPLEMENTED
-        assert err.message == f"{name}: thinking budgets are not supported"
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.message.startswith(f"{name}: needs a gateway started with --reasoning-parser")
+
+
+def test_reasoning_options_with_a_reasoning_parser() -> None:
+    """max_thinking_tokens: a budget between the parser's tags (at most the context);
+    require_reasoning: the constraint applies once the thinking ends (SGLang's meaning)."""
+    limits = dataclasses.replace(LIMITS, thinking_tags=("<think>", "</think>"))
+    for asked, kept in ((0, 0), (40, 40), (10**6, LIMITS.max_model_len)):
+        v = validate_text_generate(pb.TextGenerateRequest(text="a", max_thinking_tokens=asked),
+                                   limits)
+        assert v.sampling.thinking_budget == common_pb2.ThinkingBudget(
+            tokens=kept, open="<think>", close="</think>")
+    assert not validate_text_generate(pb.TextGenerateRequest(text="a"), limits).sampling.HasField(
+        "thinking_budget")
+    v = validate_generate(pb.GenerateRequest(input_ids=[1], require_reasoning=True,
+                                             sampling_params=pb.SamplingParams(
+                                                 regex="(yes|no)")), limits)
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer("byte"), v.sampling.grammar)
+    assert matcher.consume_tokens(list(b"hmm, no?</think>yes")) and matcher.is_accepting()
+    assert not validate_text_generate(pb.TextGenerateRequest(
+        text="a", require_reasoning=True), LIMITS).sampling.grammar  # nothing to put after it
 
 
 def test_require_reasoning_false_is_the_default_and_accepted() -> None:

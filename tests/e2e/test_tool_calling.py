@@ -254,6 +254,31 @@ def test_mistral_calls_and_their_nine_character_ids(mistral_gateway, model):
 
 
 @pytest.fixture(scope="module")
+def qwen3_coder_gateway(mesh) -> Iterator[ServiceProcess]:
+    yield from extra_gateway(mesh, "qwen3-coder", tool_call_parser="qwen3_coder")
+
+
+def test_qwen3_coders_tagged_parameters(qwen3_coder_gateway, model):
+    """Qwen3-Coder's calls (`<function=...>` with `<parameter=...>` values, forced by a regex)
+    read as calls, each value typed by the tool's schema; streamed, the same call."""
+    client = openai.OpenAI(base_url=f"{qwen3_coder_gateway.http_address}/v1", api_key="x")
+    regex = (r"Checking\.\n<tool_call>\n<function=get_time>\n<parameter=zone>\n(UTC|CET)\n"
+             r"</parameter>\n</function>\n</tool_call>")
+    args = {"model": model, "messages": USER, "max_tokens": 80, "temperature": 0,
+            "tools": TOOLS, "extra_body": {"structured_outputs": {"regex": regex}}}
+    reply = client.chat.completions.create(**args)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking.\n"
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_time"
+    assert json.loads(call.function.arguments) in ({"zone": "UTC"}, {"zone": "CET"})
+    calls = [c for chunk in client.chat.completions.create(**args, stream=True)
+             for c in chunk.choices[0].delta.tool_calls or []]
+    assert calls[0].function.name == "get_time"
+    assert "".join(c.function.arguments or "" for c in calls) == call.function.arguments
+
+
+@pytest.fixture(scope="module")
 def thinking_gateway(mesh) -> Iterator[ServiceProcess]:
     yield from extra_gateway(mesh, "thinking", reasoning_parser="qwen3", tool_call_parser="hermes")
 

@@ -93,8 +93,10 @@ class GatewayConfig(ServiceConfig):
                                           "llama4_json or llama3 (Llama 3.1 and later's JSON "
                                           "calls), pythonic (Llama 3.2 and 4's [f(a=1)]), "
                                           "mistral ([TOOL_CALLS]: Mistral, Mixtral, Magistral, "
-                                          "Devstral); empty: auto is refused (forced calls "
-                                          "need none)")
+                                          "Devstral), qwen3_coder (<function=...> with "
+                                          "<parameter=...>: Qwen3-Coder, Qwen3.5), glm45 or "
+                                          "glm47 (<arg_key>/<arg_value>: GLM-4.5 and later); "
+                                          "empty: auto is refused (forced calls need none)")
     reasoning_parser: str = cfg.field("", "the model's thinking, split from its chat answers "
                                           "as reasoning_content: deepseek-r1 (deepseek_r1) or "
                                           "qwen3-thinking (the output starts in thought, up "

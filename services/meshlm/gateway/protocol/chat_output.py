@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from meshlm.gateway.protocol.forced_calls import ForcedCalls
 from meshlm.gateway.protocol.openai import ChatRequest
@@ -132,4 +132,7 @@ def call_reader(req: ChatRequest, parser: str) -> Callable[[], CallReader] | Non
         raise auto_refused()
     if not req.sampling.HasField("skip_special_tokens"):
         req.sampling.skip_special_tokens = False
-    return PARSERS[parser]
+    reader = PARSERS[parser]
+    if reader.NEEDS_TOOLS:  # it reads the tools' parameter types
+        return partial(cast(Callable[..., CallReader], reader), tools=req.tools)
+    return reader

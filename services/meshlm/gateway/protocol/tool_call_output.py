@@ -53,6 +53,8 @@ class Call:
 class CallReader:
     """One choice's output, read as tool calls and content."""
 
+    NEEDS_TOOLS = False  # whether it is built with the request's tools (`chat_output`)
+
     def __init__(self, new_id: Callable[[], str] = call_id) -> None:
         self._new_id = new_id  # each call's id
         self._calls: list[Call] = []

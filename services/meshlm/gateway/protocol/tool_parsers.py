@@ -14,6 +14,7 @@
   tokenizers v11 and later) `name[ARGS]{...}` per call; ids of nine letters and digits.
 - `PythonicCalls` (`pythonic`): Llama 3.2 and 4's `[f(a=1), g(b="x")]`, read whole at the
   end of the output.
+- `qwen3_coder`, `glm45` / `glm47`: calls with tagged parameters (`xml_calls.py`).
 """
 
 from __future__ import annotations
@@ -23,58 +24,26 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from meshlm.gateway.protocol.block_calls import BlockCalls
 from meshlm.gateway.protocol.call_scanner import CallScanner
 from meshlm.gateway.protocol.text_tags import partial_tag
 from meshlm.gateway.protocol.tool_call_output import CallReader, Delta, mistral_call_id
+from meshlm.gateway.protocol.xml_calls import Glm45Calls, Qwen3CoderCalls
 
 
-class HermesCalls(CallReader):
+class HermesCalls(BlockCalls):
     """`<tool_call>{json}</tool_call>` blocks among content, each read as it streams."""
-
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
         super().__init__()
-        self._pending = ""  # not yet read as content or a block's text
-        self._block: CallScanner | None = None  # the open block's reader
+        self._block = CallScanner(1, ("arguments", "parameters"))  # the open block's reader
         self._body: list[str] = []  # the open block's text
 
-    def feed(self, text: str, last: bool = False) -> tuple[str, list[Delta]]:
-        self._pending += text
-        content: list[str] = []
-        deltas: list[Delta] = []
-        while True:
-            tag = self.OPEN if self._block is None else self.CLOSE
-            at = self._pending.find(tag)
-            if at < 0:
-                break
-            before, self._pending = self._pending[:at], self._pending[at + len(tag):]
-            if self._block is None:
-                if before:
-                    content.append(before)
-                self._block, self._body = CallScanner(1, ("arguments", "parameters")), []
-            else:
-                self._read(before, deltas)
-                self._close(content, deltas, closed=True)
-        tag = self.OPEN if self._block is None else self.CLOSE
-        keep = 0 if last else partial_tag(self._pending, tag)
-        ready, self._pending = (self._pending[:len(self._pending) - keep],
-                                self._pending[len(self._pending) - keep:])
-        if self._block is None:
-            if ready:
-                content.append(ready)  # up to what may begin a tag
-        else:
-            self._read(ready, deltas)
-            if last:
-                self._close(content, deltas, closed=False)
-        text_out = "".join(content)
-        if text_out:
-            self._content.append(text_out)
-        return text_out, deltas
+    def _begin(self) -> None:
+        self._block, self._body = CallScanner(1, ("arguments", "parameters")), []
 
     def _read(self, text: str, deltas: list[Delta]) -> None:
         """More of the open block: its call's name once complete, then its arguments."""
-        assert self._block is not None
         self._body.append(text)
         self._take(self._block.feed(text), deltas)
 
@@ -82,8 +51,7 @@ class HermesCalls(CallReader):
         """The block ends (`closed`: with its tag; else the output ends in it): a call once
         named (closed without arguments: `{}`); otherwise a call if its JSON reads as one
         whole, else content as written."""
-        assert self._block is not None
-        named, body, self._block = self._block.named, "".join(self._body), None
+        named, body = self._block.named, "".join(self._body)
         if named:
             if closed and not self._calls[-1].arguments:
                 self._arguments("{}", deltas)
@@ -294,6 +262,8 @@ def _python_calls(text: str) -> list[tuple[str, dict[str, Any]]] | None:
 PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesCalls,
                                         "llama3_json": JsonCalls, "llama4_json": JsonCalls,
                                         "llama3": JsonCalls, "pythonic": PythonicCalls,
-                                        "mistral": MistralCalls}
+                                        "mistral": MistralCalls,
+                                        "qwen3_coder": Qwen3CoderCalls, "glm45": Glm45Calls,
+                                        "glm47": Glm45Calls}
 # The ids a parser's models need for their calls (a forced call's too); others: call_id's.
 CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}

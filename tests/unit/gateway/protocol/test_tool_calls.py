@@ -27,6 +27,7 @@ from meshlm.gateway.protocol.tool_parsers import (
     MistralCalls,
     PythonicCalls,
 )
+from meshlm.gateway.protocol.xml_calls import Glm45Calls, Qwen3CoderCalls
 from meshlm.v1 import gateway_pb2
 
 USER = [{"role": "user", "content": "hi"}]
@@ -421,3 +422,62 @@ def test_a_forced_calls_ids_follow_the_gateways_parser() -> None:
         calls.feed('[{"name": "unit", "parameters": {"u": "c"}}]', last=True)
         [call] = calls.calls()
         assert (len(call["id"]) == 9 and call["id"].isalnum()) is mistral, call["id"]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "where": {"type": "object"}, "hours": {"type": ["array", "null"]},
+        "note": {"anyOf": [{"type": "null"}, {"type": "string"}]}}}}}
+QWEN3_CODER = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n007 Paris"
+               "\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n"
+               "</parameter>\n<parameter=where>\n{'lat': 1.5}\n</parameter>\n<parameter=hours>"
+               "\n[1, 2]\n</parameter>\n<parameter=note>\n42\n</parameter>\n<parameter=extra>\n"
+               "{\"a\": null}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+               "<function=get_time>\n</function>\n</tool_call>")
+QWEN3_ARGS = ('{"city": "007 Paris", "days": 3, "metric": true, "where": {"lat": 1.5}, '
+              '"hours": [1, 2], "note": "42", "extra": {"a": null}}')
+
+
+@pytest.mark.parametrize("size", [1, 3, 17, len(QWEN3_CODER)])
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    (QWEN3_CODER, "I will check.\n\n", [(0, "get_weather", QWEN3_ARGS), (1, "get_time", "{}")]),
+    # The last parameter's closing tag missing (the model's slip), or the output cut in it.
+    ("<tool_call>\n<function=f>\n<parameter=days>\n5\n</function>\n</tool_call>", "",
+     [(0, "f", '{"days": 5}')]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nOs", "",
+     [(0, "get_weather", '{"city": "Os"}')]),
+    ("Text with <tool_call> but no function</tool_call> after",
+     "Text with <tool_call> but no function</tool_call> after", []),
+])
+def test_qwen3_coder_calls(size: int, text: str, content: str, calls: Any) -> None:
+    """Each value by its parameter's type in the tools: a string stays text (even "007
+    Paris"), the others are read as JSON or a Python literal; one the tools do not describe
+    as JSON where it reads so."""
+    assert _read(Qwen3CoderCalls(tools=[WEATHER]), text, size) == (content, calls)
+
+
+GLM45 = ("Checking.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>"
+         "\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n</tool_call>")
+
+
+@pytest.mark.parametrize("size", [1, 4, len(GLM45)])
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    (GLM45, "Checking.", [(0, "get_weather", '{"city": "Oslo", "days": 2}')]),
+    # GLM-4.7: no newline after the name; a call without arguments.
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>"
+     "<tool_call>get_time</tool_call>", "",
+     [(0, "get_weather", '{"city": "Rome"}'), (1, "get_time", "{}")]),
+])
+def test_glm45_calls(size: int, text: str, content: str, calls: Any) -> None:
+    assert _read(Glm45Calls(tools=[WEATHER]), text, size) == (content, calls)
+
+
+def test_xml_parsers_get_the_requests_tools() -> None:
+    body = orjson.dumps({"model": "m", "messages": USER, "tools": [WEATHER]})
+    reader = call_reader(parse_chat(body), "qwen3_coder")
+    assert reader is not None
+    calls = reader()
+    calls.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\n12\n</parameter>\n"
+               "</function>\n</tool_call>", last=True)
+    assert json.loads(calls.calls()[0]["function"]["arguments"]) == {"city": "12"}

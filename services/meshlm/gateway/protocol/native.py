@@ -9,7 +9,7 @@ from typing import Any
 from meshlm.common.errors import invalid
 from meshlm.gateway.protocol.json_body import is_int
 from meshlm.gateway.protocol.transcode import check_known_fields, parse_dict, parse_json_body
-from meshlm.gateway.protocol.validation import check_batch
+from meshlm.gateway.protocol.validation import check_batch, unimplemented
 from sglang.runtime.v1 import sglang_pb2
 
 NativeRequest = sglang_pb2.TextGenerateRequest | sglang_pb2.GenerateRequest
@@ -27,6 +27,13 @@ _GUIDED = ("ebnf", "structural_tag")
 # for every prompt or a list of them, one per prompt (io_struct's normalisation).
 _ASKED = "token_ids_logprob"
 _INT32 = 2**31
+# SGLang's request fields that meshlm does not serve, taken at their defaults (a client may
+# send its whole request object); another value is UNIMPLEMENTED, naming the field.
+_AT_DEFAULT = {"return_hidden_states": "hidden states are not returned",
+               "return_routed_experts": "routed experts are not returned",
+               "custom_logit_processor": "custom logit processors are not supported"}
+_SAMPLING_AT_DEFAULT = {"stop_regex": "regex stops are not supported; use stop strings",
+                        "custom_params": "custom logit processors are not supported"}
 
 
 def native_generate_requests(body: bytes, max_batch: int = 0
@@ -65,9 +72,22 @@ def native_generate_request(body: bytes) -> NativeRequest:
 
 
 def _native_generate(doc: dict[str, Any], has_text: bool) -> NativeRequest:
+    _take_defaults(doc, _AT_DEFAULT, "")
+    doc.pop("log_metrics", None)  # SGLang's metrics switch: meshlm's metrics are always kept
     sampling = doc.get("sampling_params")
     if isinstance(sampling, dict):
         sampling = {k: v for k, v in sampling.items() if v is not None}
+        _take_defaults(sampling, _SAMPLING_AT_DEFAULT, "sampling_params.")
+        if "sampling_seed" in sampling:  # SGLang's newer name for the seed
+            if "seed" in sampling:
+                raise invalid("sampling_params.sampling_seed", "give seed or sampling_seed, "
+                                                               "not both")
+            sampling["seed"] = sampling.pop("sampling_seed")
+        # Slow (Python) tokenizers' alone, as on the OpenAI routes: fast ones never put spaces
+        # between special tokens.
+        if not isinstance(sampling.pop("spaces_between_special_tokens", True), bool):
+            raise invalid("sampling_params.spaces_between_special_tokens",
+                          "must be true or false")
         if isinstance(sampling.get("stop"), str):
             sampling["stop"] = [sampling["stop"]]
         for name in _GUIDED:
@@ -82,6 +102,14 @@ def _native_generate(doc: dict[str, Any], has_text: bool) -> NativeRequest:
     cls = sglang_pb2.TextGenerateRequest if has_text else sglang_pb2.GenerateRequest
     check_known_fields(doc, cls.DESCRIPTOR, "")
     return parse_dict(doc, cls())
+
+
+def _take_defaults(doc: dict[str, Any], fields: dict[str, str], prefix: str) -> None:
+    """Drop `fields` that hold their default (false, or an empty value); UNIMPLEMENTED, with
+    its problem, for any other value."""
+    for name, problem in fields.items():
+        if name in doc and doc.pop(name) not in (False, "", [], {}):
+            raise unimplemented(f"{prefix}{name}", problem)
 
 
 def _split_asked(value: Any, docs: list[dict[str, Any]]) -> None:

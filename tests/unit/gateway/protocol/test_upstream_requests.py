@@ -145,3 +145,25 @@ def test_native_constraint_params_go_where_the_proto_has_them() -> None:
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.message == ("sampling_params.guided_decoding.structural_tag.format.begin: is "
                            "required")
+
+
+def test_native_fields_sglang_clients_send_at_their_defaults() -> None:
+    """A client sending SGLang's whole request object: unserved fields at their defaults are
+    taken (log_metrics, spaces_between_special_tokens: any value), sampling_seed is the seed;
+    any other value of an unserved field is UNIMPLEMENTED by name."""
+    one = native.native_generate_request(orjson.dumps({
+        "text": "a", "return_hidden_states": False, "return_routed_experts": False,
+        "custom_logit_processor": None, "log_metrics": True, "sampling_params": {
+            "sampling_seed": 7, "stop_regex": [], "custom_params": None,
+            "spaces_between_special_tokens": False}}))
+    assert one.sampling_params.seed == 7
+    for doc, path in (({"return_hidden_states": True}, "return_hidden_states"),
+                      ({"custom_logit_processor": "{}"}, "custom_logit_processor"),
+                      ({"sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
+                      ({"sampling_params": {"custom_params": {"thinking_budget": 9}}},
+                       "sampling_params.custom_params")):
+        err = _refusal(native.native_generate_request, orjson.dumps({"text": "a", **doc}))
+        assert err.code == grpc.StatusCode.UNIMPLEMENTED and err.message.startswith(f"{path}: ")
+    err = _refusal(native.native_generate_request, orjson.dumps(
+        {"text": "a", "sampling_params": {"seed": 1, "sampling_seed": 2}}))
+    assert err.message.startswith("sampling_params.sampling_seed: give seed or sampling_seed")

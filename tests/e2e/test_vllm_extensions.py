@@ -342,3 +342,33 @@ def test_load_counts_the_requests_in_flight(mesh, client, model) -> None:
     stream.close()  # the client leaves: the request ends in the mesh
     wait_until(lambda: load() == 0, timeout=30, what="the request ended")
     assert json.loads(httpx.get(url, timeout=10).text) == {"server_load": 0}
+
+
+# ---- chat_template -----------------------------------------------------------------------------
+
+
+def test_a_requests_own_chat_template_only_where_trusted(client, model, stub, mesh) -> None:
+    """vLLM's chat_template: refused by a gateway that was not told to trust it; rendered by
+    one started with --trust-request-chat-template (the prompt is the template's)."""
+    own = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=USER, max_tokens=2,
+                                       extra_body={"chat_template": own})
+    assert info.value.body["param"] == "chat_template", info.value.body
+    assert "--trust-request-chat-template" in info.value.body["message"]
+    name = f"gateway-templates-{uuid.uuid4().hex[:6]}"
+    trusting = mesh.start_gateway(name, switches=("trust_request_chat_template",))
+    try:
+        trusted = openai.OpenAI(base_url=f"{trusting.http_address}/v1", api_key="x")
+        reply = trusted.chat.completions.create(
+            model=model, messages=USER, max_tokens=2,
+            extra_body={"chat_template": own, "return_token_ids": True})
+        assert reply.model_dump()["prompt_token_ids"] == tokens(
+            stub, "<user>Repeat after me: I love cats", special=False)
+        with pytest.raises(openai.BadRequestError) as info:
+            trusted.chat.completions.create(model=model, messages=USER, max_tokens=2,
+                                            extra_body={"chat_template": "{% if %}"})
+        assert info.value.body["param"] == "chat_template", info.value.body
+    finally:
+        trusting.stop(10)
+        del mesh.services[name]

@@ -103,6 +103,10 @@ class GatewayConfig(ServiceConfig):
                                           "to </think>), qwen3 or glm45 (<think>...</think> "
                                           "when the output starts so), mistral ([THINK]..."
                                           "[/THINK], Magistral); empty: none")
+    trust_request_chat_template: bool = cfg.field(
+        False, "render a chat completion's own chat_template (vLLM's field; a template runs "
+               "in the tokenizer's Jinja sandbox, but can spend its CPU: only for trusted "
+               "clients); off: such a request is a 400")
     max_inflight: int = cfg.field(1024, "requests in flight on this gateway (each of n samples "
                                         "counts); beyond it RESOURCE_EXHAUSTED / 429 at once")
     http_max_body_bytes: int = cfg.field(DEFAULT_BODY_BYTES, "largest HTTP request body; past "
@@ -177,7 +181,8 @@ async def serve(config: GatewayConfig) -> None:
                                                          tls.server_credentials()))
     identity = GatewayIdentity(inbox=inbox_address, served_model_name=config.served_model_name,
                                tool_call_parser=config.tool_call_parser,
-                               reasoning_parser=config.reasoning_parser)
+                               reasoning_parser=config.reasoning_parser,
+                               trust_request_chat_template=config.trust_request_chat_template)
 
     submit: dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]] = {}
     public: GrpcServer | None = None

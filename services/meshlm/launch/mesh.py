@@ -227,16 +227,20 @@ class Mesh:
         wait_until_ready(list(procs), self.certs, self.options.startup_timeout,
                          self.options.stop_timeout, cancel)
 
-    def start_gateway(self, name: str, tls: bool = False, **flags: Any) -> ServiceProcess:
+    def start_gateway(self, name: str, tls: bool = False, switches: tuple[str, ...] = (),
+                      **flags: Any) -> ServiceProcess:
         """Another gateway over the same backends and redis, on free ports unless `flags` say
         otherwise; waits until it is ready. `tls` serves its public ports with the mesh's public
         certificate (the dev server.pem unless MeshOptions.tls_cert); `flags` are gateway flags
-        with underscores (tls_client_ca=..., http_port=...) and win over both."""
+        with underscores (tls_client_ca=..., http_port=...) and win over both; `switches` are
+        on/off flags to turn on (trust_request_chat_template), set by their environment
+        variables."""
         if name in self.services:
             raise ValueError(f"service {name!r} already exists")
         values = self._gateway_flags(0, 0, public_tls=tls)
         values.update({k.replace("_", "-"): str(v) for k, v in flags.items()})
         proc = self._add(name, values, role="gateway")
+        proc.env.update({f"MESHLM_{switch.upper()}": "true" for switch in switches})
         self._launch([proc])
         return proc
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from meshlm.common.chat_variables import FIELD, checked_template_kwargs
 from meshlm.common.errors import MeshError, invalid
-from meshlm.tokenizer.tokenization import TextTokenizer
+from meshlm.tokenizer.tokenization import ChatTemplateError, TextTokenizer
 from meshlm.v1 import tokenizer_pb2
 
 
@@ -39,7 +39,9 @@ def render_chat(tok: TextTokenizer, chat: tokenizer_pb2.ChatTemplateRequest) -> 
             raise invalid("tools", f"not valid JSON: {e}") from None
     try:
         return tok.apply_chat_template(messages, chat.add_generation_prompt,
-                                       chat.continue_final_message, kwargs)
+                                       chat.continue_final_message, kwargs, chat.chat_template)
+    except ChatTemplateError as e:
+        raise invalid("chat_template", str(e)) from None
     except ValueError as e:
         raise invalid("messages", str(e)) from None
 

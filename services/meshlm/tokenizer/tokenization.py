@@ -17,6 +17,7 @@ Templates usually start with the bos token themselves, so a rendered chat prompt
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -161,8 +162,10 @@ class TextTokenizer:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        template: str = "",
     ) -> str:
-        """Render a conversation to a prompt string with the checkpoint's chat template.
+        """Render a conversation to a prompt string with the checkpoint's chat template (or
+        `template`, the request's own: ChatTemplateError when it is not valid Jinja).
 
         `template_kwargs`: more variables for the template (a client's chat_template_kwargs,
         e.g. enable_thinking), checked by `checked_template_kwargs` first.
@@ -177,13 +180,18 @@ class TextTokenizer:
         """
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
-        if self._chat_template is None:
+        source = template or self._chat_template
+        if source is None:
             raise ValueError(
                 f"the model at {self._model_path} has no chat template; "
                 "send a plain text prompt instead"
             )
         try:
-            text: str = _compile(self._chat_template).render(
+            compiled = _compile(source)
+        except TemplateError as e:
+            raise ChatTemplateError(f"not a valid chat template: {e}") from e
+        try:
+            text: str = compiled.render(
                 **(template_kwargs or {}),
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
@@ -376,11 +384,12 @@ _ENV = ImmutableSandboxedEnvironment(
 _ENV.filters["tojson"] = _tojson
 _ENV.globals["raise_exception"] = _raise_exception
 _ENV.globals["strftime_now"] = _strftime_now
-_TEMPLATES: dict[str, Any] = {}
 
 
+class ChatTemplateError(ValueError):
+    """A request's own chat template that does not compile."""
+
+
+@functools.lru_cache(maxsize=32)  # the checkpoint's, and the requests' latest own ones
 def _compile(source: str) -> Any:
-    template = _TEMPLATES.get(source)
-    if template is None:
-        template = _TEMPLATES[source] = _ENV.from_string(source)
-    return template
+    return _ENV.from_string(source)

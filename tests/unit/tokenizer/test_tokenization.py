@@ -130,6 +130,25 @@ def test_chat_template(tok: TextTokenizer) -> None:
     assert prompt_tail[0] == tok.tokenizer.token_to_id("<|im_start|>")
 
 
+def test_a_requests_own_chat_template(tok: TextTokenizer) -> None:
+    """Rendered in the same sandbox, with the same variables; one that does not compile is
+    refused under chat_template, one that fails on the messages under messages."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    own = "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{{ bos_token }}"
+    assert tok.apply_chat_template(messages, template=own) == "[user:Hi][assistant:Yo]" + (
+        tok.apply_chat_template([], template="{{ bos_token }}"))
+    chat = tokenizer_pb2.ChatTemplateRequest(messages_json=json.dumps(messages),
+                                             chat_template="{% for m in messages %}")
+    with pytest.raises(MeshError, match="^chat_template: not a valid chat template"):
+        render_chat(tok, chat)
+    chat.chat_template = "{{ raise_exception('no assistant turns') }}"
+    with pytest.raises(MeshError, match="^messages: .*no assistant turns"):
+        render_chat(tok, chat)
+    chat.chat_template = "{{ ''.__class__.__mro__ }}"  # the sandbox holds
+    with pytest.raises(MeshError, match="^messages: "):
+        render_chat(tok, chat)
+
+
 def test_template_kwargs_are_the_templates_variables(model_dir: Path, tmp_path: Path) -> None:
     path = _copy_checkpoint(model_dir, tmp_path / "a", chat_template=(
         "{% for m in messages %}{{ m.content }}{% endfor %}"

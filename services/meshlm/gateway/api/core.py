@@ -36,6 +36,7 @@ class GatewayIdentity:
     served_model_name: str
     tool_call_parser: str = ""  # the model's own tool-call format, for tool_choice "auto"
     reasoning_parser: str = ""  # how the model's thinking is marked ("": not read)
+    trust_request_chat_template: bool = False  # a chat's own chat_template is rendered
 
 
 class GatewayCore:

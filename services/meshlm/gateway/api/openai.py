@@ -108,9 +108,14 @@ class OpenAIRPCs:
         if req.budget_if_read and not identity.reasoning_parser:
             req.thinking_budget = None  # Anthropic's budget_tokens: a target, not a must
         output = output_reader(req, identity.tool_call_parser, identity.reasoning_parser)
+        if req.chat_template and not identity.trust_request_chat_template:
+            raise invalid("chat_template", "this gateway renders only the model's own chat "
+                                           "template (start it with "
+                                           "--trust-request-chat-template to take the "
+                                           "request's)")
         chat = template_request(req.messages, req.add_generation_prompt,
                                 req.continue_final_message, req.template_kwargs,
-                                req.add_special_tokens, req.tools)
+                                req.add_special_tokens, req.tools, req.chat_template)
         # The prompt: `chat`, rendered by the tokenizer, which also sets the default
         # max_tokens; until then the largest room a prompt can leave stands in for it.
         public = public_request(req, [], max_new_tokens=limits.max_model_len - 1)

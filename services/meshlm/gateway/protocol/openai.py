@@ -101,6 +101,7 @@ class ChatRequest(GenerationRequest):
     continue_final_message: bool = False
     echo: bool = False
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template: str = ""  # vLLM's: the request's own template ("": the checkpoint's)
     add_special_tokens: bool = False  # vLLM's: the tokenizer's bos on top of the template's
     tools: list[dict[str, Any]] | None = None  # for the template
     tool_choice: ToolChoice | None = None  # how the tools may be called (None: not)
@@ -350,6 +351,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     rid = _rid(b, names)
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     kwargs = _template_variables(b, checked_template_kwargs(b.get(TEMPLATE_KWARGS)))
+    template = b.string("chat_template") or ""
     special = bool(b.boolean("add_special_tokens"))
     # The reasoning switches (with the gateway's --reasoning-parser; without one they change
     # nothing, as in SGLang and vLLM): SGLang's separate_reasoning (false: the thinking stays
@@ -367,7 +369,8 @@ def parse_chat(body: bytes) -> ChatRequest:
                        messages=messages,
                        add_generation_prompt=add_prompt,
                        continue_final_message=continue_final, echo=echo,
-                       template_kwargs=kwargs, add_special_tokens=special, tools=tools,
+                       template_kwargs=kwargs, chat_template=template,
+                       add_special_tokens=special, tools=tools,
                        tool_choice=tool_choice, separate_reasoning=separate,
                        stream_reasoning=stream_thinking, include_reasoning=include, **vllm)
 
@@ -410,11 +413,12 @@ def template_request(messages: list[Any], add_generation_prompt: bool,
                      continue_final_message: bool = False,
                      template_kwargs: dict[str, Any] | None = None,
                      add_special_tokens: bool = False,
-                     tools: list[dict[str, Any]] | None = None
+                     tools: list[dict[str, Any]] | None = None, chat_template: str = ""
                      ) -> tokenizer_pb2.ChatTemplateRequest:
     """What the tokenizer renders a chat from (for a chat completion, and for /v1/tokenize);
     earlier tool calls' arguments go to the template as objects."""
     return tokenizer_pb2.ChatTemplateRequest(
+        chat_template=chat_template,
         messages_json=orjson.dumps(template_messages(messages)).decode(),
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,

@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
 import llguidance
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshlm.common.errors import MeshError
 from meshlm.gateway.protocol.constraints import structural_tag_grammar
@@ -176,3 +179,45 @@ def test_a_deep_tag_is_refused() -> None:
         fmt = {"type": "optional", "content": fmt}
     with pytest.raises(MeshError, match="too large"):
         structural_tag_grammar(json.dumps({"format": fmt}), "f")
+
+
+_TEXT = st.text(alphabet=st.sampled_from(list("ab<>/=\\\"{} \n.*")), max_size=6)
+_LEAF = st.one_of(
+    st.builds(lambda v: {"type": "const_string", "value": v}, _TEXT),
+    st.builds(lambda p: {"type": "regex", "pattern": p}, _TEXT),
+    st.builds(lambda e: {"type": "any_text", "excludes": e}, st.lists(_TEXT, max_size=2)),
+    st.just({"type": "json_schema", "json_schema": {"type": "integer"}}),
+    st.just({"type": "token", "token": "<x>"}),
+    st.none(), st.integers(), _TEXT,
+)
+
+
+def _composite(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    tag = st.builds(lambda b, c, e: {"type": "tag", "begin": b, "content": c, "end": e},
+                    _TEXT, inner, st.one_of(_TEXT, st.lists(_TEXT, max_size=2)))
+    return st.one_of(
+        st.builds(lambda e: {"type": "sequence", "elements": e}, st.lists(inner, max_size=3)),
+        st.builds(lambda e: {"type": "or", "elements": e}, st.lists(inner, max_size=3)),
+        st.builds(lambda c: {"type": "star", "content": c}, inner),
+        st.builds(lambda lo, hi, c: {"type": "repeat", "min": lo, "max": hi, "content": c},
+                  st.integers(-1, 3), st.integers(-2, 3), inner),
+        tag,
+        st.builds(lambda t, ts, a, s: {"type": "triggered_tags", "triggers": t, "tags": ts,
+                                       "at_least_one": a, "stop_after_first": s},
+                  st.lists(_TEXT, max_size=2), st.lists(tag, max_size=2), st.booleans(),
+                  st.booleans()),
+        st.builds(lambda ts, sep: {"type": "tags_with_separator", "tags": ts,
+                                   "separator": sep}, st.lists(tag, max_size=2), _TEXT),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(_LEAF, _composite, max_leaves=8))
+def test_any_tag_is_a_grammar_or_a_refusal_by_name(fmt: Any) -> None:
+    """Whatever the tag, the answer is a grammar llguidance takes or an INVALID_ARGUMENT."""
+    try:
+        grammar = structural_tag_grammar(json.dumps({"format": fmt}), "f")
+    except MeshError as e:
+        assert e.code == grpc.StatusCode.INVALID_ARGUMENT and e.message.startswith("f"), e
+        return
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""

@@ -95,8 +95,11 @@ class GatewayConfig(ServiceConfig):
                                           "mistral ([TOOL_CALLS]: Mistral, Mixtral, Magistral, "
                                           "Devstral), qwen3_coder (<function=...> with "
                                           "<parameter=...>: Qwen3-Coder, Qwen3.5), glm45 or "
-                                          "glm47 (<arg_key>/<arg_value>: GLM-4.5 and later); "
-                                          "empty: auto is refused (forced calls need none)")
+                                          "glm47 (<arg_key>/<arg_value>: GLM-4.5 and later), "
+                                          "deepseek_v3 or deepseekv3 (DeepSeek-V3, R1), "
+                                          "deepseek_v31 or deepseekv31 (DeepSeek-V3.1 and "
+                                          "later); empty: auto is refused (forced calls need "
+                                          "none)")
     reasoning_parser: str = cfg.field("", "the model's thinking, split from its chat answers "
                                           "as reasoning_content: deepseek-r1 (deepseek_r1) or "
                                           "qwen3-thinking (the output starts in thought, up "

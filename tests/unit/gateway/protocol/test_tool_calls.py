@@ -16,6 +16,7 @@ import pytest
 from meshlm.common.errors import MeshError
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.chat_output import ChatOutput, call_reader
+from meshlm.gateway.protocol.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
 from meshlm.gateway.protocol.forced_calls import ForcedCalls
 from meshlm.gateway.protocol.json_body import JsonBody
 from meshlm.gateway.protocol.openai import parse_chat, template_request
@@ -481,3 +482,25 @@ def test_xml_parsers_get_the_requests_tools() -> None:
     calls.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\n12\n</parameter>\n"
                "</function>\n</tool_call>", last=True)
     assert json.loads(calls.calls()[0]["function"]["arguments"]) == {"city": "12"}
+
+
+B, C, S, E, F = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>",
+                 "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>")
+DEEPSEEK_V3 = (f"Let me check.{B}{C}function{S}get_weather\n```json\n{{\"city\": \"Oslo\"}}\n```"
+               f"{E}\n{C}function{S}get_time\n```json\n{{}}\n```{E}{F}")
+DEEPSEEK_V31 = f'Sure.{B}{C}get_weather{S}{{"city": "Oslo"}}{E}{C}get_time{S}{{}}{E}{F}'
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+@pytest.mark.parametrize(("reader", "text", "content", "calls"), [
+    (DeepSeekV3Calls, DEEPSEEK_V3, "Let me check.",
+     [(0, "get_weather", '{"city": "Oslo"}'), (1, "get_time", "{}")]),
+    (DeepSeekV31Calls, DEEPSEEK_V31, "Sure.",
+     [(0, "get_weather", '{"city": "Oslo"}'), (1, "get_time", "{}")]),
+    (DeepSeekV31Calls, f'{B}{C}get_weather{S}{{"city": "Os', "",
+     [(0, "get_weather", '{"city": "Os')]),  # cut by max_tokens: the arguments so far
+    (DeepSeekV3Calls, f"{B}{C}function{S}f\n```json\n{{\"a\": 1", "", [(0, "f", '{"a": 1')]),
+    (DeepSeekV31Calls, f"Plain {B}nothing{F} text", f"Plain {B}nothing{F} text", []),
+])
+def test_deepseek_calls(reader: Any, size: int, text: str, content: str, calls: Any) -> None:
+    assert _read(reader(), text, size) == (content, calls)

@@ -98,8 +98,8 @@ class GatewayConfig(ServiceConfig):
                                           "glm47 (<arg_key>/<arg_value>: GLM-4.5 and later), "
                                           "deepseek_v3 or deepseekv3 (DeepSeek-V3, R1), "
                                           "deepseek_v31 or deepseekv31 (DeepSeek-V3.1 and "
-                                          "later); empty: auto is refused (forced calls need "
-                                          "none)")
+                                          "later), kimi_k2 (Kimi K2); empty: auto is refused "
+                                          "(forced calls need none)")
     reasoning_parser: str = cfg.field("", "the model's thinking, split from its chat answers "
                                           "as reasoning_content: deepseek-r1 (deepseek_r1) or "
                                           "qwen3-thinking (the output starts in thought, up "

@@ -15,8 +15,8 @@
 - `PythonicCalls` (`pythonic`): Llama 3.2 and 4's `[f(a=1), g(b="x")]`, read whole at the
   end of the output.
 - `qwen3_coder`, `glm45` / `glm47`: calls with tagged parameters (`xml_calls.py`).
-- `deepseek_v3`, `deepseek_v31`: DeepSeek's calls between its special tokens
-  (`deepseek_calls.py`).
+- `deepseek_v3`, `deepseek_v31`, `kimi_k2`: DeepSeek's and Kimi K2's calls between their
+  special tokens (`deepseek_calls.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ from typing import Any
 
 from meshlm.gateway.protocol.block_calls import BlockCalls
 from meshlm.gateway.protocol.call_scanner import CallScanner
-from meshlm.gateway.protocol.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
+from meshlm.gateway.protocol.deepseek_calls import (
+    DeepSeekV3Calls,
+    DeepSeekV31Calls,
+    KimiK2Calls,
+)
 from meshlm.gateway.protocol.text_tags import partial_tag
 from meshlm.gateway.protocol.tool_call_output import CallReader, Delta, mistral_call_id
 from meshlm.gateway.protocol.xml_calls import Glm45Calls, Qwen3CoderCalls
@@ -271,6 +275,6 @@ PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesC
                                         "deepseek_v3": DeepSeekV3Calls,
                                         "deepseekv3": DeepSeekV3Calls,
                                         "deepseek_v31": DeepSeekV31Calls,
-                                        "deepseekv31": DeepSeekV31Calls}
+                                        "deepseekv31": DeepSeekV31Calls, "kimi_k2": KimiK2Calls}
 # The ids a parser's models need for their calls (a forced call's too); others: call_id's.
 CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}

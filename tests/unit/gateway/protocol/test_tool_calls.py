@@ -16,7 +16,11 @@ import pytest
 from meshlm.common.errors import MeshError
 from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.chat_output import ChatOutput, call_reader
-from meshlm.gateway.protocol.deepseek_calls import DeepSeekV3Calls, DeepSeekV31Calls
+from meshlm.gateway.protocol.deepseek_calls import (
+    DeepSeekV3Calls,
+    DeepSeekV31Calls,
+    KimiK2Calls,
+)
 from meshlm.gateway.protocol.forced_calls import ForcedCalls
 from meshlm.gateway.protocol.json_body import JsonBody
 from meshlm.gateway.protocol.openai import parse_chat, template_request
@@ -504,3 +508,18 @@ DEEPSEEK_V31 = f'Sure.{B}{C}get_weather{S}{{"city": "Oslo"}}{E}{C}get_time{S}{{}
 ])
 def test_deepseek_calls(reader: Any, size: int, text: str, content: str, calls: Any) -> None:
     assert _read(reader(), text, size) == (content, calls)
+
+
+KIMI = ("Let me see.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>'
+        "functions.get_time:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|>")
+
+
+@pytest.mark.parametrize("size", [1, 7, 1000])
+def test_kimi_k2_calls_keep_their_heads_as_ids(size: int) -> None:
+    reader = KimiK2Calls()
+    assert _read(reader, KIMI, size) == ("Let me see.", [
+        (0, "get_weather", '{"city": "Oslo"}'), (1, "get_time", "{}")])
+    assert [c["id"] for c in reader.calls()] == ["functions.get_weather:0",
+                                                 "functions.get_time:1"]

@@ -105,7 +105,9 @@ class GatewayConfig(ServiceConfig):
                                           "qwen3-thinking (the output starts in thought, up "
                                           "to </think>), qwen3 or glm45 (<think>...</think> "
                                           "when the output starts so), mistral ([THINK]..."
-                                          "[/THINK], Magistral); empty: none")
+                                          "[/THINK], Magistral), deepseek-v3 or deepseek_v3 "
+                                          "(in thought when the chat's template variable "
+                                          "thinking is true: DeepSeek-V3.1); empty: none")
     trust_request_chat_template: bool = cfg.field(
         False, "render a chat completion's own chat_template (vLLM's field; a template runs "
                "in the tokenizer's Jinja sandbox, but can spend its CPU: only for trusted "

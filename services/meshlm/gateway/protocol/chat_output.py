@@ -104,7 +104,10 @@ def thinking(req: ChatRequest, reasoning_parser: str) -> bool | None:
     starts with <think>."""
     if not req.separate_reasoning:
         return None
-    starts_in_thought = REASONING_PARSERS.get(reasoning_parser)
+    mode = REASONING_PARSERS.get(reasoning_parser)
+    if mode is None:
+        return None
+    starts_in_thought = bool(req.template_kwargs.get(mode)) if isinstance(mode, str) else mode
     if starts_in_thought and req.sampling.HasField("guided_decoding") and not (
             json_after_thinking(req)):
         return False

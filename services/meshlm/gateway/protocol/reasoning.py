@@ -9,6 +9,9 @@ The gateway's `--reasoning-parser` names the model's form (SGLang's names, and v
 - `qwen3`: reasoning only when the output starts with `<think>` (Qwen3 thinks unless its
   template's `enable_thinking` is false); `glm45` the same (GLM-4.5 and later).
 - `mistral`: reasoning only in a leading `[THINK]...[/THINK]` (Magistral).
+- `deepseek-v3` (`deepseek_v3`: DeepSeek-V3.1 and later): in thought from the start when the
+  chat's template variable `thinking` is true (its template then opens `<think>`), else only
+  when the output starts with `<think>`.
 
 The answer after `</think>` starts at its first non-blank character. Streamed, text that may
 begin or end a tag is held until it is clear.
@@ -19,9 +22,11 @@ from __future__ import annotations
 from meshlm.gateway.protocol.text_tags import partial_tag
 
 OPEN, CLOSE = "<think>", "</think>"
-# Whether the output starts in thought, by parser name.
-PARSERS = {"deepseek-r1": True, "deepseek_r1": True, "qwen3-thinking": True, "qwen3": False,
-           "glm45": False, "mistral": False}
+# Whether the output starts in thought, by parser name; a name: the chat template's variable
+# that says (the model's thinking switch).
+PARSERS: dict[str, bool | str] = {
+    "deepseek-r1": True, "deepseek_r1": True, "qwen3-thinking": True, "qwen3": False,
+    "glm45": False, "mistral": False, "deepseek-v3": "thinking", "deepseek_v3": "thinking"}
 # The thinking's tags, where a parser's model has its own.
 _TAGS = {"mistral": ("[THINK]", "[/THINK]")}
 

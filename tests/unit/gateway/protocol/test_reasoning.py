@@ -192,3 +192,15 @@ def test_which_constrained_chats_think_first() -> None:
     # A regex describes the whole output: in thought only where it opens <think> itself.
     assert not json_after_thinking(regex_chat) and thinking(regex_chat, "deepseek-r1") is False
     assert thinking(_chat(separate_reasoning=False), "deepseek-r1") is None
+
+
+def test_deepseek_v3_thinks_by_its_templates_switch() -> None:
+    """DeepSeek-V3.1's template opens <think> when its `thinking` variable is true: then the
+    output starts in thought; otherwise only an output that opens <think> thinks."""
+    on = _chat(chat_template_kwargs={"thinking": True})
+    for parser in ("deepseek-v3", "deepseek_v3"):
+        assert thinking(on, parser) is True
+        assert thinking(_chat(), parser) is False
+        assert thinking(_chat(chat_template_kwargs={"thinking": False}), parser) is False
+    reader = ReasoningReader(bool(thinking(on, "deepseek-v3")), tags("deepseek-v3"))
+    assert _split(reader, "Hmm.</think>Paris.", 3) == ("Hmm.", "Paris.")

@@ -5,16 +5,14 @@ comes."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from meshlm.gateway.protocol.call_scanner import CallScanner
-from meshlm.gateway.protocol.tool_call_output import CallReader, Delta, call_id
+from meshlm.gateway.protocol.tool_call_output import CallReader, Delta, IdMaker, call_id
 
 
 class ForcedCalls(CallReader):
     """A forced call's output: `named`'s arguments, or (None) "required"'s array."""
 
-    def __init__(self, named: str | None, new_id: Callable[[], str] = call_id) -> None:
+    def __init__(self, named: str | None, new_id: IdMaker = call_id) -> None:
         super().__init__(new_id)
         self._named = named
         self._array = CallScanner(2, ("parameters",)) if named is None else None

@@ -20,17 +20,26 @@ from meshlm.gateway.protocol.call_scanner import Event
 Delta = dict[str, Any]
 
 
-def call_id() -> str:
+IdMaker = Callable[[str, int], str]  # a call's id, from its name and its place in the reply
+
+
+def call_id(name: str = "", index: int = 0) -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
 _ALNUM = string.ascii_letters + string.digits
 
 
-def mistral_call_id() -> str:
+def mistral_call_id(name: str = "", index: int = 0) -> str:
     """Nine letters and digits: Mistral's chat templates refuse any other tool call id when
     the call comes back in the next turn's messages."""
     return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+def kimi_call_id(name: str, index: int) -> str:
+    """`functions.NAME:INDEX`: Kimi K2's chat template writes an earlier call's id back as the
+    head its model reads a call by."""
+    return f"functions.{name}:{index}"
 
 
 @dataclass
@@ -55,7 +64,7 @@ class CallReader:
 
     NEEDS_TOOLS = False  # whether it is built with the request's tools (`chat_output`)
 
-    def __init__(self, new_id: Callable[[], str] = call_id) -> None:
+    def __init__(self, new_id: IdMaker = call_id) -> None:
         self._new_id = new_id  # each call's id
         self._calls: list[Call] = []
         self._content: list[str] = []
@@ -74,7 +83,7 @@ class CallReader:
 
     def _called(self, name: str, arguments: str) -> Delta:
         """A whole call read: kept, and its one delta."""
-        self._calls.append(Call(self._new_id(), name, [arguments]))
+        self._calls.append(Call(self._new_id(name, len(self._calls)), name, [arguments]))
         return self._calls[-1].opening(len(self._calls) - 1, arguments)
 
     def _take(self, events: list[Event], deltas: list[Delta]) -> None:
@@ -88,7 +97,7 @@ class CallReader:
 
     def _open(self, name: str, deltas: list[Delta], id_: str = "") -> None:
         """A new call, named: its first delta (its arguments follow)."""
-        self._calls.append(Call(id_ or self._new_id(), name))
+        self._calls.append(Call(id_ or self._new_id(name, len(self._calls)), name))
         deltas.append(self._calls[-1].opening(len(self._calls) - 1, ""))
 
     def _arguments(self, text: str, deltas: list[Delta]) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Callable
 from typing import Any
 
 from meshlm.gateway.protocol.block_calls import BlockCalls
@@ -34,7 +33,13 @@ from meshlm.gateway.protocol.deepseek_calls import (
     KimiK2Calls,
 )
 from meshlm.gateway.protocol.text_tags import partial_tag
-from meshlm.gateway.protocol.tool_call_output import CallReader, Delta, mistral_call_id
+from meshlm.gateway.protocol.tool_call_output import (
+    CallReader,
+    Delta,
+    IdMaker,
+    kimi_call_id,
+    mistral_call_id,
+)
 from meshlm.gateway.protocol.xml_calls import Glm45Calls, Qwen3CoderCalls
 
 
@@ -127,7 +132,7 @@ class MistralCalls(CallReader):
 
     TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 
-    def __init__(self, new_id: Callable[[], str] = mistral_call_id) -> None:
+    def __init__(self, new_id: IdMaker = mistral_call_id) -> None:
         super().__init__(new_id)
         self._pending = ""  # not yet read
         self._mode = ""  # "": content; "start": after the tag; "json"; "name"; "arguments"
@@ -277,4 +282,4 @@ PARSERS: dict[str, type[CallReader]] = {"hermes": HermesCalls, "qwen25": HermesC
                                         "deepseek_v31": DeepSeekV31Calls,
                                         "deepseekv31": DeepSeekV31Calls, "kimi_k2": KimiK2Calls}
 # The ids a parser's models need for their calls (a forced call's too); others: call_id's.
-CALL_IDS: dict[str, Callable[[], str]] = {"mistral": mistral_call_id}
+CALL_IDS: dict[str, IdMaker] = {"mistral": mistral_call_id, "kimi_k2": kimi_call_id}

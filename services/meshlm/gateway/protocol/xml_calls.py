@@ -18,11 +18,10 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable
 from typing import Any
 
 from meshlm.gateway.protocol.block_calls import BlockCalls
-from meshlm.gateway.protocol.tool_call_output import Delta, call_id
+from meshlm.gateway.protocol.tool_call_output import Delta, IdMaker, call_id
 
 Schemas = dict[str, dict[str, Any]]  # tool name -> parameter name -> its JSON schema
 
@@ -37,7 +36,7 @@ class XmlCalls(BlockCalls):
     UNCLOSED: re.Pattern[str]  # a last parameter the block ends in, its closing tag missing
 
     def __init__(self, tools: list[dict[str, Any]] | None = None,
-                 new_id: Callable[[], str] = call_id) -> None:
+                 new_id: IdMaker = call_id) -> None:
         super().__init__(new_id)
         self._schemas = parameter_schemas(tools)
         self._begin()

@@ -427,6 +427,12 @@ def test_a_forced_calls_ids_follow_the_gateways_parser() -> None:
         calls.feed('[{"name": "unit", "parameters": {"u": "c"}}]', last=True)
         [call] = calls.calls()
         assert (len(call["id"]) == 9 and call["id"].isalnum()) is mistral, call["id"]
+    kimi = call_reader(parse_chat(body), "kimi_k2")
+    assert kimi is not None
+    calls = kimi()
+    calls.feed('[{"name": "unit", "parameters": {"u": "c"}}, {"name": "unit", "parameters": '
+               '{"u": "f"}}]', last=True)
+    assert [c["id"] for c in calls.calls()] == ["functions.unit:0", "functions.unit:1"]
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

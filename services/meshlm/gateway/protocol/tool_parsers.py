@@ -12,8 +12,8 @@
   objects separated by `;`, each read as it streams once its arguments begin.
 - `MistralCalls` (`mistral`): `[TOOL_CALLS]` then a JSON array of calls, or (Mistral's
   tokenizers v11 and later) `name[ARGS]{...}` per call; ids of nine letters and digits.
-- `PythonicCalls` (`pythonic`): Llama 3.2 and 4's `[f(a=1), g(b="x")]`, read whole at the
-  end of the output.
+- `PythonicCalls` (`pythonic`): Llama 3.2 and 4's `[f(a=1), g(b="x")]`, each call read as
+  it closes.
 - `qwen3_coder`, `glm45` / `glm47`: calls with tagged parameters (`xml_calls.py`).
 - `deepseek_v3`, `deepseek_v31`, `kimi_k2`: DeepSeek's and Kimi K2's calls between their
   special tokens (`deepseek_calls.py`).
@@ -200,31 +200,95 @@ class MistralCalls(CallReader):
 class PythonicCalls(CallReader):
     """Calls written as a Python list of calls with keyword arguments,
     `[get_weather(city="Paris"), get_time(zone="UTC")]` (Llama 3.2 and 4's pythonic form): an
-    output that starts with `[` is held to its end and read as such a list (each argument a
-    Python literal, given as JSON); any other output, or one that does not read so, is
-    content."""
+    output that starts with `[` is read as such a list, each call given once it closes (each
+    argument a Python literal, given as JSON). Any other output is content; so is one whose
+    first entry is not such a call, and, after the calls read, what does not read as one."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._pending = ""
-        self._calls_mode: bool | None = None
+        self._text = ""  # the output so far, from its start
+        self._calls_mode: bool | None = None  # undecided until its first character
+        self._scanned = 0  # of _text, read by the scanner
+        self._depth = 0  # brackets open
+        self._quote = ""  # the open string's quote
+        self._escaped = False
+        self._call_at = -1  # where the open call begins (-1: none)
+        self._given = 0  # where the content begins once the calls end (0: all of it)
+        self._ended = False  # the list closed, or an entry was not a call
 
     def feed(self, text: str, last: bool = False) -> tuple[str, list[Delta]]:
-        self._pending += text
+        self._text += text
         if self._calls_mode is None:
-            start = self._pending.lstrip()
+            start = self._text.lstrip()
             if not start and not last:
                 return "", []
             self._calls_mode = start.startswith("[")
-        if self._calls_mode and not last:
-            return "", []
-        text_out, self._pending = self._pending, ""
-        calls = _python_calls(text_out) if self._calls_mode else None
-        if calls is None:
-            self._content.append(text_out)
-            return text_out, []
-        return "", [self._called(name, json.dumps(arguments, ensure_ascii=False))
-                    for name, arguments in calls]
+        if not self._calls_mode:
+            return self._as_content(text), []
+        deltas: list[Delta] = []
+        if not self._ended:
+            self._scan(deltas)
+        if last and not self._ended:  # cut in the list: what is not a whole call is content
+            self._end(self._call_at if self._call_at >= 0 else self._given)
+        if not self._ended:
+            return "", deltas
+        rest, self._given = self._text[self._given:], len(self._text)
+        return self._as_content(rest), deltas
+
+    def _as_content(self, text: str) -> str:
+        if text:
+            self._content.append(text)
+        return text
+
+    def _scan(self, deltas: list[Delta]) -> None:
+        """Read on from where the scan stopped: calls as they close, the list's end."""
+        text = self._text
+        for i in range(self._scanned, len(text)):
+            ch = text[i]
+            if self._quote:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == self._quote:
+                    self._quote = ""
+            elif ch in "'\"":
+                self._quote = ch
+            elif ch in "([{":
+                self._depth += 1
+            elif ch in ")]}":
+                self._depth -= 1
+                if self._depth == 1 and ch == ")" and self._call_at >= 0:
+                    if not self._call(text[self._call_at:i + 1], deltas):
+                        break
+                    self._call_at, self._given = -1, i + 1
+                elif self._depth == 0 and ch == "]" and self._call_at < 0 and self._calls:
+                    self._ended, self._given = True, i + 1  # the list closed after its calls
+                    break
+                elif self._depth <= 0:  # not a list of calls
+                    self._end(self._call_at if self._call_at >= 0 else i)
+                    break
+            elif self._depth == 1 and self._call_at < 0 and not ch.isspace() and ch != ",":
+                if not (ch.isalpha() or ch == "_"):
+                    self._end(i)
+                    break
+                self._call_at = i
+            self._scanned = i + 1
+
+    def _call(self, text: str, deltas: list[Delta]) -> bool:
+        """One whole call: given, or (not a call) the reading ends."""
+        parsed = _python_calls(f"[{text}]")
+        if parsed is None:
+            self._end(self._call_at)
+            return False
+        [(name, arguments)] = parsed
+        deltas.append(self._called(name, json.dumps(arguments, ensure_ascii=False)))
+        return True
+
+    def _end(self, at: int) -> None:
+        """The calls end: content from `at`, where what is not a call begins (all of the
+        output, the list's `[` too, when no call was read)."""
+        self._ended, self._given = True, at if self._calls else 0
 
 
 def _json_call(doc: Any, keys: tuple[str, str], required: bool) -> tuple[str, str] | None:

@@ -12,6 +12,8 @@ from typing import Any
 import llguidance
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshlm.common.errors import MeshError
 from meshlm.gateway.mesh.inbox import Update
@@ -375,6 +377,9 @@ def test_llama_json_calls(size: int, text: str, content: str, calls: Any) -> Non
     ("[f(x=open('/etc'))]", "[f(x=open('/etc'))]", []),  # only literals
     ("[f(x=", "[f(x=", []),
     ("[os.system(x='y')]", "[os.system(x='y')]", []),
+    ("[f(s=')]('), g(1)]", "g(1)]", [(0, "f", '{"s": ")]("}')]),  # a call, then not one
+    ('[f(s="a\\"b")] Done.', " Done.", [(0, "f", '{"s": "a\\"b"}')]),
+    ("[f(), g(x=", "g(x=", [(0, "f", "{}")]),  # cut in its second call
 ])
 def test_pythonic_calls(size: int, text: str, content: str, calls: Any) -> None:
     assert _read(PythonicCalls(), text, size) == (content, calls)
@@ -529,3 +534,24 @@ def test_kimi_k2_calls_keep_their_heads_as_ids(size: int) -> None:
         (0, "get_weather", '{"city": "Oslo"}'), (1, "get_time", "{}")])
     assert [c["id"] for c in reader.calls()] == ["functions.get_weather:0",
                                                  "functions.get_time:1"]
+
+
+def test_pythonic_calls_come_as_each_closes() -> None:
+    reader = PythonicCalls()
+    assert reader.feed("[get_time(zone='U") == ("", [])
+    _, deltas = reader.feed("TC'), ping(")
+    assert [d["function"]["name"] for d in deltas] == ["get_time"]
+    _, deltas = reader.feed(")]", last=True)
+    assert [d["function"]["name"] for d in deltas] == ["ping"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("[](){},=' \"\\fgx1_")), max_size=40),
+       st.integers(1, 8))
+def test_pythonic_reading_never_fails_and_loses_nothing(text: str, size: int) -> None:
+    """Whatever the output, however it is split: no error, the same reply as read whole, and
+    every character either content or inside a call read."""
+    content, calls = _read(PythonicCalls(), "[" + text, size)
+    assert ("[" + text).endswith(content)  # what follows the calls read
+    if not calls:
+        assert content == "[" + text

@@ -29,6 +29,7 @@ from meshlm.gateway.protocol.openai import parse_chat, template_request
 from meshlm.gateway.protocol.openai_responses import ChatAnswer
 from meshlm.gateway.protocol.tool_calls import parse_tools
 from meshlm.gateway.protocol.tool_parsers import (
+    PARSERS,
     HermesCalls,
     JsonCalls,
     MistralCalls,
@@ -555,3 +556,25 @@ def test_pythonic_reading_never_fails_and_loses_nothing(text: str, size: int) ->
     assert ("[" + text).endswith(content)  # what follows the calls read
     if not calls:
         assert content == "[" + text
+
+
+_PIECES = ["<tool_call>", "</tool_call>", "<function=f>", "<parameter=x>", "</parameter>",
+           "</function>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", B, C, S, E,
+           F, "<|tool_calls_section_begin|>", "<|tool_call_begin|>functions.f:0",
+           "<|tool_call_argument_begin|>", "<|tool_call_end|>", "[TOOL_CALLS]", "[ARGS]",
+           '{"name": "f", "arguments": {"a": 1}}', "\n", "1", "x", " ", "```json", "```",
+           "function", "<", "{", "}", "[", "]"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=12), st.integers(1, 9),
+       st.sampled_from(sorted(PARSERS)))
+def test_every_parser_reads_any_output_the_same_however_split(pieces: list[str], size: int,
+                                                              parser: str) -> None:
+    """No error on any output; streamed in pieces, the same content and calls as whole."""
+    reader = PARSERS[parser]
+    text = "".join(pieces)
+    whole = _read(reader(tools=[WEATHER]) if reader.NEEDS_TOOLS else reader(), text, len(text)
+                  or 1)
+    split = _read(reader(tools=[WEATHER]) if reader.NEEDS_TOOLS else reader(), text, size)
+    assert split == whole

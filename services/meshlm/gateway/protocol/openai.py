@@ -300,9 +300,9 @@ def _logprob_ids(value: Any) -> list[int]:
     return value
 
 
-def _needs_logprobs(options: dict[str, Any], logprobs: bool, names: dict[str, str]) -> None:
-    """logprob_token_ids lists its ids in the logprobs: it needs them asked for. (And the
-    thinking budget's name, the client's.)"""
+def _vllm_names(options: dict[str, Any], logprobs: bool, names: dict[str, str]) -> None:
+    """vLLM's options under the gateway's names, in the client's words: the thinking budget,
+    and logprob_token_ids (which lists its ids in the logprobs: it needs them asked for)."""
     names["max_thinking_tokens"] = "thinking_token_budget"
     if options["logprob_ids"]:
         if not logprobs:
@@ -361,7 +361,7 @@ def parse_chat(body: bytes) -> ChatRequest:
     stream_thinking = b.boolean("stream_reasoning") is not False
     include = b.boolean("include_reasoning") is not False
     vllm = _vllm_options(b, stream)
-    _needs_logprobs(vllm, bool(logprobs), names)
+    _vllm_names(vllm, bool(logprobs), names)
     b.check_unknown()
     return ChatRequest(model=model, sampling=sampling, stream=stream,
                        include_usage=include_usage, top_logprobs=(top or 0) if logprobs else None,
@@ -501,7 +501,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
     priority = b.integer("priority", -_INT32 - 1, _INT32)
     special = b.boolean("add_special_tokens")
     vllm = _vllm_options(b, stream)
-    _needs_logprobs(vllm, logprobs is not None, names)
+    _vllm_names(vllm, logprobs is not None, names)
     if echo and vllm["truncate"] is not None:
         raise invalid("echo", "cannot be combined with truncate_prompt_tokens (the prompt "
                               "echoed would not be the one computed)")

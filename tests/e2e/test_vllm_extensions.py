@@ -356,6 +356,9 @@ def test_a_requests_own_chat_template_only_where_trusted(client, model, stub, me
                                        extra_body={"chat_template": own})
     assert info.value.body["param"] == "chat_template", info.value.body
     assert "--trust-request-chat-template" in info.value.body["message"]
+    refused = httpx.post(f"{mesh.addresses.gateway_http}/v1/tokenize", timeout=10,
+                         json={"messages": USER, "chat_template": own})
+    assert refused.status_code == 400 and "chat_template" in refused.text
     name = f"gateway-templates-{uuid.uuid4().hex[:6]}"
     trusting = mesh.start_gateway(name, switches=("trust_request_chat_template",))
     try:
@@ -369,6 +372,11 @@ def test_a_requests_own_chat_template_only_where_trusted(client, model, stub, me
             trusted.chat.completions.create(model=model, messages=USER, max_tokens=2,
                                             extra_body={"chat_template": "{% if %}"})
         assert info.value.body["param"] == "chat_template", info.value.body
+        # /v1/tokenize renders a chat the same way.
+        counted = httpx.post(f"{trusting.http_address}/v1/tokenize", timeout=10, json={
+            "messages": USER, "chat_template": own})
+        assert counted.json()["tokens"] == tokens(
+            stub, "<user>Repeat after me: I love cats", special=False)
     finally:
         trusting.stop(10)
         del mesh.services[name]

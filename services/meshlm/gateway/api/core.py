@@ -12,7 +12,7 @@ from typing import TypeVar
 import grpc
 
 from meshlm.common.channels import ChannelPool
-from meshlm.common.errors import MeshError
+from meshlm.common.errors import MeshError, invalid
 from meshlm.common.logs import get_logger
 from meshlm.common.tasks import BackgroundTasks
 from meshlm.gateway.mesh.dependencies import Dependencies
@@ -37,6 +37,15 @@ class GatewayIdentity:
     tool_call_parser: str = ""  # the model's own tool-call format, for tool_choice "auto"
     reasoning_parser: str = ""  # how the model's thinking is marked ("": not read)
     trust_request_chat_template: bool = False  # a chat's own chat_template is rendered
+
+
+def request_template(identity: GatewayIdentity, template: str) -> str:
+    """A chat's own chat_template ("": none), if this gateway takes them; else a 400."""
+    if template and not identity.trust_request_chat_template:
+        raise invalid("chat_template", "this gateway renders only the model's own chat "
+                                       "template (start it with --trust-request-chat-template "
+                                       "to take the request's)")
+    return template
 
 
 class GatewayCore:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from meshlm.common.context_length import truncated
 from meshlm.common.errors import MeshError, invalid
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.api.core import GatewayCore
+from meshlm.gateway.api.core import GatewayCore, request_template
 from meshlm.gateway.api.generation import GenerationRPCs, validated
 from meshlm.gateway.api.tokens import TokenRPCs
 from meshlm.gateway.protocol.bounds import text_chars
@@ -108,14 +108,10 @@ class OpenAIRPCs:
         if req.budget_if_read and not identity.reasoning_parser:
             req.thinking_budget = None  # Anthropic's budget_tokens: a target, not a must
         output = output_reader(req, identity.tool_call_parser, identity.reasoning_parser)
-        if req.chat_template and not identity.trust_request_chat_template:
-            raise invalid("chat_template", "this gateway renders only the model's own chat "
-                                           "template (start it with "
-                                           "--trust-request-chat-template to take the "
-                                           "request's)")
         chat = template_request(req.messages, req.add_generation_prompt,
                                 req.continue_final_message, req.template_kwargs,
-                                req.add_special_tokens, req.tools, req.chat_template)
+                                req.add_special_tokens, req.tools,
+                                request_template(identity, req.chat_template))
         # The prompt: `chat`, rendered by the tokenizer, which also sets the default
         # max_tokens; until then the largest room a prompt can leave stands in for it.
         public = public_request(req, [], max_new_tokens=limits.max_model_len - 1)

@@ -6,7 +6,7 @@ from typing import Any
 
 from meshlm.common import deadline
 from meshlm.common.rpc import CallContext
-from meshlm.gateway.api.core import GatewayCore
+from meshlm.gateway.api.core import GatewayCore, request_template
 from meshlm.gateway.protocol.bounds import text_chars
 from meshlm.gateway.protocol.openai import template_request
 from meshlm.gateway.protocol.validation import (
@@ -52,14 +52,16 @@ class TokenRPCs:
                           continue_final_message: bool = False,
                           template_kwargs: dict[str, Any] | None = None,
                           add_special_tokens: bool = False,
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+                          tools: list[dict[str, Any]] | None = None,
+                          chat_template: str = "") -> list[int]:
         """A conversation rendered by the checkpoint's chat template (with the generation
         prompt, or the final message left open to continue) and encoded, by a tokenizer; its
         text is checked against the prompt bound before it is sent."""
         check_prompt_chars(text_chars([messages, tools]), await self.core.limits(), "messages")
         reply = await self.core.call(self.core.tokenizer().ApplyChatTemplate(
             template_request(messages, add_generation_prompt, continue_final_message,
-                             template_kwargs, add_special_tokens, tools),
+                             template_kwargs, add_special_tokens, tools,
+                             request_template(self.core.identity, chat_template)),
             timeout=deadline.timeout()))
         return list(reply.tokens)
 

@@ -48,11 +48,12 @@ class _TokenHandlers:
     async def tokenize(self, request: Request) -> dict[str, Any]:
         doc = await body_of(request, ("prompt", "messages", "add_special_tokens",
                                       "add_generation_prompt", "continue_final_message",
-                                      TEMPLATE_KWARGS, "tools", "model"))
+                                      TEMPLATE_KWARGS, "tools", "chat_template", "model"))
         string_field(doc, "model", "")  # one model is served: the name is not checked
         if "messages" in doc:
             return await self._chat(doc)
-        for key in ("add_generation_prompt", "continue_final_message", TEMPLATE_KWARGS, "tools"):
+        for key in ("add_generation_prompt", "continue_final_message", TEMPLATE_KWARGS, "tools",
+                    "chat_template"):
             if key in doc:
                 raise invalid(key, "is for a chat's messages")
         add_special = bool_field(doc, "add_special_tokens", True)
@@ -89,7 +90,8 @@ class _TokenHandlers:
         special = bool_field(doc, "add_special_tokens", False)  # the template writes its own
         tools = checked_tools(doc.get("tools"))
         tokens = await self.api.tokens.chat_tokens(messages, add_prompt, keep_open, kwargs,
-                                                   special, tools)
+                                                   special, tools,
+                                                   string_field(doc, "chat_template", ""))
         model = await self.api.core.model_info()
         return {"tokens": tokens, "count": len(tokens), "max_model_len": model.max_model_len}
 

@@ -65,7 +65,11 @@ from meshlm.bench.pinning import (
     thread_cpus,
 )
 from meshlm.bench.proc_cpu import snapshot
-from meshlm.bench.transport_floor import grpc_message_floor_us, http_event_floor_us
+from meshlm.bench.transport_floor import (
+    grpc_message_floor_us,
+    http_event_floor_us,
+    native_grpc_message_floor_us,
+)
 from meshlm.common.default_model import ensure_default_model
 from meshlm.common.memory import freeze_startup_objects
 from meshlm.launch.mesh import Mesh, MeshOptions
@@ -215,8 +219,9 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     engine, grpc_r, http_r = (Result.merged(rs) for rs in by_round.values())
     with pin_process(plan.rest) if plan else contextlib.nullcontext():
         rest = plan.rest if plan else None
-        floors = {"gRPC": grpc_message_floor_us(sat.concurrency, cpus=rest),
+        floors = {"gRPC": native_grpc_message_floor_us(sat.concurrency, cpus=rest),
                   "HTTP": http_event_floor_us(sat.concurrency, cpus=rest)}
+        grpcio_floor = grpc_message_floor_us(sat.concurrency, cpus=rest)
         own = own_cpu_us(sat.concurrency, tokens=128, runs=3)
 
     import torch
@@ -238,7 +243,8 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     print()
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
         print(cpu_line(engine, r, transport))
-    print(floor_line(floors, {"gRPC": grpc_r, "HTTP": http_r}, sat.concurrency, plan))
+    print(floor_line(floors, {"gRPC": grpc_r, "HTTP": http_r}, sat.concurrency, plan,
+                     grpcio_floor))
     print(own_work_line({"gRPC": own["grpc"], "HTTP": own["http"]}, floors,
                         {"gRPC": grpc_r, "HTTP": http_r}))
     if plan is not None:

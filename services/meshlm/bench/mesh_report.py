@@ -240,17 +240,19 @@ def cpu_line(engine: Result, mesh: Result, transport: str) -> str:
 
 
 def floor_line(floors: Mapping[str, float], gateway: Mapping[str, Result], streams: int,
-               plan: CpuPlan | None) -> str:
-    """The transports' own CPU per streamed message (`transport_floor.py`, by transport name),
-    the messages per token the gateway wrote (`gateway`: its run on that transport), and what
-    it spends per token above the floor those messages cost."""
+               plan: CpuPlan | None, grpcio: float) -> str:
+    """The transports' own CPU per streamed message (`transport_floor.py`, by transport name;
+    gRPC's is the gateway's native server, `grpcio` grpc.aio's for comparison), the messages
+    per token the gateway wrote (`gateway`: its run on that transport), and what it spends per
+    token above the floor those messages cost."""
     where = f", on {describe(plan.rest)} as the gateway" if plan else ""
     per_token = _floor_per_token(floors, gateway)
     sent = ", ".join(f"{t} {gateway[t].messages_per_token:.2f}" for t in per_token)
     return (f"the transports' own cost of a streamed message (a bare server writing the "
-            f"gateway's per-token message to {streams} streams at once{where}): gRPC (grpc.aio) "
-            f"{floors['gRPC']:.0f} µs, HTTP (uvicorn, SSE) {floors['HTTP']:.0f} µs. Messages "
-            f"per output token at saturation (a stream's mailbox folds what arrives while its "
+            f"gateway's per-token message to {streams} streams at once{where}): gRPC (the "
+            f"gateway's native server) {floors['gRPC']:.0f} µs (grpc.aio's {grpcio:.0f}), "
+            f"HTTP (uvicorn, SSE) {floors['HTTP']:.0f} µs. Messages per output token at "
+            f"saturation (a stream's mailbox folds what arrives while its "
             f"client is busy): {sent}; so the floor per token: "
             + ", ".join(f"{t} {us:.0f} µs" for t, us in per_token.items())
             + f". What the gateway spends above it (µs per token): "

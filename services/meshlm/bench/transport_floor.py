@@ -111,7 +111,18 @@ async def _serve_http(messages: int, ticks: _Ticks, ports: multiprocessing.Queue
     await uvicorn.Server(config).serve(sockets=[sock])
 
 
-_SERVERS = {"grpc": _serve_grpc, "http": _serve_http}
+async def _serve_native(messages: int, ticks: _Ticks, ports: multiprocessing.Queue) -> None:
+    from meshlm.common.native_grpc.server import NativeServer
+
+    server = NativeServer()
+    sglang_pb2_grpc.add_SglangServiceServicer_to_server(_Streamer(messages, ticks), server)
+    server.add_insecure_port("127.0.0.1:0")
+    [port] = await server.bind()
+    ports.put(port)
+    await server.wait_for_termination()
+
+
+_SERVERS = {"grpc": _serve_grpc, "native": _serve_native, "http": _serve_http}
 
 
 def _serve(kind: str, messages: int, cpus: Collection[int] | None,
@@ -183,6 +194,13 @@ def grpc_message_floor_us(streams: int = 64, messages: int = 300,
     """grpc.aio's server CPU µs per streamed message, `streams` streams of `messages` each;
     the server runs on `cpus` (None: anywhere), as the gateway does in the bench."""
     return _server_cpu_per_message("grpc", _drain_grpc, streams, messages, cpus)
+
+
+def native_grpc_message_floor_us(streams: int = 64, messages: int = 300,
+                                 cpus: Collection[int] | None = None) -> float:
+    """The gateway's native gRPC server's CPU µs per streamed message (common/native_grpc),
+    as above."""
+    return _server_cpu_per_message("native", _drain_grpc, streams, messages, cpus)
 
 
 def http_event_floor_us(streams: int = 64, messages: int = 300,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from meshlm.common.channels import (
 )
 from meshlm.common.interceptors import ErrorInterceptor, TracingInterceptor
 from meshlm.common.logs import get_logger
+from meshlm.common.native_grpc.server import NativeServer
 from meshlm.common.parsing import ParseInterceptor
 
 log = get_logger(__name__)
@@ -35,6 +37,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # liveness probes, which must not restart a replica that only waits for its dependencies.
 LIVENESS = "liveness"
 
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the mesh ports' message limit, each way
+
 # Keepalive: a hung client's connection closes within seconds, and the mesh clients' pings
 # (every KEEPALIVE_TIME_MS of silence, common/channels.py) are allowed on idle streams.
 SERVER_OPTIONS: list[tuple[str, Any]] = [
@@ -44,8 +48,8 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
 
@@ -103,15 +107,23 @@ class GrpcServer:
     innermost, so a malformed one is INVALID_ARGUMENT (common/parsing.py). `accept_ahead`: more
     call requests kept outstanding for each method of `bindings` (common/accept_ahead.py), for
     a port where new calls come often to a busy event loop; `accept_ahead.start()` them once
-    started (after gc.freeze, where the process freezes its start-up objects)."""
+    started (after gc.freeze, where the process freezes its start-up objects). `native`: the
+    same services on common/native_grpc's server instead of grpc.aio's (the gateway's public
+    port, where a message per token crosses it; no accept-ahead, none needed)."""
 
     def __init__(self, bindings: Sequence[Binding],
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  public: bool = False, max_receive_bytes: int | None = None,
-                 accept_ahead: int = 0) -> None:
-        options = server_options(public, max_receive_bytes)
+                 accept_ahead: int = 0, native: bool = False) -> None:
         chain = (*interceptors, TracingInterceptor(), ErrorInterceptor(), ParseInterceptor())
-        self.server = grpc.aio.server(interceptors=chain, options=options)
+        self.native = native
+        if native:
+            self.server: grpc.aio.Server = NativeServer(
+                chain, max_receive_bytes=max_receive_bytes or MAX_MESSAGE_BYTES)
+            accept_ahead = 0
+        else:
+            self.server = grpc.aio.server(interceptors=chain,
+                                          options=server_options(public, max_receive_bytes))
         self.health = HealthServicer()
         self.names = [b.name for b in bindings]
         recording = RecordingServer(self.server)
@@ -127,15 +139,19 @@ class GrpcServer:
         self.port = 0
         self._health_only: grpc.aio.Server | None = None
 
-    async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> str:
-        """Bind and start; returns the bound host:port (port 0 picks a free one)."""
+    async def start(self, host: str, port: int,
+                    credentials: grpc.ServerCredentials | ssl.SSLContext | None) -> str:
+        """Bind and start; returns the bound host:port (port 0 picks a free one). A native
+        server takes TLS as an ssl.SSLContext (native_grpc.server.tls_context)."""
         address = f"{_bracket(host)}:{port}"
         if credentials is None:
             self.port = self.server.add_insecure_port(address)
         else:
-            self.port = self.server.add_secure_port(address, credentials)
+            self.port = self.server.add_secure_port(address, credentials)  # type: ignore[arg-type]
         if self.port == 0:
             raise RuntimeError(f"could not bind {address}")
+        if isinstance(self.server, NativeServer):
+            [self.port] = await self.server.bind()
         await self.server.start()
         await self.set_serving(False)
         return f"{_bracket(host)}:{self.port}"

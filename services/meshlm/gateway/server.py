@@ -28,7 +28,7 @@ from meshlm.common.server import Binding, GrpcServer, wait_for_signal
 from meshlm.common.service import ServiceConfig, advertised, start_metrics
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import Periodic
-from meshlm.common.tls import MeshTLS, server_credentials
+from meshlm.common.tls import MeshTLS, server_credentials, tls_context
 from meshlm.gateway.api.core import GatewayCore, GatewayIdentity
 from meshlm.gateway.api.gateway import GatewayAPI
 from meshlm.gateway.api.weights import FOLLOW_INTERVAL
@@ -125,6 +125,10 @@ class GatewayConfig(ServiceConfig):
                                           "grpc for ahead of their arrival, so that a busy "
                                           "gateway starts new calls without waiting on its "
                                           "event loop one at a time; 0 = grpc's own (one)")
+    grpc_server: str = cfg.field("native", "what serves the public gRPC port: native (the "
+                                           "gateway's own HTTP/2 on its event loop: a fifth "
+                                           "of grpc.aio's CPU per streamed message) or grpcio "
+                                           "(grpc.aio, with --grpc-accept-ahead)")
     max_prompt_chars: int = cfg.field(0, "characters of a text prompt (a chat: of its "
                                          "messages) checked before tokenization; past it "
                                          "INVALID_ARGUMENT / 400; 0 = the model's context "
@@ -231,16 +235,19 @@ async def serve(config: GatewayConfig) -> None:
 
     keys = ApiKeys(config.api_key)
     reclaim = Reclaimer()  # memory of big requests, given back after them
+    if config.grpc_server not in ("native", "grpcio"):
+        raise ValueError(f"--grpc-server: {config.grpc_server!r} is not native or grpcio")
+    native = config.grpc_server == "native"
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
                                  SglangServicer(api, reclaim), "sglang.runtime.v1.SglangService")],
                         interceptors=[ApiKeyInterceptor(keys)] if keys else [],
                         public=True, max_receive_bytes=config.grpc_max_receive_bytes or None,
-                        accept_ahead=config.grpc_accept_ahead)
-    public_creds = None
+                        accept_ahead=config.grpc_accept_ahead, native=native)
+    public_creds: grpc.ServerCredentials | ssl.SSLContext | None = None
     if config.tls_cert:
-        public_creds = server_credentials(config.tls_cert, config.tls_key,
-                                          config.tls_client_ca or None,
-                                          bool(config.tls_client_ca))
+        public_creds = (tls_context if native else server_credentials)(
+            config.tls_cert, config.tls_key, config.tls_client_ca or None,
+            bool(config.tls_client_ca))
     http_sock = _bind(config.public_host, config.http_port)
     http_port = http_sock.getsockname()[1]
     grpc_port = config.grpc_port or (http_port + 10000 if config.http_port else 0)

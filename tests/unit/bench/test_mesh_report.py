@@ -118,11 +118,13 @@ def test_the_spaced_in_process_run_is_reported_beside_the_goal() -> None:
 
 
 def test_the_floor_line_says_where_the_bare_servers_ran_and_what_the_gateway_adds() -> None:
-    assert floor_line({"gRPC": 26.4, "HTTP": 11.6}, {"gRPC": GRPC, "HTTP": HTTP}, 64, PLAN) == (
+    assert floor_line({"gRPC": 26.4, "HTTP": 11.6}, {"gRPC": GRPC, "HTTP": HTTP}, 64, PLAN,
+                      61.2) == (
         "the transports' own cost of a streamed message (a bare server writing the gateway's "
-        "per-token message to 64 streams at once, on CPU 1 as the gateway): gRPC (grpc.aio) "
-        "26 µs, HTTP (uvicorn, SSE) 12 µs. Messages per output token at saturation (a "
-        "stream's mailbox folds what arrives while its client is busy): gRPC 0.50, HTTP 1.00; "
+        "per-token message to 64 streams at once, on CPU 1 as the gateway): gRPC (the "
+        "gateway's native server) 26 µs (grpc.aio's 61), HTTP (uvicorn, SSE) 12 µs. "
+        "Messages per output token at saturation (a stream's mailbox folds what arrives "
+        "while its client is busy): gRPC 0.50, HTTP 1.00; "
         "so the floor per token: gRPC 13 µs, HTTP 12 µs. What the gateway spends above it (µs "
         "per token): gRPC 106, HTTP 28")  # 119 - 26.4 x 0.5, 40 - 11.6 x 1
 

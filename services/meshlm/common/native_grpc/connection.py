@@ -1,0 +1,585 @@
+"""One HTTP/2 connection of the native gRPC server: an asyncio Protocol that reads frames where
+their bytes arrive, keeps both directions' flow control, and writes everything its streams send
+in one loop turn as one socket write (a step's messages to every stream of a connection leave
+together, which is most of what this server saves over grpc.aio's per-message path).
+
+Streams are gRPC calls: a HEADERS block opens one (the server looks its method up and runs it,
+`server.py`), DATA frames carry its length-prefixed request messages, and the answer is a
+HEADERS block, DATA frames and a trailing HEADERS block with the status. Protocol errors close
+the connection with GOAWAY; a stream's own errors end that stream only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import zlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, cast
+
+import grpc
+from hpack import Decoder, HPACKError
+
+from meshlm.common.native_grpc import frames as h2
+from meshlm.common.native_grpc.call import CallDetails, Metadata, binary_value
+
+if TYPE_CHECKING:
+    from meshlm.common.native_grpc.server import NativeServer
+
+RECV_WINDOW = 4 * 1024 * 1024  # each stream's and the connection's, as this server grants it
+MAX_STREAMS = 1024  # concurrent calls on one connection
+SEND_BUFFER = 256 * 1024  # a stream's unsent bytes past which its handler waits
+MAX_QUEUED_REQUESTS = 1024  # a streamed call's request messages not yet read by its handler
+DRAIN_WAIT_S = 1.0  # the longest wait for a client's answer to the shutdown's PING
+_DRAIN_PING = b"draining"
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
+_RESERVED = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding",
+                       b"grpc-accept-encoding", b"content-length", b"connection"))
+_RESPONSE_HEADERS = h2.literal(b":status", b"200") + h2.literal(b"content-type",
+                                                                b"application/grpc")
+_TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+class StreamError(Exception):
+    """A call's request broke the protocol gRPC layers on HTTP/2: the call ends with `code`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ConnectionError_(Exception):
+    """The peer broke HTTP/2: GOAWAY with `code`, then close."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Stream:
+    """One call's HTTP/2 stream: its request messages in, its answer out."""
+
+    __slots__ = ("id", "conn", "send_window", "recv_unacked", "pending", "trailers",
+                 "headers_sent", "remote_ended", "closed", "task", "encoding", "_inbox",
+                 "_buf", "_writable")
+
+    def __init__(self, stream_id: int, conn: Connection, send_window: int) -> None:
+        self.id = stream_id
+        self.conn = conn
+        self.send_window = send_window
+        self.recv_unacked = 0
+        self.pending = bytearray()  # DATA payload waiting for a window
+        self.trailers: bytes | None = None  # the last HEADERS block, once the call ended
+        self.headers_sent = False
+        self.remote_ended = False
+        self.closed = False
+        self.task: asyncio.Task[None] | None = None
+        self.encoding = b"identity"
+        self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._buf = b""
+        self._writable: asyncio.Future[None] | None = None
+
+    # -- requests -------------------------------------------------------------------------
+    def on_data(self, data: bytes, end: bool) -> None:
+        buf = self._buf + data if self._buf else data
+        at, size_limit = 0, self.conn.server.max_receive_bytes
+        while len(buf) - at >= 5:
+            size = int.from_bytes(buf[at + 1:at + 5], "big")
+            if size > size_limit:
+                self._inbox.put_nowait(None)
+                raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"Received message larger than max ({size} vs. {size_limit})")
+            if len(buf) - at - 5 < size:
+                break
+            message = buf[at + 5:at + 5 + size]
+            if buf[at]:
+                message = self._decompressed(message)
+            if self._inbox.qsize() >= MAX_QUEUED_REQUESTS:
+                raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"more than {MAX_QUEUED_REQUESTS} request messages unread")
+            self._inbox.put_nowait(message)
+            at += 5 + size
+        self._buf = buf[at:]
+        if end:
+            self.remote_ended = True
+            self._inbox.put_nowait(None)
+
+    def _decompressed(self, message: bytes) -> bytes:
+        if self.encoding not in (b"gzip", b"deflate"):
+            raise StreamError(grpc.StatusCode.INTERNAL, "a compressed message without a "
+                              f"grpc-encoding this server reads ({self.encoding.decode()})")
+        limit = self.conn.server.max_receive_bytes
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if self.encoding == b"gzip" else 0)
+        out = inflater.decompress(message, limit + 1)
+        if len(out) > limit:
+            raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"Received message larger than max (over {limit} bytes inflated)")
+        return out
+
+    async def request(self, streaming: bool) -> Any:
+        """The call's request: its one message, or (streaming) an iterator of them."""
+        if streaming:
+            return self._requests()
+        first = await self._inbox.get()
+        if first is None:
+            raise StreamError(grpc.StatusCode.INTERNAL,
+                              "the call ended before its request message")
+        if await self._inbox.get() is not None:
+            raise StreamError(grpc.StatusCode.INTERNAL,
+                              "more than one request message for a unary call")
+        return first
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        while (message := await self._inbox.get()) is not None:
+            yield message
+
+    # -- the answer -----------------------------------------------------------------------
+    def send_headers(self, extra: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
+        if self.headers_sent or self.closed:
+            return
+        self.headers_sent = True
+        block = _RESPONSE_HEADERS + b"".join(h2.literal(k, v) for k, v in extra)
+        self.conn.queue(h2.frame(h2.HEADERS, h2.END_HEADERS, self.id, block))
+
+    async def send_message(self, data: bytes) -> None:
+        if self.closed:
+            raise asyncio.CancelledError("the call's stream is closed")
+        if not self.headers_sent:
+            self.send_headers()
+        size = len(data) + 5
+        conn = self.conn
+        if (not self.pending and size <= self.send_window and size <= conn.send_window
+                and size <= conn.max_frame):
+            self.send_window -= size
+            conn.send_window -= size
+            conn.queue(size.to_bytes(3, "big") + b"\x00\x00" + self.id.to_bytes(4, "big")
+                       + b"\x00" + len(data).to_bytes(4, "big") + data)
+        else:
+            self.pending += b"\x00" + len(data).to_bytes(4, "big") + data
+            conn.pump(self)
+        if len(self.pending) > SEND_BUFFER or conn.paused:
+            await self._wait_writable()
+
+    async def _wait_writable(self) -> None:
+        while (len(self.pending) > SEND_BUFFER or self.conn.paused) and not self.closed:
+            self._writable = asyncio.get_running_loop().create_future()
+            await self._writable
+        if self.closed:
+            raise asyncio.CancelledError("the call's stream is closed")
+
+    def wake(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def finish(self, code: grpc.StatusCode, details: str,
+               trailing: list[tuple[bytes, bytes]]) -> None:
+        """End the call with its status (after what it sent)."""
+        if self.closed:
+            return
+        block = (b"" if self.headers_sent else _RESPONSE_HEADERS) + h2.literal(
+            b"grpc-status", str(code.value[0]).encode())
+        if details:
+            block += h2.literal(b"grpc-message", h2.grpc_message(details))
+        block += b"".join(h2.literal(k, v) for k, v in trailing)
+        self.headers_sent = True
+        self.trailers = block
+        self.conn.pump(self)
+
+    def reset(self, code: int) -> None:
+        """End the stream with RST_STREAM (the call is not answered further)."""
+        if not self.closed:
+            self.conn.queue(h2.frame(h2.RST_STREAM, 0, self.id, code.to_bytes(4, "big")))
+            self.conn.close_stream(self)
+
+
+class Connection(asyncio.Protocol):
+    """The server side of one HTTP/2 connection."""
+
+    def __init__(self, server: NativeServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.streams: dict[int, Stream] = {}
+        self.send_window = h2.DEFAULT_WINDOW
+        self.stream_window = h2.DEFAULT_WINDOW  # new streams' send window (peer's setting)
+        self.max_frame = h2.DEFAULT_FRAME_SIZE
+        self.paused = False
+        self.going_away = False  # no new streams: the final GOAWAY is sent (or received)
+        self._draining = False  # the first GOAWAY is sent
+        self.drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.last_stream = 0
+        self._decoder = Decoder()
+        self._decoder.max_header_list_size = server.max_header_bytes
+        self._buf = b""
+        self._preface = False
+        self._block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments)
+        self._recv_unacked = 0
+        self._out: list[bytes] = []
+        self._blocked: dict[int, Stream] = {}
+        self._loop = asyncio.get_running_loop()
+
+    # -- asyncio's callbacks --------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = tcp = cast(asyncio.Transport, transport)
+        sock = tcp.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(sock)
+        self.peer = _peer_name(tcp.get_extra_info("peername"))
+        self.server.connections.add(self)
+        ours = {h2.MAX_CONCURRENT_STREAMS: MAX_STREAMS, h2.INITIAL_WINDOW_SIZE: RECV_WINDOW,
+                h2.MAX_HEADER_LIST_SIZE: self.server.max_header_bytes, h2.ENABLE_PUSH: 0}
+        self.queue(h2.frame(h2.SETTINGS, 0, 0, h2.settings(ours)) + h2.frame(
+            h2.WINDOW_UPDATE, 0, 0, (RECV_WINDOW - h2.DEFAULT_WINDOW).to_bytes(4, "big")))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._read(data)
+        except ConnectionError_ as exc:
+            self.server.log_protocol_error(self.peer, str(exc))
+            self._goaway(exc.code, str(exc))
+            self._flush()
+            if self.transport is not None:
+                self.transport.close()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        for stream in list(self.streams.values()):
+            stream.wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        if not self.drained.done():
+            self.drained.set_result(None)
+        for stream in list(self.streams.values()):
+            self.close_stream(stream)
+            if stream.task is not None:
+                stream.task.cancel()
+
+    # -- reading ---------------------------------------------------------------------------
+    def _read(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        at = 0
+        if not self._preface:
+            if len(buf) < len(h2.PREFACE):
+                self._buf = buf
+                return
+            if not buf.startswith(h2.PREFACE):
+                raise ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            self._preface, at = True, len(h2.PREFACE)
+        end = len(buf)
+        while end - at >= 9:
+            length = int.from_bytes(buf[at:at + 3], "big")
+            if length > h2.DEFAULT_FRAME_SIZE:
+                raise ConnectionError_(h2.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+            if end - at - 9 < length:
+                break
+            kind, flags = buf[at + 3], buf[at + 4]
+            stream_id = int.from_bytes(buf[at + 5:at + 9], "big") & h2.MAX_WINDOW
+            payload = buf[at + 9:at + 9 + length]
+            at += 9 + length
+            if self._block is not None and (kind != h2.CONTINUATION
+                                            or stream_id != self._block[0]):
+                raise ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
+            if kind == h2.DATA:
+                self._on_data(stream_id, flags, payload)
+            elif kind == h2.HEADERS:
+                self._on_headers(stream_id, flags, payload)
+            elif kind == h2.CONTINUATION:
+                self._on_continuation(stream_id, flags, payload)
+            else:
+                self._on_control(kind, flags, stream_id, payload)
+        self._buf = buf[at:]
+
+    def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise ConnectionError_(h2.PROTOCOL_ERROR, "DATA on stream 0")
+        size = len(payload)
+        self._recv_unacked += size
+        if self._recv_unacked >= RECV_WINDOW // 2:
+            self.queue(h2.frame(h2.WINDOW_UPDATE, 0, 0, self._recv_unacked.to_bytes(4, "big")))
+            self._recv_unacked = 0
+        stream = self.streams.get(stream_id)
+        if stream is None or stream.remote_ended:
+            if stream_id > self.last_stream:
+                raise ConnectionError_(h2.PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            return  # a stream this side has closed: its late data is dropped
+        if flags & h2.PADDED:
+            payload = _unpadded(payload)
+        end = bool(flags & h2.END_STREAM)
+        if not end:
+            stream.recv_unacked += size
+            if stream.recv_unacked >= RECV_WINDOW // 2:
+                self.queue(h2.frame(h2.WINDOW_UPDATE, 0, stream_id,
+                                    stream.recv_unacked.to_bytes(4, "big")))
+                stream.recv_unacked = 0
+        try:
+            stream.on_data(payload, end)
+        except StreamError as exc:
+            stream.finish(exc.code, exc.message, [])
+            if stream.task is not None:
+                stream.task.cancel()
+
+    def _on_headers(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if stream_id == 0:
+            raise ConnectionError_(h2.PROTOCOL_ERROR, "HEADERS on stream 0")
+        if flags & h2.PADDED:
+            payload = _unpadded(payload)
+        if flags & h2.PRIORITY_FLAG:
+            payload = payload[5:]
+        self._block = (stream_id, flags, bytearray(payload))
+        if flags & h2.END_HEADERS:
+            self._end_block()
+
+    def _on_continuation(self, stream_id: int, flags: int, payload: bytes) -> None:
+        if self._block is None:
+            raise ConnectionError_(h2.PROTOCOL_ERROR, "CONTINUATION without HEADERS")
+        self._block[2].extend(payload)
+        if len(self._block[2]) > 4 * self.server.max_header_bytes:
+            raise ConnectionError_(h2.ENHANCE_YOUR_CALM, "a header block too large")
+        if flags & h2.END_HEADERS:
+            self._end_block()
+
+    def _end_block(self) -> None:
+        assert self._block is not None
+        stream_id, flags, block = self._block
+        self._block = None
+        try:
+            fields = [(bytes(n), bytes(v)) for n, v in self._decoder.decode(bytes(block), raw=True)]
+        except HPACKError as exc:
+            raise ConnectionError_(h2.COMPRESSION_ERROR, f"a header block: {exc}") from None
+        end = bool(flags & h2.END_STREAM)
+        stream = self.streams.get(stream_id)
+        if stream is not None:  # the request's trailers
+            if not end:
+                raise ConnectionError_(h2.PROTOCOL_ERROR, "trailers without END_STREAM")
+            stream.on_data(b"", True)
+            return
+        if stream_id % 2 == 0 or stream_id <= self.last_stream:
+            raise ConnectionError_(h2.PROTOCOL_ERROR, f"a new stream with id {stream_id}")
+        self.last_stream = stream_id
+        stream = Stream(stream_id, self, self.stream_window)
+        if self.going_away or len(self.streams) >= MAX_STREAMS:
+            self.queue(h2.frame(h2.RST_STREAM, 0, stream_id,
+                                h2.REFUSED_STREAM.to_bytes(4, "big")))
+            return
+        self.streams[stream_id] = stream
+        self._open(stream, fields, end)
+
+    def _open(self, stream: Stream, fields: list[tuple[bytes, bytes]], end: bool) -> None:
+        pseudo: dict[bytes, bytes] = {}
+        metadata: list[tuple[str, str | bytes]] = []
+        timeout: float | None = None
+        content_type = b""
+        for name, value in fields:
+            if name.startswith(b":"):
+                pseudo[name] = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                timeout = _timeout(value)
+            elif name == b"grpc-encoding":
+                stream.encoding = value
+            elif name not in _RESERVED:
+                key = name.decode("latin-1")
+                metadata.append((key, binary_value(key, value)))
+        if pseudo.get(b":method") != b"POST":
+            return self._http_error(stream, b"405")
+        if not content_type.startswith(b"application/grpc"):
+            return self._http_error(stream, b"415")
+        path = pseudo.get(b":path", b"").decode("latin-1")
+        if end:
+            stream.on_data(b"", True)
+        deadline = None if timeout is None else self._loop.time() + timeout
+        stream.task = self._loop.create_task(self.server.run_call(
+            stream, CallDetails(path, tuple(metadata)), self.peer, deadline))
+
+    def _http_error(self, stream: Stream, status: bytes) -> None:
+        """Not a gRPC request: an HTTP status, and the stream ends."""
+        self.queue(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, stream.id,
+                            h2.literal(b":status", status)))
+        self.close_stream(stream)
+        if not stream.remote_ended:
+            self.queue(h2.frame(h2.RST_STREAM, 0, stream.id, h2.NO_ERROR.to_bytes(4, "big")))
+
+    def _on_control(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if kind == h2.SETTINGS:
+            if stream_id != 0 or len(payload) % 6:
+                raise ConnectionError_(h2.PROTOCOL_ERROR, "a malformed SETTINGS frame")
+            if not flags & h2.ACK:
+                self._apply_settings(payload)
+                self.queue(h2.frame(h2.SETTINGS, h2.ACK, 0))
+        elif kind == h2.PING:
+            if len(payload) != 8:
+                raise ConnectionError_(h2.FRAME_SIZE_ERROR, "a PING frame not of 8 bytes")
+            if not flags & h2.ACK:
+                self.queue(h2.frame(h2.PING, h2.ACK, 0, payload))
+            elif payload == _DRAIN_PING:
+                self._final_goaway()
+        elif kind == h2.WINDOW_UPDATE:
+            self._on_window_update(stream_id, payload)
+        elif kind == h2.RST_STREAM:
+            stream = self.streams.get(stream_id)
+            if stream is not None:
+                self.close_stream(stream)
+                if stream.task is not None:
+                    stream.task.cancel()
+        elif kind == h2.GOAWAY:
+            self.going_away = True
+        elif kind == h2.PUSH_PROMISE:
+            raise ConnectionError_(h2.PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        # PRIORITY and unknown types: ignored, as HTTP/2 asks
+
+    def _apply_settings(self, payload: bytes) -> None:
+        for i in range(0, len(payload), 6):
+            key = int.from_bytes(payload[i:i + 2], "big")
+            value = int.from_bytes(payload[i + 2:i + 6], "big")
+            if key == h2.INITIAL_WINDOW_SIZE:
+                if value > h2.MAX_WINDOW:
+                    raise ConnectionError_(h2.FLOW_CONTROL_ERROR, "a window over 2^31-1")
+                delta, self.stream_window = value - self.stream_window, value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+                if delta > 0:
+                    self._pump_blocked()
+            elif key == h2.MAX_FRAME_SIZE:
+                if not h2.DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
+                    raise ConnectionError_(h2.PROTOCOL_ERROR, f"a frame size of {value}")
+                self.max_frame = value
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionError_(h2.FRAME_SIZE_ERROR, "a WINDOW_UPDATE not of 4 bytes")
+        increment = int.from_bytes(payload, "big") & h2.MAX_WINDOW
+        if stream_id == 0:
+            if increment == 0 or self.send_window + increment > h2.MAX_WINDOW:
+                raise ConnectionError_(h2.FLOW_CONTROL_ERROR, "a bad connection window update")
+            self.send_window += increment
+            self._pump_blocked()
+            return
+        stream = self.streams.get(stream_id)
+        if stream is not None:
+            stream.send_window += increment
+            self.pump(stream)
+
+    # -- writing ---------------------------------------------------------------------------
+    def queue(self, data: bytes) -> None:
+        """Send `data` at the end of this loop turn, with whatever else is sent in it."""
+        if not self._out:
+            self._loop.call_soon(self._flush)
+        self._out.append(data)
+
+    def _flush(self) -> None:
+        if self._out and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(self._out))
+        self._out.clear()
+
+    def pump(self, stream: Stream) -> None:
+        """Send as much of `stream`'s waiting data as the windows allow, then its trailers."""
+        pending = stream.pending
+        while pending:
+            size = min(len(pending), stream.send_window, self.send_window, self.max_frame)
+            if size <= 0:
+                self._blocked[stream.id] = stream
+                return
+            self.queue(h2.frame(h2.DATA, 0, stream.id, bytes(pending[:size])))
+            del pending[:size]
+            stream.send_window -= size
+            self.send_window -= size
+        self._blocked.pop(stream.id, None)
+        if len(pending) <= SEND_BUFFER:
+            stream.wake()
+        if stream.trailers is not None:
+            self.queue(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, stream.id,
+                                stream.trailers))
+            remote_open = not stream.remote_ended
+            self.close_stream(stream)
+            if remote_open:  # the call is over: the client need not send the rest
+                self.queue(h2.frame(h2.RST_STREAM, 0, stream.id, h2.NO_ERROR.to_bytes(4, "big")))
+
+    def _pump_blocked(self) -> None:
+        for stream in list(self._blocked.values()):
+            if self.send_window <= 0:
+                return
+            self.pump(stream)
+
+    def close_stream(self, stream: Stream) -> None:
+        stream.closed = True
+        stream.wake()
+        self.streams.pop(stream.id, None)
+        self._blocked.pop(stream.id, None)
+        if self.going_away and not self.streams and self.transport is not None:
+            self._loop.call_soon(self._close_after_flush)
+
+    def _close_after_flush(self) -> None:
+        self._flush()
+        if self.transport is not None and not self.streams:
+            self.transport.close()
+
+    def goaway(self) -> None:
+        """No new calls on this connection; it closes once its calls have ended. Graceful, as
+        HTTP/2 asks: a first GOAWAY (last stream 2^31-1) with a PING; calls the client sent
+        before it read that are still taken, until its answer to the PING (or DRAIN_WAIT_S);
+        then the final GOAWAY names the last call taken (`drained` is done)."""
+        if self.going_away or self._draining:
+            return
+        self._draining = True
+        self.queue(h2.frame(h2.GOAWAY, 0, 0, h2.MAX_WINDOW.to_bytes(4, "big")
+                            + h2.NO_ERROR.to_bytes(4, "big"))
+                   + h2.frame(h2.PING, 0, 0, _DRAIN_PING))
+        self._loop.call_later(DRAIN_WAIT_S, self._final_goaway)
+
+    def _final_goaway(self) -> None:
+        if self.going_away:
+            return
+        self._goaway(h2.NO_ERROR, "")
+        if not self.streams and self.transport is not None:
+            self._loop.call_soon(self._close_after_flush)
+
+    def _goaway(self, code: int, message: str) -> None:
+        self.going_away = True
+        if not self.drained.done():
+            self.drained.set_result(None)
+        self.queue(h2.frame(h2.GOAWAY, 0, 0, self.last_stream.to_bytes(4, "big")
+                            + code.to_bytes(4, "big") + message.encode()[:200]))
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """A peer that vanished (no FIN, no RST) is found by TCP's probes: after KEEPALIVE_IDLE_S
+    of silence, KEEPALIVE_PROBES unanswered probes KEEPALIVE_INTERVAL_S apart close the
+    connection, as grpc's pings do on the grpc.aio port (PUBLIC_KEEPALIVE)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                          ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                          ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _unpadded(payload: bytes) -> bytes:
+    if not payload or payload[0] >= len(payload):
+        raise ConnectionError_(h2.PROTOCOL_ERROR, "padding past the frame")
+    return payload[1:len(payload) - payload[0]]
+
+
+def _timeout(value: bytes) -> float | None:
+    """grpc-timeout ("100m", "5S", ...) in seconds; None where it does not parse."""
+    unit = _TIMEOUT_UNITS.get(value[-1:])
+    digits = value[:-1]
+    if unit is None or not digits.isdigit() or len(digits) > 8:
+        return None
+    return int(digits) * unit
+
+
+def _peer_name(peername: Any) -> str:
+    if isinstance(peername, tuple) and len(peername) >= 2:
+        host, port = peername[0], peername[1]
+        return f"ipv6:[{host}]:{port}" if ":" in str(host) else f"ipv4:{host}:{port}"
+    return f"unix:{peername}" if peername else "unknown"
+
+
+__all__ = ["Connection", "Metadata", "Stream", "StreamError"]

@@ -1,0 +1,231 @@
+"""The native gRPC server (common/native_grpc): grpc's own client (grpc.aio, on loopback) calls
+a small service on it, and sees what it would see from a grpc.aio server: messages, metadata,
+statuses, deadlines, cancellation, flow control over large answers, compressed requests, TLS
+by ALPN, a graceful stop. A raw socket checks that protocol errors close the connection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from meshlm.common.native_grpc import frames as h2
+from meshlm.common.native_grpc.server import NativeServer
+from meshlm.common.tls import tls_context
+from meshlm.launch.certs import ensure_dev_certs
+
+SERVICE = "test.Echo"
+
+
+class Echo:
+    """Unary Echo, streamed Count, Hold (waits until cancelled), Fail (aborts), Big (large
+    messages), Sum (streamed requests); records cancellations and metadata."""
+
+    def __init__(self) -> None:
+        self.cancelled: asyncio.Event = asyncio.Event()
+        self.metadata: dict[str, Any] = {}
+        self.release = asyncio.Event()
+
+    async def echo(self, request: bytes, context: Any) -> bytes:
+        self.metadata = dict(context.invocation_metadata())
+        await context.send_initial_metadata((("x-initial", "yes"),))
+        context.set_trailing_metadata((("x-trailer", "done"), ("x-raw-bin", b"\x00\xff")))
+        return request[::-1]
+
+    async def count(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        for i in range(int(request)):
+            yield str(i).encode()
+
+    async def hold(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        context.add_done_callback(lambda ctx: self.cancelled.set() if ctx.cancelled() else None)
+        yield b"started"
+        await self.release.wait()
+        yield b"released"
+
+    async def fail(self, request: bytes, context: Any) -> bytes:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no way: ünïcode 100%")
+        return b""
+
+    async def big(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        for i in range(8):
+            yield bytes([i]) * (1024 * 1024)
+
+    async def total(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
+        return str(sum([int(r) async for r in requests])).encode()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Echo": grpc.unary_unary_rpc_method_handler(self.echo),
+            "Count": grpc.unary_stream_rpc_method_handler(self.count),
+            "Hold": grpc.unary_stream_rpc_method_handler(self.hold),
+            "Fail": grpc.unary_unary_rpc_method_handler(self.fail),
+            "Big": grpc.unary_stream_rpc_method_handler(self.big),
+            "Sum": grpc.stream_unary_rpc_method_handler(self.total),
+        })
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[NativeServer, Echo, int]]:
+    server = NativeServer(max_receive_bytes=64 * 1024)
+    echo = Echo()
+    server.add_generic_rpc_handlers((echo.handler(),))
+    server.add_insecure_port("127.0.0.1:0")
+    [port] = await server.bind()
+    yield server, echo, port
+    await server.stop(None)
+
+
+def _method(channel: grpc.aio.Channel, name: str, kind: str = "unary_unary") -> Any:
+    return getattr(channel, kind)(f"/{SERVICE}/{name}")
+
+
+async def test_unary_call_carries_messages_and_metadata_both_ways(served: Any) -> None:
+    _, echo, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = _method(channel, "Echo")(b"hello", metadata=(("x-key", "v"),
+                                                            ("x-blob-bin", b"\x01\x02")))
+        assert await call == b"olleh"
+        assert ("x-initial", "yes") in list(await call.initial_metadata())
+        trailers = list(await call.trailing_metadata())
+        assert ("x-trailer", "done") in trailers and ("x-raw-bin", b"\x00\xff") in trailers
+    assert echo.metadata["x-key"] == "v" and echo.metadata["x-blob-bin"] == b"\x01\x02"
+
+
+async def test_streamed_answers_arrive_in_order(served: Any) -> None:
+    _, _, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        count = _method(channel, "Count", "unary_stream")
+        answers = await asyncio.gather(*(_collect(count(b"50")) for _ in range(20)))
+    assert all(a == [str(i).encode() for i in range(50)] for a in answers)
+
+
+async def _collect(call: Any) -> list[bytes]:
+    return [m async for m in call]
+
+
+async def test_abort_status_and_unicode_message(served: Any) -> None:
+    _, _, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _method(channel, "Fail")(b"")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == "no way: ünïcode 100%"
+
+
+async def test_unknown_method_is_unimplemented(served: Any) -> None:
+    _, _, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await channel.unary_unary("/test.Echo/Nope")(b"")
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+async def test_client_cancel_cancels_the_handler(served: Any) -> None:
+    _, echo, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = _method(channel, "Hold", "unary_stream")(b"")
+        assert await call.read() == b"started"
+        call.cancel()
+        await asyncio.wait_for(echo.cancelled.wait(), 5)
+
+
+async def test_deadline_ends_the_call(served: Any) -> None:
+    _, echo, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = _method(channel, "Hold", "unary_stream")(b"", timeout=0.3)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _collect(call)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(echo.cancelled.wait(), 5)
+
+
+async def test_request_over_the_limit_is_resource_exhausted(served: Any) -> None:
+    _, _, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await _method(channel, "Echo")(b"x" * (65 * 1024))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert await _method(channel, "Echo")(b"ok") == b"ko"  # the connection lives on
+
+
+async def test_large_answers_respect_flow_control(served: Any) -> None:
+    _, _, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        big = _method(channel, "Big", "unary_stream")
+        results = await asyncio.gather(*(_collect(big(b"")) for _ in range(3)))
+    for messages in results:
+        assert [m[:1] for m in messages] == [bytes([i]) for i in range(8)]
+        assert all(m == m[:1] * (1024 * 1024) for m in messages)
+
+
+async def test_compressed_and_streamed_requests(served: Any) -> None:
+    _, _, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}",
+                                         compression=grpc.Compression.Gzip) as channel:
+        assert await _method(channel, "Echo")(b"abc" * 1000) == b"cba" * 1000
+        sums = _method(channel, "Sum", "stream_unary")
+        assert await sums(iter([b"1", b"2", b"39"])) == b"42"
+
+
+async def test_tls_with_alpn(tmp_path: Path) -> None:
+    certs = ensure_dev_certs(tmp_path)
+    server = NativeServer()
+    server.add_generic_rpc_handlers((Echo().handler(),))
+    server.add_secure_port("127.0.0.1:0", tls_context(certs.server_cert, certs.server_key))
+    [port] = await server.bind()
+    try:
+        creds = grpc.ssl_channel_credentials(certs.ca_cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", creds) as channel:
+            assert await _method(channel, "Echo")(b"tls") == b"slt"
+    finally:
+        await server.stop(None)
+
+
+async def test_graceful_stop_finishes_calls_in_flight(served: Any) -> None:
+    server, echo, port = served
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = _method(channel, "Hold", "unary_stream")(b"")
+        assert await call.read() == b"started"
+        stopping = asyncio.create_task(server.stop(5))
+        await asyncio.sleep(0)  # the GOAWAY is queued; the call is still running
+        echo.release.set()
+        assert await call.read() == b"released"
+        await stopping
+        assert await call.code() == grpc.StatusCode.OK
+    assert not echo.cancelled.is_set()
+
+
+async def _until_closed(port: int, send: bytes) -> list[tuple[int, bytes]]:
+    """Send raw bytes; the (type, payload) of every frame the server sends until it closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(send)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 5)  # EOF: the server closed
+    finally:
+        writer.close()
+    received = []
+    while len(data) >= 9:
+        length = int.from_bytes(data[:3], "big")
+        received.append((data[3], data[9:9 + length]))
+        data = data[9 + length:]
+    return received
+
+
+async def test_a_bad_preface_closes_the_connection_with_goaway(served: Any) -> None:
+    _, _, port = served
+    frames = await _until_closed(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert [kind for kind, _ in frames][-1] == h2.GOAWAY
+
+
+async def test_an_oversized_frame_is_a_frame_size_error(served: Any) -> None:
+    _, _, port = served
+    oversized = (20_000).to_bytes(3, "big") + bytes((h2.DATA, 0)) + (1).to_bytes(4, "big")
+    frames = await _until_closed(port, h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0) + oversized)
+    kind, payload = frames[-1]
+    assert kind == h2.GOAWAY
+    assert int.from_bytes(payload[4:8], "big") == h2.FRAME_SIZE_ERROR

@@ -33,6 +33,7 @@ MAX_QUEUED_REQUESTS = 1024  # a streamed call's request messages not yet read by
 DRAIN_WAIT_S = 1.0  # the longest wait for a client's answer to the shutdown's PING
 _DRAIN_PING = b"draining"
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
+UNACKED_LIMIT_MS = 40_000  # sent data unacknowledged this long: the peer is gone
 _RESERVED = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding",
                        b"grpc-accept-encoding", b"content-length", b"connection"))
 _RESPONSE_HEADERS = h2.literal(b":status", b"200") + h2.literal(b"content-type",
@@ -551,11 +552,13 @@ class Connection(asyncio.Protocol):
 def _keepalive(sock: socket.socket) -> None:
     """A peer that vanished (no FIN, no RST) is found by TCP's probes: after KEEPALIVE_IDLE_S
     of silence, KEEPALIVE_PROBES unanswered probes KEEPALIVE_INTERVAL_S apart close the
-    connection, as grpc's pings do on the grpc.aio port (PUBLIC_KEEPALIVE)."""
+    connection, as grpc's pings do on the grpc.aio port (PUBLIC_KEEPALIVE); data left
+    unacknowledged for UNACKED_LIMIT_MS does too."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
                           ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
-                          ("TCP_KEEPCNT", KEEPALIVE_PROBES)):
+                          ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                          ("TCP_USER_TIMEOUT", UNACKED_LIMIT_MS)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 

@@ -42,14 +42,24 @@ def server_credentials(
     `require_client_auth` a client without a valid certificate is refused at the handshake.
     Errors name the flags --{flag_prefix}-cert, --{flag_prefix}-key, --{flag_prefix}-client-ca.
     """
+    chain, private_key, roots = _server_pems(cert, key, client_ca, require_client_auth,
+                                             flag_prefix)
+    return grpc.ssl_server_credentials(
+        [(private_key, chain)], root_certificates=roots, require_client_auth=require_client_auth
+    )
+
+
+def _server_pems(cert: str | Path, key: str | Path, client_ca: str | Path | None,
+                 require_client_auth: bool, flag_prefix: str
+                 ) -> tuple[bytes, bytes, bytes | None]:
+    """A server's certificate chain, key and client CA (PEM), read and checked; errors name
+    the flags."""
     chain = read_pem(cert, f"--{flag_prefix}-cert")
     private_key = read_pem(key, f"--{flag_prefix}-key")
     roots = read_pem(client_ca, f"--{flag_prefix}-client-ca") if client_ca else None
     if require_client_auth and roots is None:
         raise ValueError(f"--{flag_prefix}-client-ca is required to verify client certificates")
-    return grpc.ssl_server_credentials(
-        [(private_key, chain)], root_certificates=roots, require_client_auth=require_client_auth
-    )
+    return chain, private_key, roots
 
 
 def tls_context(
@@ -62,12 +72,7 @@ def tls_context(
 ) -> ssl.SSLContext:
     """As server_credentials, for a server on asyncio's own TLS (the gateway's native gRPC
     port): HTTP/2 by ALPN, TLS 1.2 or newer."""
-    read_pem(cert, f"--{flag_prefix}-cert")
-    read_pem(key, f"--{flag_prefix}-key")
-    if client_ca:
-        read_pem(client_ca, f"--{flag_prefix}-client-ca")
-    elif require_client_auth:
-        raise ValueError(f"--{flag_prefix}-client-ca is required to verify client certificates")
+    _server_pems(cert, key, client_ca, require_client_auth, flag_prefix)  # the same checks
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(str(cert), str(key))

@@ -89,6 +89,28 @@ def server_options(public: bool = False, max_receive_bytes: int | None = None,
     return options if public else options + MESH_FLOW
 
 
+NATIVE_PUBLIC_WINDOW = 4 * 1024 * 1024  # a public call's receive window on the native server
+
+
+def _keepalive_seconds(public: bool) -> tuple[float, float]:
+    """The native server's (idle time before it PINGs a silent client, time for the answer),
+    as grpc.aio's server options set them."""
+    if public:
+        return (PUBLIC_KEEPALIVE["grpc.keepalive_time_ms"] / 1000,
+                PUBLIC_KEEPALIVE["grpc.keepalive_timeout_ms"] / 1000)
+    return SERVER_KEEPALIVE_TIME_MS / 1000, SERVER_PING_TIMEOUT_MS / 1000
+
+
+SERVER_KINDS = ("native", "grpcio")
+
+
+def is_native(kind: str, flag: str) -> bool:
+    """Whether a --*-server flag's value picks the native server (else grpc.aio's)."""
+    if kind not in SERVER_KINDS:
+        raise ValueError(f"{flag}: {kind!r} is not one of {', '.join(SERVER_KINDS)}")
+    return kind == "native"
+
+
 @dataclass
 class Binding:
     """One service implementation to register: `add(servicer, server)` from the generated
@@ -119,7 +141,9 @@ class GrpcServer:
         self.native = native
         if native:
             self.server: grpc.aio.Server = NativeServer(
-                chain, max_receive_bytes=max_receive_bytes or MAX_MESSAGE_BYTES)
+                chain, max_receive_bytes=max_receive_bytes or MAX_MESSAGE_BYTES,
+                stream_window=NATIVE_PUBLIC_WINDOW if public else MESH_WINDOW_BYTES,
+                keepalive=_keepalive_seconds(public))
             accept_ahead = 0
         else:
             self.server = grpc.aio.server(interceptors=chain,

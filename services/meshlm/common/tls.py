@@ -150,6 +150,11 @@ class MeshTLS:
             require_client_auth=True,
         )
 
+    def server_context(self) -> ssl.SSLContext:
+        """server_credentials for the native server (asyncio's TLS)."""
+        self.load()  # errors name the --mesh-* flags
+        return tls_context(self.cert, self.key, self.ca, True, flag_prefix="mesh")
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Client side: trust only the mesh CA and present this service's certificate."""
         self.load()

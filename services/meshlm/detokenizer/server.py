@@ -17,12 +17,14 @@ from meshlm.common.metrics import DetokenizerMetrics
 from meshlm.common.packed import Plain, packer, unpack
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
-from meshlm.common.server import Binding, GrpcServer
+from meshlm.common.server import Binding
 from meshlm.common.service import (
     MeshPeers,
     ServiceConfig,
+    mesh_server,
     resolve_model_path,
     serve_until_signal,
+    start_mesh_server,
 )
 from meshlm.common.streams import StreamPool
 from meshlm.common.tasks import BackgroundTasks
@@ -226,9 +228,9 @@ async def serve(config: DetokenizerConfig) -> None:
         lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
         packer(gateway_pb2.TextBatch, texts=True), on_lost=on_gateway_lost)
     servicer = DetokenizerServicer(tok, gateways, peers.channels, Path(model_path).name)
-    server = GrpcServer([Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
-                                 "meshlm.v1.Detokenizer"), profiler_binding(servicer.profiling)])
-    bound = await server.start(config.host, config.port, peers.tls.server_credentials())
+    server = mesh_server(config, [Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
+                                  "meshlm.v1.Detokenizer"), profiler_binding(servicer.profiling)])
+    bound = await start_mesh_server(server, config, peers.tls)
     await serve_until_signal(server, config, bound, metrics=servicer.metrics,
                              model_path=model_path, role="detokenizer")
     await peers.close()

@@ -24,8 +24,14 @@ from meshlm.common.memory import freeze_startup_objects
 from meshlm.common.metrics import GatewayMetrics
 from meshlm.common.redis_client import RedisAuth
 from meshlm.common.roles import MESH_PORTS
-from meshlm.common.server import Binding, GrpcServer, wait_for_signal
-from meshlm.common.service import ServiceConfig, advertised, start_metrics
+from meshlm.common.server import Binding, GrpcServer, is_native, wait_for_signal
+from meshlm.common.service import (
+    ServiceConfig,
+    advertised,
+    mesh_server,
+    start_mesh_server,
+    start_metrics,
+)
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import Periodic
 from meshlm.common.tls import MeshTLS, server_credentials, tls_context
@@ -184,10 +190,9 @@ async def serve(config: GatewayConfig) -> None:
                            redis_auth)
     registry.start()
 
-    inbox = GrpcServer([Binding(gateway_pb2_grpc.add_GatewayInboxServicer_to_server,
-                                InboxServicer(table), "meshlm.v1.GatewayInbox")])
-    inbox_address = advertised(config, await inbox.start(config.host, config.port,
-                                                         tls.server_credentials()))
+    inbox = mesh_server(config, [Binding(gateway_pb2_grpc.add_GatewayInboxServicer_to_server,
+                                         InboxServicer(table), "meshlm.v1.GatewayInbox")])
+    inbox_address = advertised(config, await start_mesh_server(inbox, config, tls))
     identity = GatewayIdentity(inbox=inbox_address, served_model_name=config.served_model_name,
                                tool_call_parser=config.tool_call_parser,
                                reasoning_parser=config.reasoning_parser,
@@ -235,9 +240,7 @@ async def serve(config: GatewayConfig) -> None:
 
     keys = ApiKeys(config.api_key)
     reclaim = Reclaimer()  # memory of big requests, given back after them
-    if config.grpc_server not in ("native", "grpcio"):
-        raise ValueError(f"--grpc-server: {config.grpc_server!r} is not native or grpcio")
-    native = config.grpc_server == "native"
+    native = is_native(config.grpc_server, "--grpc-server")
     public = GrpcServer([Binding(sglang_pb2_grpc.add_SglangServiceServicer_to_server,
                                  SglangServicer(api, reclaim), "sglang.runtime.v1.SglangService")],
                         interceptors=[ApiKeyInterceptor(keys)] if keys else [],

@@ -25,14 +25,16 @@ from meshlm.common.metrics import SchedulerMetrics
 from meshlm.common.packed import Plain, packer
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
-from meshlm.common.server import Binding, GrpcServer
+from meshlm.common.server import Binding
 from meshlm.common.service import (
     MeshPeers,
     ServiceConfig,
     advertised,
+    mesh_server,
     model_info_json,
     resolve_model_path,
     serve_until_signal,
+    start_mesh_server,
 )
 from meshlm.common.streams import StreamPool
 from meshlm.scheduler import wire
@@ -240,9 +242,9 @@ async def serve(config: SchedulerConfig) -> None:
                       placement=placement,
                       grammars=Grammars(model_path, engine.vocab_size, engine.eos_token_ids))
     servicer = SchedulerServicer(loop, EngineControl(engine, loop, info))
-    server = GrpcServer([Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
-                                 "meshlm.v1.Scheduler"), profiler_binding(profiling)])
-    bound = await server.start(config.host, config.port, peers.tls.server_credentials())
+    server = mesh_server(config, [Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
+                                  "meshlm.v1.Scheduler"), profiler_binding(profiling)])
+    bound = await start_mesh_server(server, config, peers.tls)
     loop.address = advertised(config, bound)
     loop.watchdog.report = server.set_serving
     engine_task = asyncio.create_task(loop.run(), name="engine")

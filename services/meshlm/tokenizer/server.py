@@ -25,13 +25,15 @@ from meshlm.common.logs import get_logger
 from meshlm.common.metrics import TokenizerMetrics
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
-from meshlm.common.server import Binding, GrpcServer
+from meshlm.common.server import Binding
 from meshlm.common.service import (
     MeshPeers,
     ServiceConfig,
+    mesh_server,
     model_info_json,
     resolve_model_path,
     serve_until_signal,
+    start_mesh_server,
 )
 from meshlm.common.streams import StreamPool
 from meshlm.common.tracing import carrier_of, context_of, tracer
@@ -265,9 +267,9 @@ async def serve(config: TokenizerConfig) -> None:
         json_info=model_info_json(model_path, {"max_model_len": tok.max_model_len}),
     )
     servicer = TokenizerServicer(tok, schedulers, info)
-    server = GrpcServer([Binding(pb_grpc.add_TokenizerServicer_to_server, servicer,
-                                 "meshlm.v1.Tokenizer"), profiler_binding(servicer.profiling)])
-    bound = await server.start(config.host, config.port, peers.tls.server_credentials())
+    server = mesh_server(config, [Binding(pb_grpc.add_TokenizerServicer_to_server, servicer,
+                                  "meshlm.v1.Tokenizer"), profiler_binding(servicer.profiling)])
+    bound = await start_mesh_server(server, config, peers.tls)
     await serve_until_signal(server, config, bound, metrics=servicer.metrics,
                              model_path=model_path, role="tokenizer")
     servicer.workers.close()

@@ -57,6 +57,10 @@ class Echo:
     async def total(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
         return str(sum([int(r) async for r in requests])).encode()
 
+    async def later(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
+        await self.release.wait()  # reads nothing until released
+        return str(len([r async for r in requests])).encode()
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Echo": grpc.unary_unary_rpc_method_handler(self.echo),
@@ -65,6 +69,7 @@ class Echo:
             "Fail": grpc.unary_unary_rpc_method_handler(self.fail),
             "Big": grpc.unary_stream_rpc_method_handler(self.big),
             "Sum": grpc.stream_unary_rpc_method_handler(self.total),
+            "Later": grpc.stream_unary_rpc_method_handler(self.later),
         })
 
 
@@ -229,3 +234,97 @@ async def test_an_oversized_frame_is_a_frame_size_error(served: Any) -> None:
     kind, payload = frames[-1]
     assert kind == h2.GOAWAY
     assert int.from_bytes(payload[4:8], "big") == h2.FRAME_SIZE_ERROR
+
+
+class RawClient:
+    """An HTTP/2 client on a plain socket, frame by frame."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, port: int) -> RawClient:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0))
+        return cls(reader, writer)
+
+    def send(self, data: bytes) -> None:
+        self.writer.write(data)
+
+    async def frame(self) -> tuple[int, int, int, bytes] | None:
+        """The next frame (type, flags, stream, payload); None at the server's EOF."""
+        try:
+            head = await asyncio.wait_for(self.reader.readexactly(9), 10)
+            payload = await self.reader.readexactly(int.from_bytes(head[:3], "big"))
+        except asyncio.IncompleteReadError:
+            return None
+        return head[3], head[4], int.from_bytes(head[5:9], "big"), payload
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _call_headers(method: str) -> bytes:
+    return b"".join(h2.literal(k, v) for k, v in (
+        (b":method", b"POST"), (b":scheme", b"http"), (b":path", method.encode()),
+        (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")))
+
+
+async def test_a_handler_that_reads_nothing_holds_its_client_to_the_window() -> None:
+    window = 16 * 1024
+    server = NativeServer(stream_window=window)
+    echo = Echo()
+    server.add_generic_rpc_handlers((echo.handler(),))
+    server.add_insecure_port("127.0.0.1:0")
+    [port] = await server.bind()
+    client = await RawClient.connect(port)
+    try:
+        client.send(h2.frame(h2.HEADERS, h2.END_HEADERS, 1, _call_headers(f"/{SERVICE}/Later")))
+        message = b"\x00" + (1019).to_bytes(4, "big") + b"1" * 1019  # 1 KiB framed
+        client.send(b"".join(h2.frame(h2.DATA, 0, 1, message) for _ in range(window // 1024)))
+        client.send(h2.frame(h2.PING, 0, 0, b"probe..."))
+        credited = 0  # the window the server gave back for the call
+
+        async def credit_until(done: Any) -> None:
+            nonlocal credited
+            while (got := await client.frame()) is not None:
+                kind, flags, stream, payload = got
+                if kind == h2.WINDOW_UPDATE and stream == 1:
+                    credited += int.from_bytes(payload, "big")
+                if done(kind, flags):
+                    return
+            raise AssertionError("the server closed the connection")
+
+        await credit_until(lambda kind, flags: kind == h2.PING and flags & h2.ACK)
+        assert credited < window, "the whole window came back before the handler read"
+        echo.release.set()  # the handler reads: the rest of the window comes back
+        await credit_until(lambda kind, flags: credited == window)
+        assert credited == window
+    finally:
+        client.close()
+        await server.stop(None)
+
+
+async def test_a_silent_client_is_pinged_and_dropped_when_it_does_not_answer() -> None:
+    server = NativeServer(keepalive=(0.05, 0.2))
+    server.add_insecure_port("127.0.0.1:0")
+    [port] = await server.bind()
+    answering, silent = await RawClient.connect(port), await RawClient.connect(port)
+    try:
+        pings = 0
+        while pings < 2:  # answered, the server pings again after the idle time, and again
+            got = await answering.frame()
+            assert got is not None, "a client answering the pings was dropped"
+            kind, flags, _, payload = got
+            if kind == h2.PING and not flags & h2.ACK:
+                pings += 1
+                answering.send(h2.frame(h2.PING, h2.ACK, 0, payload))
+        kinds = []
+        while (got := await silent.frame()) is not None:  # until the server closes it
+            kinds.append(got[0])
+        assert h2.PING in kinds
+        assert len(server.connections) == 1
+    finally:
+        answering.close()
+        silent.close()
+        await server.stop(None)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import grpc
 
 if TYPE_CHECKING:
-    from meshlm.common.native_grpc.connection import Stream
+    from meshlm.common.native_grpc.stream import Stream
 
 Metadata = tuple[tuple[str, str | bytes], ...]
 

@@ -5,49 +5,40 @@ together, which is most of what this server saves over grpc.aio's per-message pa
 
 Streams are gRPC calls: a HEADERS block opens one (the server looks its method up and runs it,
 `server.py`), DATA frames carry its length-prefixed request messages, and the answer is a
-HEADERS block, DATA frames and a trailing HEADERS block with the status. Protocol errors close
-the connection with GOAWAY; a stream's own errors end that stream only.
+HEADERS block, DATA frames and a trailing HEADERS block with the status (`stream.py`). Protocol
+errors close the connection with GOAWAY; a stream's own errors end that stream only. A client
+silent past the server's keepalive idle time is PINGed, and its connection closed if nothing
+comes back within the timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import zlib
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, cast
 
-import grpc
 from hpack import Decoder, HPACKError
 
+from meshlm.common.logs import get_logger
 from meshlm.common.native_grpc import frames as h2
 from meshlm.common.native_grpc.call import CallDetails, Metadata, binary_value
+from meshlm.common.native_grpc.stream import SEND_BUFFER, Stream, StreamError
 
 if TYPE_CHECKING:
     from meshlm.common.native_grpc.server import NativeServer
 
-RECV_WINDOW = 4 * 1024 * 1024  # each stream's and the connection's, as this server grants it
+log = get_logger(__name__)
+
+RECV_WINDOW = 4 * 1024 * 1024  # the connection's, as this server grants it
 MAX_STREAMS = 1024  # concurrent calls on one connection
-SEND_BUFFER = 256 * 1024  # a stream's unsent bytes past which its handler waits
-MAX_QUEUED_REQUESTS = 1024  # a streamed call's request messages not yet read by its handler
 DRAIN_WAIT_S = 1.0  # the longest wait for a client's answer to the shutdown's PING
 _DRAIN_PING = b"draining"
+_KEEPALIVE_PING = b"liveness"
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 UNACKED_LIMIT_MS = 40_000  # sent data unacknowledged this long: the peer is gone
 _RESERVED = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding",
                        b"grpc-accept-encoding", b"content-length", b"connection"))
-_RESPONSE_HEADERS = h2.literal(b":status", b"200") + h2.literal(b"content-type",
-                                                                b"application/grpc")
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-
-
-class StreamError(Exception):
-    """A call's request broke the protocol gRPC layers on HTTP/2: the call ends with `code`."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class ConnectionError_(Exception):
@@ -56,143 +47,6 @@ class ConnectionError_(Exception):
     def __init__(self, code: int, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-
-class Stream:
-    """One call's HTTP/2 stream: its request messages in, its answer out."""
-
-    __slots__ = ("id", "conn", "send_window", "recv_unacked", "pending", "trailers",
-                 "headers_sent", "remote_ended", "closed", "task", "encoding", "_inbox",
-                 "_buf", "_writable")
-
-    def __init__(self, stream_id: int, conn: Connection, send_window: int) -> None:
-        self.id = stream_id
-        self.conn = conn
-        self.send_window = send_window
-        self.recv_unacked = 0
-        self.pending = bytearray()  # DATA payload waiting for a window
-        self.trailers: bytes | None = None  # the last HEADERS block, once the call ended
-        self.headers_sent = False
-        self.remote_ended = False
-        self.closed = False
-        self.task: asyncio.Task[None] | None = None
-        self.encoding = b"identity"
-        self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._buf = b""
-        self._writable: asyncio.Future[None] | None = None
-
-    # -- requests -------------------------------------------------------------------------
-    def on_data(self, data: bytes, end: bool) -> None:
-        buf = self._buf + data if self._buf else data
-        at, size_limit = 0, self.conn.server.max_receive_bytes
-        while len(buf) - at >= 5:
-            size = int.from_bytes(buf[at + 1:at + 5], "big")
-            if size > size_limit:
-                self._inbox.put_nowait(None)
-                raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"Received message larger than max ({size} vs. {size_limit})")
-            if len(buf) - at - 5 < size:
-                break
-            message = buf[at + 5:at + 5 + size]
-            if buf[at]:
-                message = self._decompressed(message)
-            if self._inbox.qsize() >= MAX_QUEUED_REQUESTS:
-                raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                  f"more than {MAX_QUEUED_REQUESTS} request messages unread")
-            self._inbox.put_nowait(message)
-            at += 5 + size
-        self._buf = buf[at:]
-        if end:
-            self.remote_ended = True
-            self._inbox.put_nowait(None)
-
-    def _decompressed(self, message: bytes) -> bytes:
-        if self.encoding not in (b"gzip", b"deflate"):
-            raise StreamError(grpc.StatusCode.INTERNAL, "a compressed message without a "
-                              f"grpc-encoding this server reads ({self.encoding.decode()})")
-        limit = self.conn.server.max_receive_bytes
-        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if self.encoding == b"gzip" else 0)
-        out = inflater.decompress(message, limit + 1)
-        if len(out) > limit:
-            raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"Received message larger than max (over {limit} bytes inflated)")
-        return out
-
-    async def request(self, streaming: bool) -> Any:
-        """The call's request: its one message, or (streaming) an iterator of them."""
-        if streaming:
-            return self._requests()
-        first = await self._inbox.get()
-        if first is None:
-            raise StreamError(grpc.StatusCode.INTERNAL,
-                              "the call ended before its request message")
-        if await self._inbox.get() is not None:
-            raise StreamError(grpc.StatusCode.INTERNAL,
-                              "more than one request message for a unary call")
-        return first
-
-    async def _requests(self) -> AsyncIterator[bytes]:
-        while (message := await self._inbox.get()) is not None:
-            yield message
-
-    # -- the answer -----------------------------------------------------------------------
-    def send_headers(self, extra: list[tuple[bytes, bytes]] = ()) -> None:  # type: ignore[assignment]
-        if self.headers_sent or self.closed:
-            return
-        self.headers_sent = True
-        block = _RESPONSE_HEADERS + b"".join(h2.literal(k, v) for k, v in extra)
-        self.conn.queue(h2.frame(h2.HEADERS, h2.END_HEADERS, self.id, block))
-
-    async def send_message(self, data: bytes) -> None:
-        if self.closed:
-            raise asyncio.CancelledError("the call's stream is closed")
-        if not self.headers_sent:
-            self.send_headers()
-        size = len(data) + 5
-        conn = self.conn
-        if (not self.pending and size <= self.send_window and size <= conn.send_window
-                and size <= conn.max_frame):
-            self.send_window -= size
-            conn.send_window -= size
-            conn.queue(size.to_bytes(3, "big") + b"\x00\x00" + self.id.to_bytes(4, "big")
-                       + b"\x00" + len(data).to_bytes(4, "big") + data)
-        else:
-            self.pending += b"\x00" + len(data).to_bytes(4, "big") + data
-            conn.pump(self)
-        if len(self.pending) > SEND_BUFFER or conn.paused:
-            await self._wait_writable()
-
-    async def _wait_writable(self) -> None:
-        while (len(self.pending) > SEND_BUFFER or self.conn.paused) and not self.closed:
-            self._writable = asyncio.get_running_loop().create_future()
-            await self._writable
-        if self.closed:
-            raise asyncio.CancelledError("the call's stream is closed")
-
-    def wake(self) -> None:
-        if self._writable is not None and not self._writable.done():
-            self._writable.set_result(None)
-
-    def finish(self, code: grpc.StatusCode, details: str,
-               trailing: list[tuple[bytes, bytes]]) -> None:
-        """End the call with its status (after what it sent)."""
-        if self.closed:
-            return
-        block = (b"" if self.headers_sent else _RESPONSE_HEADERS) + h2.literal(
-            b"grpc-status", str(code.value[0]).encode())
-        if details:
-            block += h2.literal(b"grpc-message", h2.grpc_message(details))
-        block += b"".join(h2.literal(k, v) for k, v in trailing)
-        self.headers_sent = True
-        self.trailers = block
-        self.conn.pump(self)
-
-    def reset(self, code: int) -> None:
-        """End the stream with RST_STREAM (the call is not answered further)."""
-        if not self.closed:
-            self.conn.queue(h2.frame(h2.RST_STREAM, 0, self.id, code.to_bytes(4, "big")))
-            self.conn.close_stream(self)
-
 
 class Connection(asyncio.Protocol):
     """The server side of one HTTP/2 connection."""
@@ -219,6 +73,9 @@ class Connection(asyncio.Protocol):
         self._out: list[bytes] = []
         self._blocked: dict[int, Stream] = {}
         self._loop = asyncio.get_running_loop()
+        self._last_read = self._loop.time()
+        self._ping_sent: float | None = None  # when the keepalive PING went, until news came
+        self._alive_timer: asyncio.TimerHandle | None = None
 
     # -- asyncio's callbacks --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -229,12 +86,17 @@ class Connection(asyncio.Protocol):
             _keepalive(sock)
         self.peer = _peer_name(tcp.get_extra_info("peername"))
         self.server.connections.add(self)
-        ours = {h2.MAX_CONCURRENT_STREAMS: MAX_STREAMS, h2.INITIAL_WINDOW_SIZE: RECV_WINDOW,
+        ours = {h2.MAX_CONCURRENT_STREAMS: MAX_STREAMS,
+                h2.INITIAL_WINDOW_SIZE: self.server.stream_window,
                 h2.MAX_HEADER_LIST_SIZE: self.server.max_header_bytes, h2.ENABLE_PUSH: 0}
         self.queue(h2.frame(h2.SETTINGS, 0, 0, h2.settings(ours)) + h2.frame(
             h2.WINDOW_UPDATE, 0, 0, (RECV_WINDOW - h2.DEFAULT_WINDOW).to_bytes(4, "big")))
+        if self.server.keepalive is not None:
+            self._alive_timer = self._loop.call_later(self.server.keepalive[0],
+                                                      self._check_alive)
 
     def data_received(self, data: bytes) -> None:
+        self._last_read = self._loop.time()
         try:
             self._read(data)
         except ConnectionError_ as exc:
@@ -254,12 +116,39 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        if self._alive_timer is not None:
+            self._alive_timer.cancel()
         if not self.drained.done():
             self.drained.set_result(None)
         for stream in list(self.streams.values()):
             self.close_stream(stream)
             if stream.task is not None:
                 stream.task.cancel()
+
+    def _check_alive(self) -> None:
+        """Keepalive: PING a client silent for the idle time, and close the connection if
+        nothing comes within the timeout after it (a hung client's sockets stay open: its
+        calls would hold their resources for ever)."""
+        assert self.server.keepalive is not None
+        idle, timeout = self.server.keepalive
+        if self.transport is None or self.transport.is_closing():
+            return
+        now = self._loop.time()
+        if self._ping_sent is not None and self._last_read <= self._ping_sent:
+            if now - self._ping_sent >= timeout:
+                log.warning("keepalive_timeout", peer=self.peer, silent_s=round(
+                    now - self._last_read, 1), streams=len(self.streams))
+                self.transport.abort()
+                return
+            delay = self._ping_sent + timeout - now
+        elif (silent := now - self._last_read) >= idle:
+            self._ping_sent = now
+            self.queue(h2.frame(h2.PING, 0, 0, _KEEPALIVE_PING))
+            delay = timeout
+        else:
+            self._ping_sent = None
+            delay = idle - silent
+        self._alive_timer = self._loop.call_later(delay, self._check_alive)
 
     # -- reading ---------------------------------------------------------------------------
     def _read(self, data: bytes) -> None:
@@ -312,18 +201,14 @@ class Connection(asyncio.Protocol):
         if flags & h2.PADDED:
             payload = _unpadded(payload)
         end = bool(flags & h2.END_STREAM)
-        if not end:
-            stream.recv_unacked += size
-            if stream.recv_unacked >= RECV_WINDOW // 2:
-                self.queue(h2.frame(h2.WINDOW_UPDATE, 0, stream_id,
-                                    stream.recv_unacked.to_bytes(4, "big")))
-                stream.recv_unacked = 0
         try:
             stream.on_data(payload, end)
         except StreamError as exc:
             stream.finish(exc.code, exc.message, [])
             if stream.task is not None:
                 stream.task.cancel()
+            return
+        stream.received(size)
 
     def _on_headers(self, stream_id: int, flags: int, payload: bytes) -> None:
         if stream_id == 0:

@@ -1,14 +1,16 @@
-"""A gRPC server in asyncio for a public port: grpc.aio's server interface (generated
-`add_*Servicer_to_server`, grpc.aio interceptors, health and reflection register on it as on
-grpc.aio's), served by the HTTP/2 connections of `connection.py` on the event loop itself.
+"""A gRPC server in asyncio: grpc.aio's server interface (generated `add_*Servicer_to_server`,
+grpc.aio interceptors, health and reflection register on it as on grpc.aio's), served by the
+HTTP/2 connections of `connection.py` on the event loop itself. It serves the gateway's public
+port and every service's mesh port.
 
-Why: grpc.aio hands every streamed message from the event loop to grpc core's threads and back
+Why: grpc.aio hands every message from the event loop to grpc core's threads and back
 (measured on 2 CPUs: 53-69 µs of CPU per message for a bare grpc.aio server streaming to 64
 clients, against 12-15 for this one, which writes a turn's messages to a connection's streams in
-one socket write). The mesh's own ports stay on grpc.aio: one batch a step crosses them.
+one socket write). On the mesh ports, where one batch a step crosses each hop, the hand-off is
+latency: each hop took 0.4-0.6 ms at concurrency 1 on grpc.aio's server, 0.25 ms on this one.
 
-What it leaves out: server-initiated keepalive pings (it answers the client's), per-message
-compression of answers (requests compressed with gzip or deflate are read), and channelz.
+What it leaves out: per-message compression of answers (requests compressed with gzip or
+deflate are read), and channelz.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import grpc
 
 from meshlm.common.logs import get_logger
 from meshlm.common.native_grpc.call import CallDetails, Context, encoded_metadata, run_handler
-from meshlm.common.native_grpc.connection import Connection, Stream, StreamError
+from meshlm.common.native_grpc.connection import Connection
+from meshlm.common.native_grpc.stream import Stream, StreamError
 
 log = get_logger(__name__)
 
@@ -35,8 +38,11 @@ class NativeServer(grpc.aio.Server):
 
     def __init__(self, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  max_receive_bytes: int = 4 * 1024 * 1024,
-                 max_header_bytes: int = 16 * 1024) -> None:
+                 max_header_bytes: int = 16 * 1024, stream_window: int = 4 * 1024 * 1024,
+                 keepalive: tuple[float, float] | None = (30.0, 10.0)) -> None:
         self._interceptors = tuple(interceptors)
+        self.stream_window = stream_window  # each call's receive window (bytes)
+        self.keepalive = keepalive  # (idle seconds before a PING, seconds for its answer)
         self._generic: list[grpc.GenericRpcHandler] = []
         self._methods: dict[str, grpc.RpcMethodHandler] = {}
         self.max_receive_bytes = max_receive_bytes

@@ -15,9 +15,13 @@ A scheduler whose engine stops making progress is the scheduler's own watchdog's
 
 from __future__ import annotations
 
-from typing import Any
+import ssl
+from typing import TYPE_CHECKING, Any
 
 import grpc
+
+if TYPE_CHECKING:
+    from meshlm.common.native_grpc.client import NativeChannel
 
 DOWN_BOUND = 5.0  # seconds from a replica hanging to its requests ending UNAVAILABLE
 KEEPALIVE_TIME_MS = 1_000  # a mesh client pings a connection silent this long
@@ -48,14 +52,19 @@ class ChannelPool:
     `get(address, server_name=name)` once, and every later `get(address)` (the callers that only
     know the address, e.g. from a route) gets the same channel. With `peer_name` (e.g.
     'meshlm-{role}'), `for_role` checks every peer against its role's name, so certificates
-    name services, not the addresses containers and pods happen to get."""
+    name services, not the addresses containers and pods happen to get. With `streams_tls`,
+    `stream_channel` gives the batched streams a native channel per address
+    (common/native_grpc/client.py: the same names, the same keepalive bound)."""
 
-    def __init__(self, credentials: grpc.ChannelCredentials, peer_name: str = "") -> None:
+    def __init__(self, credentials: grpc.ChannelCredentials, peer_name: str = "",
+                 streams_tls: ssl.SSLContext | None = None) -> None:
         self._credentials = credentials
         self._peer_name = peer_name
+        self._streams_tls = streams_tls  # set: batched streams go on native channels
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[str, NativeChannel] = {}
         self._names: dict[str, str] = {}
-        self._retired: list[grpc.aio.Channel] = []  # replaced while calls may still use them
+        self._retired: list[grpc.aio.Channel | NativeChannel] = []  # calls may still use them
 
     def name_for(self, role: str) -> str | None:
         """The name a `role` peer's certificate is checked against (--peer-tls-name with
@@ -71,9 +80,10 @@ class ChannelPool:
         (default: the host of `address`). A new name replaces the address's channel."""
         if server_name is not None and self._names.get(address) != server_name:
             self._names[address] = server_name
-            old = self._channels.pop(address, None)
-            if old is not None:
-                self._retired.append(old)
+            for channels in (self._channels, self._streams):
+                old = channels.pop(address, None)
+                if old is not None:
+                    self._retired.append(old)
         channel = self._channels.get(address)
         if channel is None:
             options = list(CHANNEL_OPTIONS)
@@ -83,15 +93,30 @@ class ChannelPool:
             self._channels[address] = channel
         return channel
 
+    def stream_channel(self, address: str) -> grpc.aio.Channel | NativeChannel:
+        """The channel for batched streams to `address` (named as `get` named it): a native
+        one (common/native_grpc/client.py) when the pool has `streams_tls`, else the grpc
+        channel itself."""
+        if self._streams_tls is None:
+            return self.get(address)
+        channel = self._streams.get(address)
+        if channel is None:
+            from meshlm.common.native_grpc.client import NativeChannel
+            channel = NativeChannel(address, self._streams_tls, self._names.get(address))
+            self._streams[address] = channel
+        return channel
+
     async def discard(self, address: str) -> None:
-        """Close and forget the channel to a peer that left (a later `get` opens a new one)."""
+        """Close and forget the channels to a peer that left (a later `get` opens new ones)."""
         self._names.pop(address, None)
-        channel = self._channels.pop(address, None)
-        if channel is not None:
-            await channel.close(grace=None)
+        for channels in (self._channels, self._streams):
+            channel = channels.pop(address, None)
+            if channel is not None:
+                await channel.close(grace=None)
 
     async def close(self) -> None:
-        for channel in [*self._channels.values(), *self._retired]:
+        for channel in [*self._channels.values(), *self._streams.values(), *self._retired]:
             await channel.close(grace=None)
         self._channels.clear()
+        self._streams.clear()
         self._retired.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import ssl
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,10 @@ class ServiceConfig:
     mesh_server: str = cfg.field("native", "what serves the mesh gRPC port: native (the "
                                            "service's own HTTP/2 on its event loop: a hop "
                                            "costs half the latency) or grpcio (grpc.aio)")
+    mesh_streams: str = cfg.field("native", "what carries this service's batched streams to "
+                                            "its peers: native (its own HTTP/2 client on its "
+                                            "event loop) or grpcio (grpc.aio's channel, which "
+                                            "unary calls always use)")
 
 
 C = TypeVar("C", bound=ServiceConfig)
@@ -108,6 +113,11 @@ async def start_mesh_server(server: GrpcServer, config: ServiceConfig, tls: Mesh
     """Bind the mesh port (--host, --port) with mutual TLS; returns the bound host:port."""
     credentials = tls.server_context() if server.native else tls.server_credentials()
     return await server.start(config.host, config.port, credentials)
+
+
+def streams_tls(config: ServiceConfig, tls: MeshTLS) -> ssl.SSLContext | None:
+    """The TLS of the native batched streams (--mesh-streams native), or None for grpc.aio's."""
+    return tls.client_context() if is_native(config.mesh_streams, "--mesh-streams") else None
 
 
 def advertised(config: ServiceConfig, bound: str) -> str:
@@ -161,7 +171,8 @@ class MeshPeers:
         from meshlm.common.tls import MeshTLS
 
         self.tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
-        self.channels = ChannelPool(self.tls.channel_credentials(), config.peer_tls_name)
+        self.channels = ChannelPool(self.tls.channel_credentials(), config.peer_tls_name,
+                                    streams_tls(config, self.tls))
         self._pools: list[StreamPool[Any]] = []
 
     def stream_pool(self, name: str, role: str, open_call: Callable[[Any], Any],
@@ -171,7 +182,8 @@ class MeshPeers:
         call (e.g. `lambda ch: DetokenizerStub(ch).Push`), `make_batch(items)` the message,
         `on_lost(address)` runs after a call to that peer failed (see BatchedStream)."""
         def open_stream(address: str) -> BatchedStream[T]:
-            channel = self.channels.for_role(role, address)
+            self.channels.for_role(role, address)  # names the peer
+            channel = self.channels.stream_channel(address)
             return BatchedStream(name, address, open_call(channel), make_batch,
                                  ready=channel.channel_ready, on_lost=on_lost)
 

@@ -155,6 +155,15 @@ class MeshTLS:
         self.load()  # errors name the --mesh-* flags
         return tls_context(self.cert, self.key, self.ca, True, flag_prefix="mesh")
 
+    def client_context(self) -> ssl.SSLContext:
+        """channel_credentials for the native client (asyncio's TLS): HTTP/2 by ALPN."""
+        self.load()
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=self.ca)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_cert_chain(self.cert, self.key)
+        context.set_alpn_protocols(["h2"])
+        return context
+
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Client side: trust only the mesh CA and present this service's certificate."""
         self.load()

@@ -31,6 +31,7 @@ from meshlm.common.service import (
     mesh_server,
     start_mesh_server,
     start_metrics,
+    streams_tls,
 )
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tasks import Periodic
@@ -183,7 +184,8 @@ async def serve(config: GatewayConfig) -> None:
             raise ValueError(f"{flag}: {value!r} is not one of {', '.join(names)} (or empty: "
                              "none)")
     tls = MeshTLS(config.mesh_ca, config.mesh_cert, config.mesh_key)
-    channels = ChannelPool(tls.channel_credentials(), config.peer_tls_name)
+    channels = ChannelPool(tls.channel_credentials(), config.peer_tls_name,
+                           streams_tls(config, tls))
     table = RequestTable()
     redis_auth = RedisAuth.from_config(config)
     registry = RidRegistry(config.redis_url, config.registry_ttl, config.registry_finished_ttl,

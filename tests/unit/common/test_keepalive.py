@@ -22,8 +22,12 @@ from meshlm.common.channels import (
     PING_TIMEOUT_MS,
     ChannelPool,
 )
-from meshlm.common.server import SERVER_OPTIONS, server_options
+from meshlm.common.native_grpc.client import NativeChannel
+from meshlm.common.native_grpc.server import NativeServer
+from meshlm.common.server import MESH_WINDOW_BYTES, SERVER_OPTIONS, server_options
 from meshlm.launch.certs import ensure_dev_certs
+from meshlm.v1 import common_pb2, gateway_pb2
+from meshlm.v1 import gateway_pb2_grpc as pb_grpc
 
 
 def test_the_bound_covers_a_ping_and_its_timeout_and_servers_allow_the_pings():
@@ -115,6 +119,60 @@ async def test_an_idle_stream_lives_and_a_silent_peer_ends_it_within_the_bound(r
     took = time.monotonic() - frozen_at
     assert code == grpc.StatusCode.UNAVAILABLE
     assert took <= DOWN_BOUND, took
+
+
+class Inbox(pb_grpc.GatewayInboxServicer):
+    """Reads batches for as long as they come."""
+
+    def __init__(self) -> None:
+        self.batches: asyncio.Queue[gateway_pb2.TextBatch] = asyncio.Queue()
+
+    async def Deliver(self, request_iterator: AsyncIterator[gateway_pb2.TextBatch],
+                      context: grpc.aio.ServicerContext) -> common_pb2.Empty:
+        async for batch in request_iterator:
+            self.batches.put_nowait(batch)
+        return common_pb2.Empty()
+
+
+@pytest.mark.parametrize("server_kind", ["grpcio", "native"])
+async def test_a_native_stream_lives_idle_and_ends_within_the_bound_when_its_peer_is_silent(
+        tmp_path: Path, server_kind: str) -> None:
+    """The native client's batched stream (common/native_grpc/client.py), over mTLS through
+    the relay, to either mesh server: its pings keep an idle stream up and find a frozen peer
+    within DOWN_BOUND, failing the call UNAVAILABLE."""
+    tls = ensure_dev_certs(tmp_path).mesh_tls()
+    inbox = Inbox()
+    server: grpc.aio.Server
+    if server_kind == "native":
+        server = NativeServer(stream_window=MESH_WINDOW_BYTES)
+        server.add_secure_port("127.0.0.1:0", tls.server_context())
+        [port] = await server.bind()
+    else:
+        server = grpc.aio.server(options=server_options())
+        port = server.add_secure_port("127.0.0.1:0", tls.server_credentials())
+        await server.start()
+    pb_grpc.add_GatewayInboxServicer_to_server(inbox, server)
+    relay = Relay(port)
+    channel = NativeChannel(f"127.0.0.1:{await relay.start()}", tls.client_context())
+    try:
+        await asyncio.wait_for(channel.channel_ready(), 10)
+        call = pb_grpc.GatewayInboxStub(channel).Deliver()
+        await call.write(gateway_pb2.TextBatch(outputs=[gateway_pb2.TextOutput(rid="a")]))
+        assert (await asyncio.wait_for(inbox.batches.get(), 10)).outputs[0].rid == "a"
+        ended = asyncio.ensure_future(call)
+        done, _ = await asyncio.wait({ended}, timeout=4 * KEEPALIVE_TIME_MS / 1000)
+        assert not done, ended.exception()
+        relay.freeze()
+        frozen_at = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await asyncio.wait_for(ended, DOWN_BOUND + 1)
+        took = time.monotonic() - frozen_at
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert took <= DOWN_BOUND, took
+    finally:
+        await channel.close()
+        await relay.close()
+        await server.stop(None)
 
 
 def test_the_public_port_pings_its_clients_gently_and_keeps_its_own_message_limit() -> None:

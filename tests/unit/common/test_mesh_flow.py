@@ -1,7 +1,8 @@
 """A mesh server's small, fixed HTTP/2 window: a receiver that stops reading stops its sender
 within a few batches, and what waits meanwhile leaves as a few full batches (one for many
 steps), not as thousands of single-step messages buffered in the transport. Real gRPC on
-loopback: a BatchedStream into a GatewayInbox server built with the mesh's options."""
+loopback: a BatchedStream into a GatewayInbox server built as a mesh port is, on grpc.aio's
+server or the native one, from grpc.aio's channel or the native client, each with each."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import pytest
 
+from meshlm.common.native_grpc.client import NativeChannel
+from meshlm.common.native_grpc.server import NativeServer
 from meshlm.common.server import MESH_WINDOW_BYTES, server_options
 from meshlm.common.streams import BatchedStream
 from meshlm.v1 import common_pb2, gateway_pb2
@@ -44,17 +47,30 @@ async def _until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
     await asyncio.wait_for(poll(), timeout)
 
 
-@pytest.fixture
-async def stalled() -> AsyncIterator[tuple[StalledInbox, BatchedStream[gateway_pb2.TextOutput]]]:
-    server = grpc.aio.server(options=server_options())
+@pytest.fixture(params=[("grpcio", "grpcio"), ("native", "native"), ("grpcio", "native"),
+                        ("native", "grpcio")], ids=lambda p: f"server-{p[0]}-client-{p[1]}")
+async def stalled(request: pytest.FixtureRequest
+                  ) -> AsyncIterator[tuple[StalledInbox, BatchedStream[gateway_pb2.TextOutput]]]:
+    server_kind, client_kind = request.param
+    server: grpc.aio.Server
+    if server_kind == "native":
+        server = NativeServer(stream_window=MESH_WINDOW_BYTES)
+    else:
+        server = grpc.aio.server(options=server_options())
     inbox = StalledInbox()
     pb_grpc.add_GatewayInboxServicer_to_server(inbox, server)
     port = server.add_insecure_port("127.0.0.1:0")
+    if isinstance(server, NativeServer):
+        [port] = await server.bind()
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    channel: grpc.aio.Channel | NativeChannel
+    if client_kind == "native":
+        channel = NativeChannel(f"127.0.0.1:{port}", None)
+    else:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     stream: BatchedStream[gateway_pb2.TextOutput] = BatchedStream(
         "test", "inbox", pb_grpc.GatewayInboxStub(channel).Deliver,
-        lambda items: gateway_pb2.TextBatch(outputs=items))
+        lambda items: gateway_pb2.TextBatch(outputs=items), ready=channel.channel_ready)
     stream.start()
     try:
         yield inbox, stream

@@ -25,7 +25,7 @@ class Replicas:
     def open_submit(self, address: str) -> None:
         """Start the gateway->tokenizer Submit stream to `address` (its channel must carry its
         server name already: `ChannelPool.get(address, name)`)."""
-        channel = self._channels.get(address)
+        channel = self._channels.stream_channel(address)
         stub = tokenizer_pb2_grpc.TokenizerStub(channel)
         stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
             "gateway->tokenizer", address, stub.Submit,

@@ -21,19 +21,19 @@ import socket
 import ssl
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Generator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from hpack import Decoder, HPACKError
 
 from meshlm.common.channels import KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
 from meshlm.common.native_grpc import frames as h2
+from meshlm.common.native_grpc.flow import Keepalive, Writer
 
 RECV_WINDOW = 4 * 1024 * 1024  # each call's and the connection's, as this client grants it
 SEND_BUFFER = 256 * 1024  # a call's unsent bytes past which `write` waits
 CONNECT_TIMEOUT_S = 5.0
 BACKOFF_S = (0.1, 1.0)  # reconnect backoff: first, longest (as the grpc channels')
-_KEEPALIVE_PING = b"meshlive"
 _NO_METADATA = grpc.aio.Metadata()
 
 
@@ -64,7 +64,7 @@ class _Call:
             self.ended.set_result(None)
             self.wake()
         self.conn.calls.pop(self.id, None)
-        self.conn.blocked.pop(self.id, None)
+        self.conn.out.blocked.pop(self.id, None)
 
     def on_data(self, data: bytes) -> None:
         buf = self._buf + data if self._buf else data
@@ -169,11 +169,10 @@ class ClientConnection(asyncio.Protocol):
         self.scheme = scheme.encode()
         self.transport: asyncio.Transport | None = None
         self.calls: dict[int, _Call] = {}
-        self.blocked: dict[int, _Call] = {}
         self.next_id = 1
-        self.send_window = h2.DEFAULT_WINDOW
+        self.out = Writer(self.loop)  # the connection's send window, frames to send
+        self.queue = self.out.queue
         self.peer_stream_window = h2.DEFAULT_WINDOW
-        self.max_frame = h2.DEFAULT_FRAME_SIZE
         self.closed = False
         self.going_away = False
         self.settled = self.loop.create_future()  # done at the server's first SETTINGS
@@ -181,24 +180,23 @@ class ClientConnection(asyncio.Protocol):
         self._buf = b""
         self._block: tuple[int, int, bytearray] | None = None
         self._recv_unacked = 0
-        self._out: list[bytes] = []
-        self._last_read = self.loop.time()
-        self._ping_sent: float | None = None
-        self._alive_timer: asyncio.TimerHandle | None = None
+        self.keepalive: Keepalive | None = None
 
     # -- asyncio's callbacks --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = tcp = transport  # type: ignore[assignment]
+        self.transport = self.out.transport = tcp = transport  # type: ignore[assignment]
         sock = tcp.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ours = {h2.ENABLE_PUSH: 0, h2.INITIAL_WINDOW_SIZE: RECV_WINDOW}
         self.queue(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, h2.settings(ours)) + h2.frame(
             h2.WINDOW_UPDATE, 0, 0, (RECV_WINDOW - h2.DEFAULT_WINDOW).to_bytes(4, "big")))
-        self._alive_timer = self.loop.call_later(KEEPALIVE_TIME_MS / 1000, self._check_alive)
+        self.keepalive = Keepalive(self.loop, KEEPALIVE_TIME_MS / 1000, PING_TIMEOUT_MS / 1000,
+                                   self.out, self._silent)
 
     def data_received(self, data: bytes) -> None:
-        self._last_read = self.loop.time()
+        if self.keepalive is not None:
+            self.keepalive.last_read = self.loop.time()
         try:
             self._read(data)
         except (ValueError, HPACKError) as exc:
@@ -208,8 +206,8 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._alive_timer is not None:
-            self._alive_timer.cancel()
+        if self.keepalive is not None:
+            self.keepalive.stop()
         if not self.settled.done():
             self.settled.set_exception(ConnectionError(f"connection lost: {exc}"))
         self._fail_all(grpc.StatusCode.UNAVAILABLE,
@@ -242,10 +240,11 @@ class ClientConnection(asyncio.Protocol):
 
     def send_message(self, call: _Call, framed: bytes) -> None:
         size = len(framed)
-        if (not call.pending and size <= call.send_window and size <= self.send_window
-                and size <= self.max_frame):
+        out = self.out
+        if (not call.pending and size <= call.send_window and size <= out.send_window
+                and size <= out.max_frame):
             call.send_window -= size
-            self.send_window -= size
+            out.send_window -= size
             self.queue(h2.frame(h2.DATA, 0, call.id, framed))
         else:
             call.pending += framed
@@ -257,17 +256,8 @@ class ClientConnection(asyncio.Protocol):
         self.queue(h2.frame(h2.DATA, h2.END_STREAM, call.id))
 
     def pump(self, call: _Call) -> None:
-        pending = call.pending
-        while pending:
-            size = min(len(pending), call.send_window, self.send_window, self.max_frame)
-            if size <= 0:
-                self.blocked[call.id] = call
-                return
-            self.queue(h2.frame(h2.DATA, 0, call.id, bytes(pending[:size])))
-            del pending[:size]
-            call.send_window -= size
-            self.send_window -= size
-        self.blocked.pop(call.id, None)
+        if not self.out.pump(call):
+            return
         call.wake()
         if call.sent_end:
             self.queue(h2.frame(h2.DATA, h2.END_STREAM, call.id))
@@ -287,41 +277,21 @@ class ClientConnection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
-            self._flush()
+            self.out.flush()
             self.transport.close()
-
-    # -- writing ---------------------------------------------------------------------------
-    def queue(self, data: bytes) -> None:
-        if not self._out:
-            self.loop.call_soon(self._flush)
-        self._out.append(data)
-
-    def _flush(self) -> None:
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(self._out))
-        self._out.clear()
 
     # -- reading ---------------------------------------------------------------------------
     def _read(self, data: bytes) -> None:
         buf = self._buf + data if self._buf else data
-        at, end = 0, len(buf)
-        while end - at >= 9:
-            length = int.from_bytes(buf[at:at + 3], "big")
-            if length > h2.DEFAULT_FRAME_SIZE:
-                raise ValueError(f"a frame of {length} bytes")
-            if end - at - 9 < length:
-                break
-            kind, flags = buf[at + 3], buf[at + 4]
-            stream_id = int.from_bytes(buf[at + 5:at + 9], "big") & h2.MAX_WINDOW
-            payload = buf[at + 9:at + 9 + length]
-            at += 9 + length
-            if kind == h2.DATA:
-                self._on_data(stream_id, flags, payload)
-            elif kind in (h2.HEADERS, h2.CONTINUATION):
-                self._on_headers(kind, stream_id, flags, payload)
-            else:
-                self._on_control(kind, flags, stream_id, payload)
-        self._buf = buf[at:]
+        self._buf = buf[h2.split(buf, 0, self._on_frame):]
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if kind == h2.DATA:
+            self._on_data(stream_id, flags, payload)
+        elif kind in (h2.HEADERS, h2.CONTINUATION):
+            self._on_headers(kind, stream_id, flags, payload)
+        else:
+            self._on_control(kind, flags, stream_id, payload)
 
     def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
         self._recv_unacked += len(payload)
@@ -386,11 +356,11 @@ class ClientConnection(asyncio.Protocol):
         elif kind == h2.WINDOW_UPDATE:
             increment = int.from_bytes(payload, "big") & h2.MAX_WINDOW
             if stream_id == 0:
-                self.send_window += increment
-                for blocked in list(self.blocked.values()):
-                    if self.send_window <= 0:
+                self.out.send_window += increment
+                for blocked in list(self.out.blocked.values()):
+                    if self.out.send_window <= 0:
                         break
-                    self.pump(blocked)
+                    self.pump(cast(_Call, blocked))
             elif (call := self.calls.get(stream_id)) is not None:
                 call.send_window += increment
                 self.pump(call)
@@ -418,36 +388,19 @@ class ClientConnection(asyncio.Protocol):
                     if delta > 0:
                         self.pump(call)
             elif key == h2.MAX_FRAME_SIZE:
-                self.max_frame = value
+                self.out.max_frame = value
 
     def _fail_all(self, code: grpc.StatusCode, details: str) -> None:
         for call in list(self.calls.values()):
             call.end(_error(code, details))
 
-    # -- keepalive -------------------------------------------------------------------------
-    def _check_alive(self) -> None:
-        """PING after KEEPALIVE_TIME_MS of silence; close when its answer takes longer than
-        PING_TIMEOUT_MS (every call on the connection then fails UNAVAILABLE)."""
-        if self.closed or self.transport is None:
-            return
-        now = self.loop.time()
-        idle, timeout = KEEPALIVE_TIME_MS / 1000, PING_TIMEOUT_MS / 1000
-        if self._ping_sent is not None and self._last_read <= self._ping_sent:
-            if now - self._ping_sent >= timeout:
-                self._fail_all(grpc.StatusCode.UNAVAILABLE,
-                               f"keepalive: {self.authority.decode()} did not answer a ping "
-                               f"within {timeout:g} s")
-                self.transport.abort()
-                return
-            delay = self._ping_sent + timeout - now
-        elif (silent := now - self._last_read) >= idle:
-            self._ping_sent = now
-            self.queue(h2.frame(h2.PING, 0, 0, _KEEPALIVE_PING))
-            delay = timeout
-        else:
-            self._ping_sent = None
-            delay = idle - silent
-        self._alive_timer = self.loop.call_later(delay, self._check_alive)
+    def _silent(self, seconds: float) -> None:
+        """The server answered no keepalive PING: it hangs; every call here fails."""
+        self._fail_all(grpc.StatusCode.UNAVAILABLE,
+                       f"keepalive: {self.authority.decode()} did not answer a ping within "
+                       f"{PING_TIMEOUT_MS / 1000:g} s")
+        if self.transport is not None:
+            self.transport.abort()
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

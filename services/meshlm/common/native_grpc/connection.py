@@ -22,6 +22,7 @@ from hpack import Decoder, HPACKError
 from meshlm.common.logs import get_logger
 from meshlm.common.native_grpc import frames as h2
 from meshlm.common.native_grpc.call import CallDetails, Metadata, binary_value
+from meshlm.common.native_grpc.flow import Keepalive, Writer
 from meshlm.common.native_grpc.stream import SEND_BUFFER, Stream, StreamError
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ RECV_WINDOW = 4 * 1024 * 1024  # the connection's, as this server grants it
 MAX_STREAMS = 1024  # concurrent calls on one connection
 DRAIN_WAIT_S = 1.0  # the longest wait for a client's answer to the shutdown's PING
 _DRAIN_PING = b"draining"
-_KEEPALIVE_PING = b"liveness"
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 UNACKED_LIMIT_MS = 40_000  # sent data unacknowledged this long: the peer is gone
 _RESERVED = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding",
@@ -56,9 +56,7 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = ""
         self.streams: dict[int, Stream] = {}
-        self.send_window = h2.DEFAULT_WINDOW
         self.stream_window = h2.DEFAULT_WINDOW  # new streams' send window (peer's setting)
-        self.max_frame = h2.DEFAULT_FRAME_SIZE
         self.paused = False
         self.going_away = False  # no new streams: the final GOAWAY is sent (or received)
         self._draining = False  # the first GOAWAY is sent
@@ -70,16 +68,14 @@ class Connection(asyncio.Protocol):
         self._preface = False
         self._block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments)
         self._recv_unacked = 0
-        self._out: list[bytes] = []
-        self._blocked: dict[int, Stream] = {}
         self._loop = asyncio.get_running_loop()
-        self._last_read = self._loop.time()
-        self._ping_sent: float | None = None  # when the keepalive PING went, until news came
-        self._alive_timer: asyncio.TimerHandle | None = None
+        self.out = Writer(self._loop)  # the connection's send window, frames to send
+        self.queue = self.out.queue
+        self.keepalive: Keepalive | None = None
 
     # -- asyncio's callbacks --------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = tcp = cast(asyncio.Transport, transport)
+        self.transport = self.out.transport = tcp = cast(asyncio.Transport, transport)
         sock = tcp.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -92,17 +88,18 @@ class Connection(asyncio.Protocol):
         self.queue(h2.frame(h2.SETTINGS, 0, 0, h2.settings(ours)) + h2.frame(
             h2.WINDOW_UPDATE, 0, 0, (RECV_WINDOW - h2.DEFAULT_WINDOW).to_bytes(4, "big")))
         if self.server.keepalive is not None:
-            self._alive_timer = self._loop.call_later(self.server.keepalive[0],
-                                                      self._check_alive)
+            idle, timeout = self.server.keepalive
+            self.keepalive = Keepalive(self._loop, idle, timeout, self.out, self._silent)
 
     def data_received(self, data: bytes) -> None:
-        self._last_read = self._loop.time()
+        if self.keepalive is not None:
+            self.keepalive.last_read = self._loop.time()
         try:
             self._read(data)
         except ConnectionError_ as exc:
             self.server.log_protocol_error(self.peer, str(exc))
             self._goaway(exc.code, str(exc))
-            self._flush()
+            self.out.flush()
             if self.transport is not None:
                 self.transport.close()
 
@@ -116,8 +113,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
-        if self._alive_timer is not None:
-            self._alive_timer.cancel()
+        if self.keepalive is not None:
+            self.keepalive.stop()
         if not self.drained.done():
             self.drained.set_result(None)
         for stream in list(self.streams.values()):
@@ -125,30 +122,12 @@ class Connection(asyncio.Protocol):
             if stream.task is not None:
                 stream.task.cancel()
 
-    def _check_alive(self) -> None:
-        """Keepalive: PING a client silent for the idle time, and close the connection if
-        nothing comes within the timeout after it (a hung client's sockets stay open: its
-        calls would hold their resources for ever)."""
-        assert self.server.keepalive is not None
-        idle, timeout = self.server.keepalive
-        if self.transport is None or self.transport.is_closing():
-            return
-        now = self._loop.time()
-        if self._ping_sent is not None and self._last_read <= self._ping_sent:
-            if now - self._ping_sent >= timeout:
-                log.warning("keepalive_timeout", peer=self.peer, silent_s=round(
-                    now - self._last_read, 1), streams=len(self.streams))
-                self.transport.abort()
-                return
-            delay = self._ping_sent + timeout - now
-        elif (silent := now - self._last_read) >= idle:
-            self._ping_sent = now
-            self.queue(h2.frame(h2.PING, 0, 0, _KEEPALIVE_PING))
-            delay = timeout
-        else:
-            self._ping_sent = None
-            delay = idle - silent
-        self._alive_timer = self._loop.call_later(delay, self._check_alive)
+    def _silent(self, seconds: float) -> None:
+        """The client answered no keepalive PING: it hangs, and its calls end (cancelled)."""
+        log.warning("keepalive_timeout", peer=self.peer, silent_s=round(seconds, 1),
+                    streams=len(self.streams))
+        if self.transport is not None:
+            self.transport.abort()
 
     # -- reading ---------------------------------------------------------------------------
     def _read(self, data: bytes) -> None:
@@ -161,29 +140,22 @@ class Connection(asyncio.Protocol):
             if not buf.startswith(h2.PREFACE):
                 raise ConnectionError_(h2.PROTOCOL_ERROR, "not an HTTP/2 connection preface")
             self._preface, at = True, len(h2.PREFACE)
-        end = len(buf)
-        while end - at >= 9:
-            length = int.from_bytes(buf[at:at + 3], "big")
-            if length > h2.DEFAULT_FRAME_SIZE:
-                raise ConnectionError_(h2.FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-            if end - at - 9 < length:
-                break
-            kind, flags = buf[at + 3], buf[at + 4]
-            stream_id = int.from_bytes(buf[at + 5:at + 9], "big") & h2.MAX_WINDOW
-            payload = buf[at + 9:at + 9 + length]
-            at += 9 + length
-            if self._block is not None and (kind != h2.CONTINUATION
-                                            or stream_id != self._block[0]):
-                raise ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
-            if kind == h2.DATA:
-                self._on_data(stream_id, flags, payload)
-            elif kind == h2.HEADERS:
-                self._on_headers(stream_id, flags, payload)
-            elif kind == h2.CONTINUATION:
-                self._on_continuation(stream_id, flags, payload)
-            else:
-                self._on_control(kind, flags, stream_id, payload)
-        self._buf = buf[at:]
+        try:
+            self._buf = buf[h2.split(buf, at, self._on_frame):]
+        except h2.FrameSizeError as exc:
+            raise ConnectionError_(h2.FRAME_SIZE_ERROR, str(exc)) from None
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._block is not None and (kind != h2.CONTINUATION or stream_id != self._block[0]):
+            raise ConnectionError_(h2.PROTOCOL_ERROR, "a header block was interrupted")
+        if kind == h2.DATA:
+            self._on_data(stream_id, flags, payload)
+        elif kind == h2.HEADERS:
+            self._on_headers(stream_id, flags, payload)
+        elif kind == h2.CONTINUATION:
+            self._on_continuation(stream_id, flags, payload)
+        else:
+            self._on_control(kind, flags, stream_id, payload)
 
     def _on_data(self, stream_id: int, flags: int, payload: bytes) -> None:
         if stream_id == 0:
@@ -335,16 +307,16 @@ class Connection(asyncio.Protocol):
             elif key == h2.MAX_FRAME_SIZE:
                 if not h2.DEFAULT_FRAME_SIZE <= value <= 2**24 - 1:
                     raise ConnectionError_(h2.PROTOCOL_ERROR, f"a frame size of {value}")
-                self.max_frame = value
+                self.out.max_frame = value
 
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
             raise ConnectionError_(h2.FRAME_SIZE_ERROR, "a WINDOW_UPDATE not of 4 bytes")
         increment = int.from_bytes(payload, "big") & h2.MAX_WINDOW
         if stream_id == 0:
-            if increment == 0 or self.send_window + increment > h2.MAX_WINDOW:
+            if increment == 0 or self.out.send_window + increment > h2.MAX_WINDOW:
                 raise ConnectionError_(h2.FLOW_CONTROL_ERROR, "a bad connection window update")
-            self.send_window += increment
+            self.out.send_window += increment
             self._pump_blocked()
             return
         stream = self.streams.get(stream_id)
@@ -353,32 +325,13 @@ class Connection(asyncio.Protocol):
             self.pump(stream)
 
     # -- writing ---------------------------------------------------------------------------
-    def queue(self, data: bytes) -> None:
-        """Send `data` at the end of this loop turn, with whatever else is sent in it."""
-        if not self._out:
-            self._loop.call_soon(self._flush)
-        self._out.append(data)
-
-    def _flush(self) -> None:
-        if self._out and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(self._out))
-        self._out.clear()
-
     def pump(self, stream: Stream) -> None:
         """Send as much of `stream`'s waiting data as the windows allow, then its trailers."""
-        pending = stream.pending
-        while pending:
-            size = min(len(pending), stream.send_window, self.send_window, self.max_frame)
-            if size <= 0:
-                self._blocked[stream.id] = stream
-                return
-            self.queue(h2.frame(h2.DATA, 0, stream.id, bytes(pending[:size])))
-            del pending[:size]
-            stream.send_window -= size
-            self.send_window -= size
-        self._blocked.pop(stream.id, None)
-        if len(pending) <= SEND_BUFFER:
-            stream.wake()
+        if not self.out.pump(stream):
+            if len(stream.pending) <= SEND_BUFFER:
+                stream.wake()
+            return
+        stream.wake()
         if stream.trailers is not None:
             self.queue(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, stream.id,
                                 stream.trailers))
@@ -388,21 +341,21 @@ class Connection(asyncio.Protocol):
                 self.queue(h2.frame(h2.RST_STREAM, 0, stream.id, h2.NO_ERROR.to_bytes(4, "big")))
 
     def _pump_blocked(self) -> None:
-        for stream in list(self._blocked.values()):
-            if self.send_window <= 0:
+        for stream in list(self.out.blocked.values()):
+            if self.out.send_window <= 0:
                 return
-            self.pump(stream)
+            self.pump(cast(Stream, stream))
 
     def close_stream(self, stream: Stream) -> None:
         stream.closed = True
         stream.wake()
         self.streams.pop(stream.id, None)
-        self._blocked.pop(stream.id, None)
+        self.out.blocked.pop(stream.id, None)
         if self.going_away and not self.streams and self.transport is not None:
             self._loop.call_soon(self._close_after_flush)
 
     def _close_after_flush(self) -> None:
-        self._flush()
+        self.out.flush()
         if self.transport is not None and not self.streams:
             self.transport.close()
 

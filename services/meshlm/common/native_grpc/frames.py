@@ -8,6 +8,8 @@ reads it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
@@ -31,6 +33,27 @@ ENHANCE_YOUR_CALM = 0xB
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65_535
 DEFAULT_FRAME_SIZE = 16_384
+
+
+class FrameSizeError(ValueError):
+    """A frame longer than this end allows (DEFAULT_FRAME_SIZE: it advertises no larger)."""
+
+
+def split(buf: bytes, at: int, on_frame: Callable[[int, int, int, bytes], None]) -> int:
+    """Hand each whole frame of `buf[at:]` to `on_frame(type, flags, stream, payload)`; returns
+    where the rest (a frame not yet whole) starts."""
+    end = len(buf)
+    while end - at >= 9:
+        length = int.from_bytes(buf[at:at + 3], "big")
+        if length > DEFAULT_FRAME_SIZE:
+            raise FrameSizeError(f"a frame of {length} bytes")
+        if end - at - 9 < length:
+            break
+        start = at + 9
+        at = start + length
+        on_frame(buf[start - 6], buf[start - 5],
+                 int.from_bytes(buf[start - 4:start], "big") & MAX_WINDOW, buf[start:at])
+    return at
 
 
 def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:

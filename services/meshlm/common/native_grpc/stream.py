@@ -141,12 +141,12 @@ class Stream:
         if not self.headers_sent:
             self.send_headers()
         size = len(data) + 5
-        conn = self.conn
-        if (not self.pending and size <= self.send_window and size <= conn.send_window
-                and size <= conn.max_frame):
+        conn, out = self.conn, self.conn.out
+        if (not self.pending and size <= self.send_window and size <= out.send_window
+                and size <= out.max_frame):
             self.send_window -= size
-            conn.send_window -= size
-            conn.queue(size.to_bytes(3, "big") + b"\x00\x00" + self.id.to_bytes(4, "big")
+            out.send_window -= size
+            out.queue(size.to_bytes(3, "big") + b"\x00\x00" + self.id.to_bytes(4, "big")
                        + b"\x00" + len(data).to_bytes(4, "big") + data)
         else:
             self.pending += b"\x00" + len(data).to_bytes(4, "big") + data

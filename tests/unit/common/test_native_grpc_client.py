@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -14,6 +15,7 @@ import pytest
 from meshlm.common.native_grpc.client import NativeChannel
 from meshlm.common.native_grpc.server import NativeServer
 from meshlm.common.server import MESH_WINDOW_BYTES, server_options
+from meshlm.launch.certs import ensure_dev_certs
 
 SERVICE = "test.Streams"
 
@@ -155,3 +157,22 @@ async def test_unary_methods_are_not_the_native_channels() -> None:
     unary = channel.unary_unary(f"/{SERVICE}/Anything")
     with pytest.raises(NotImplementedError):
         unary(b"")
+
+
+async def test_a_server_it_cannot_trust_is_logged_once_and_retried(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ours = ensure_dev_certs(tmp_path / "ours").mesh_tls()
+    theirs = ensure_dev_certs(tmp_path / "theirs").mesh_tls()  # another CA
+    server = NativeServer(stream_window=MESH_WINDOW_BYTES)
+    server.add_generic_rpc_handlers((Streams().handler(),))
+    server.add_secure_port("127.0.0.1:0", theirs.server_context())
+    [port] = await server.bind()
+    channel = NativeChannel(f"127.0.0.1:{port}", ours.client_context())
+    try:
+        with pytest.raises(TimeoutError):  # retried with backoff: 0.1, 0.2, 0.4, 0.8 s
+            await asyncio.wait_for(channel.channel_ready(), 1.6)
+        failures = [r for r in caplog.records if r.getMessage() == "stream_connect_failed"]
+        assert len(failures) == 1
+    finally:
+        await channel.close()
+        await server.stop(None)

@@ -27,8 +27,11 @@ import grpc
 from hpack import Decoder, HPACKError
 
 from meshlm.common.channels import KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
+from meshlm.common.logs import get_logger
 from meshlm.common.native_grpc import frames as h2
 from meshlm.common.native_grpc.flow import Keepalive, Writer
+
+log = get_logger(__name__)
 
 RECV_WINDOW = 4 * 1024 * 1024  # each call's and the connection's, as this client grants it
 SEND_BUFFER = 256 * 1024  # a call's unsent bytes past which `write` waits
@@ -420,6 +423,7 @@ class NativeChannel:
         self._address = address
         self._conn: ClientConnection | None = None
         self._backoff = BACKOFF_S[0]
+        self._failure = ""  # the last connection failure logged
         self._closed = False
 
     # -- what a generated stub asks of a channel ------------------------------------------
@@ -457,9 +461,13 @@ class NativeChannel:
                 conn.close()
             try:
                 self._conn = await asyncio.wait_for(self._connect(), CONNECT_TIMEOUT_S)
-                self._backoff = BACKOFF_S[0]
+                self._backoff, self._failure = BACKOFF_S[0], ""
                 return
-            except (OSError, TimeoutError, ssl.SSLError):
+            except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+                failure = f"{type(exc).__name__}: {exc}"
+                if failure != self._failure:  # once per reason, not once per retry
+                    log.warning("stream_connect_failed", peer=self._address, error=failure)
+                    self._failure = failure
                 await asyncio.sleep(self._backoff)  # reconnect backoff, not synchronisation
                 self._backoff = min(self._backoff * 2, BACKOFF_S[1])
         raise _error(grpc.StatusCode.CANCELLED, "the channel is closed")

@@ -119,10 +119,12 @@ class Stream:
 
     def grant(self) -> None:
         """Give the client back the window its DATA used, unless the handler has a window's
-        worth of messages unread: a client is held to what its handler keeps up with (the
-        sender's own queue then merges what waits, as on the grpc.aio mesh ports)."""
+        worth of messages (or half MAX_QUEUED_REQUESTS of them) unread: a client is held to
+        what its handler keeps up with (the sender's own queue then merges what waits, as on
+        the grpc.aio mesh ports)."""
         window = self.conn.server.stream_window
-        if self.recv_unacked >= window // 2 and self.unread < window and not self.remote_ended:
+        if (self.recv_unacked >= window // 2 and self.unread < window and not self.remote_ended
+                and self._inbox.qsize() < MAX_QUEUED_REQUESTS // 2):
             self.conn.queue(h2.frame(h2.WINDOW_UPDATE, 0, self.id,
                                      self.recv_unacked.to_bytes(4, "big")))
             self.recv_unacked = 0

@@ -114,6 +114,7 @@ class NativeCall:
             raise asyncio.InvalidStateError("the call's requests were already ended")
         data = self._serialize(message)
         call.conn.send_message(call, b"\x00" + len(data).to_bytes(4, "big") + data)
+        call.conn.out.flush()  # a batch is already one message a turn: no turn's wait for it
         if call.pending:
             await call.wait_writable()
             if call.status is not None and call.status.code() != grpc.StatusCode.OK:

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from meshlm.common.native_grpc import frames as h2
 from meshlm.common.native_grpc.client import NativeChannel
 from meshlm.common.native_grpc.server import NativeServer
 from meshlm.common.server import MESH_WINDOW_BYTES, server_options
@@ -176,3 +177,28 @@ async def test_a_server_it_cannot_trust_is_logged_once_and_retried(
     finally:
         await channel.close()
         await server.stop(None)
+
+
+async def test_a_server_that_breaks_http2_fails_the_call_instead_of_hanging() -> None:
+    async def broken(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(h2.frame(h2.SETTINGS, 0, 0))
+        await reader.readexactly(len(h2.PREFACE))
+        while True:  # the client's frames, up to its call's HEADERS
+            head = await reader.readexactly(9)
+            await reader.readexactly(int.from_bytes(head[:3], "big"))
+            if head[3] == h2.HEADERS:
+                break
+        writer.write(h2.frame(h2.HEADERS, h2.END_HEADERS | h2.PADDED, 1))  # no pad length
+        await reader.read()  # until the client closes
+
+    server = await asyncio.start_server(broken, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    channel = NativeChannel(f"127.0.0.1:{port}", None)
+    try:
+        await asyncio.wait_for(channel.channel_ready(), 10)
+        call = channel.stream_stream(f"/{SERVICE}/Echo")()
+        await call.write(b"x")
+        assert await asyncio.wait_for(call.code(), 10) == grpc.StatusCode.INTERNAL
+    finally:
+        await channel.close()
+        server.close()

@@ -203,7 +203,7 @@ class ClientConnection(asyncio.Protocol):
             self.keepalive.last_read = self.loop.time()
         try:
             self._read(data)
-        except (ValueError, HPACKError) as exc:
+        except (ValueError, IndexError, HPACKError) as exc:  # a malformed frame
             self._fail_all(grpc.StatusCode.INTERNAL, f"the peer broke HTTP/2: {exc}")
             if self.transport is not None:
                 self.transport.abort()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import statistics
@@ -88,7 +89,7 @@ class _Registry:
         pass
 
 
-class _Mesh:
+class StandInMesh:
     """The tokenizer's stream (`put`) and, behind it, one token per request per step into the
     inbox."""
 
@@ -155,7 +156,9 @@ class _Written:
             await self._reached.wait()
 
 
-def _api(mesh_box: list[_Mesh]) -> tuple[GatewayAPI, RequestTable]:
+def stand_in_api(mesh_box: list[StandInMesh]) -> tuple[GatewayAPI, RequestTable]:
+    """The gateway's real api over stand-ins for the rest of the mesh: every role has one
+    replica, the registry writes nowhere, and the tokenizer's stream is `mesh_box[0].put`."""
     table = RequestTable()
     core = GatewayCore(GatewayIdentity(inbox="gateway:0", served_model_name="bench"),
                        _Deps(), table, _Registry(), None)  # type: ignore[arg-type]
@@ -171,7 +174,19 @@ def _api(mesh_box: list[_Mesh]) -> tuple[GatewayAPI, RequestTable]:
 
 
 class _Context:
-    """The little of grpc.aio's ServicerContext the gateway's handlers read."""
+    """The little of grpc.aio's ServicerContext the gateway's handlers read, and the native
+    server's `write_now` (direct writes, `api/direct.py`) unless `direct` is off."""
+
+    def __init__(self, written: _Written, serialize: Callable[[Any], bytes],
+                 direct: bool) -> None:
+        self._written = written
+        self._serialize = serialize
+        if not direct:
+            self.write_now = None  # type: ignore[assignment]
+
+    def write_now(self, message: Any) -> bool:
+        self._written.add(len(self._serialize(message)))
+        return True
 
     def invocation_metadata(self) -> tuple[()]:
         return ()
@@ -189,8 +204,9 @@ class _Context:
         raise RuntimeError(f"{code}: {details}")
 
 
-def _grpc_client(api: GatewayAPI, written: _Written) -> Call:
-    """One streamed TextGenerate call, through the handler as the public server wraps it."""
+def _grpc_client(api: GatewayAPI, written: _Written, direct: bool = True) -> Call:
+    """One streamed TextGenerate call, through the handler as the public server wraps it;
+    `direct`: running messages written directly, as on the native server."""
     servicer = SglangServicer(api)
     handler = grpc.unary_stream_rpc_method_handler(
         servicer.TextGenerate, request_deserializer=pb.TextGenerateRequest.FromString,
@@ -203,7 +219,8 @@ def _grpc_client(api: GatewayAPI, written: _Written) -> Call:
     async def call(tokens: int) -> None:
         request = pb.TextGenerateRequest(text="a prompt", stream=True, sampling_params=(
             pb.SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)))
-        async for message in handler.unary_stream(request.SerializeToString(), _Context()):
+        context = _Context(written, serialize, direct)
+        async for message in handler.unary_stream(request.SerializeToString(), context):
             written.add(len(serialize(message)))
     return call
 
@@ -253,14 +270,17 @@ def _openai_client(api: GatewayAPI, written: _Written) -> Call:
         "max_tokens": tokens, "ignore_eos": True})
 
 
-CLIENTS = {"grpc": _grpc_client, "http": _http_client, "openai": _openai_client}
+CLIENTS: dict[str, Callable[[GatewayAPI, _Written], Call]] = {
+    "grpc": _grpc_client, "http": _http_client, "openai": _openai_client,
+    # every message through the handler, as on grpc.aio's server (--grpc-server grpcio)
+    "grpc-handler": functools.partial(_grpc_client, direct=False)}
 
 
 async def measure(transport: str, streams: int, tokens: int) -> dict[str, float]:
     """One run: `streams` calls of `tokens` tokens each, started together."""
-    mesh_box: list[_Mesh] = []
-    api, table = _api(mesh_box)
-    mesh = _Mesh(table, tokens)
+    mesh_box: list[StandInMesh] = []
+    api, table = stand_in_api(mesh_box)
+    mesh = StandInMesh(table, tokens)
     mesh_box.append(mesh)
     written = _Written()
     call = CLIENTS[transport](api, written)
@@ -302,7 +322,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--transport", choices=("grpc", "http", "openai", "both"),
+    parser.add_argument("--transport", choices=(*CLIENTS, "both"),
                         default="both", help="both: gRPC and /generate (the bench's paths)")
     parser.add_argument("--json", action="store_true", help="print every run's figures as JSON")
     args = parser.parse_args()

@@ -61,6 +61,14 @@ class Echo:
         await self.release.wait()  # reads nothing until released
         return str(len([r async for r in requests])).encode()
 
+    async def direct(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        self.early = context.write_now(b"early")  # before the call has begun answering
+        yield b"first"
+        self.direct_sent = 0
+        while context.write_now(b"d" * 1024):  # until the client's window is spent
+            self.direct_sent += 1
+        yield b"last" * 512  # more than the window has left: waits for the client
+
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(SERVICE, {
             "Echo": grpc.unary_unary_rpc_method_handler(self.echo),
@@ -70,6 +78,7 @@ class Echo:
             "Big": grpc.unary_stream_rpc_method_handler(self.big),
             "Sum": grpc.stream_unary_rpc_method_handler(self.total),
             "Later": grpc.stream_unary_rpc_method_handler(self.later),
+            "Direct": grpc.unary_stream_rpc_method_handler(self.direct),
         })
 
 
@@ -328,3 +337,42 @@ async def test_a_silent_client_is_pinged_and_dropped_when_it_does_not_answer() -
         answering.close()
         silent.close()
         await server.stop(None)
+
+
+async def test_write_now_sends_within_the_window_and_declines_past_it(served: Any) -> None:
+    """`Context.write_now` (the gateway's direct writes) queues a message at once while the
+    call has begun answering and the client's windows take it; past them it sends nothing and
+    says so, and what the handler then sends follows in order once the client reads."""
+    _, echo, port = served
+    client = await RawClient.connect(port)
+    try:
+        client.send(h2.frame(h2.HEADERS, h2.END_HEADERS, 1, _call_headers(f"/{SERVICE}/Direct"))
+                    + h2.frame(h2.DATA, h2.END_STREAM, 1, b"\x00\x00\x00\x00\x00"))
+        data, trailers = bytearray(), b""
+        while not data or len(data) < h2.DEFAULT_WINDOW - 1024:  # the window, nearly spent
+            got = await client.frame()
+            assert got is not None
+            if got[0] == h2.DATA:
+                data += got[3]
+        assert echo.early is False
+        framed_first = 5 + len(b"first")
+        assert echo.direct_sent == (h2.DEFAULT_WINDOW - framed_first) // (5 + 1024)
+        more = (1 << 20).to_bytes(4, "big")
+        client.send(h2.frame(h2.WINDOW_UPDATE, 0, 0, more)
+                    + h2.frame(h2.WINDOW_UPDATE, 0, 1, more))
+        while not trailers:
+            got = await client.frame()
+            assert got is not None
+            if got[0] == h2.DATA:
+                data += got[3]
+            elif got[0] == h2.HEADERS and got[1] & h2.END_STREAM:
+                trailers = got[3]
+        messages = []
+        while data:
+            size = int.from_bytes(data[1:5], "big")
+            messages.append(bytes(data[5:5 + size]))
+            del data[:5 + size]
+        assert messages == [b"first", *[b"d" * 1024] * echo.direct_sent, b"last" * 512]
+        assert b"grpc-status" in trailers
+    finally:
+        client.close()

@@ -142,19 +142,33 @@ class Stream:
             raise asyncio.CancelledError("the call's stream is closed")
         if not self.headers_sent:
             self.send_headers()
-        size = len(data) + 5
-        conn, out = self.conn, self.conn.out
-        if (not self.pending and size <= self.send_window and size <= out.send_window
-                and size <= out.max_frame):
-            self.send_window -= size
-            out.send_window -= size
-            out.queue(size.to_bytes(3, "big") + b"\x00\x00" + self.id.to_bytes(4, "big")
-                       + b"\x00" + len(data).to_bytes(4, "big") + data)
-        else:
+        conn = self.conn
+        if not self._framed(data):
             self.pending += b"\x00" + len(data).to_bytes(4, "big") + data
             conn.pump(self)
         if len(self.pending) > SEND_BUFFER or conn.paused:
             await self._wait_writable()
+
+    def send_now(self, data: bytes) -> bool:
+        """Queue a message at once if the call has begun answering and the message can go
+        without waiting (nothing unsent before it, within the windows, the socket not
+        paused); False, with nothing sent, otherwise."""
+        if self.closed or not self.headers_sent or self.conn.paused:
+            return False
+        return self._framed(data)
+
+    def _framed(self, data: bytes) -> bool:
+        """Queue `data` as one DATA frame if nothing waits before it and the windows allow."""
+        size = len(data) + 5
+        out = self.conn.out
+        if (self.pending or size > self.send_window or size > out.send_window
+                or size > out.max_frame):
+            return False
+        self.send_window -= size
+        out.send_window -= size
+        out.queue(size.to_bytes(3, "big") + b"\x00\x00" + self.id.to_bytes(4, "big")
+                  + b"\x00" + len(data).to_bytes(4, "big") + data)
+        return True
 
     async def _wait_writable(self) -> None:
         while (len(self.pending) > SEND_BUFFER or self.conn.paused) and not self.closed:

@@ -28,6 +28,7 @@ from meshlm.common.rpc import CallContext
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tracing import carrier_of, detached_span, tracer
 from meshlm.gateway.api.core import GatewayCore
+from meshlm.gateway.api.direct import DirectWrite, Express, direct_write
 from meshlm.gateway.api.observers import RequestObservers
 from meshlm.gateway.api.request_record import RequestRecord
 from meshlm.gateway.mesh.aborts import abort_in_scheduler
@@ -78,24 +79,33 @@ class GenerationRPCs:
 
     async def TextGenerate(self, req: pb.TextGenerateRequest,
                            ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse]:
-        async for g in self.generated(req, ctx):
+        write = ctx.write_now
+        express: Express | None = None if write is None else (
+            lambda text, ids, meta: write(_with_meta(
+                pb.TextGenerateResponse(text=text, output_ids=ids), meta)))
+        async for g in self.generated(req, ctx, express):
             yield _with_meta(pb.TextGenerateResponse(text=g.text, finished=g.finished,
                                                      output_ids=g.output_ids), g.meta_info)
 
     async def Generate(self, req: pb.GenerateRequest,
                        ctx: CallContext) -> AsyncIterator[pb.GenerateResponse]:
-        async for g in self.generated(req, ctx):
+        write = ctx.write_now
+        express: Express | None = None if write is None else (
+            lambda text, ids, meta: write(_with_meta(pb.GenerateResponse(output_ids=ids), meta)))
+        async for g in self.generated(req, ctx, express):
             yield _with_meta(pb.GenerateResponse(output_ids=g.output_ids, finished=g.finished),
                              g.meta_info)
 
     async def generated(self, req: pb.TextGenerateRequest | pb.GenerateRequest,
-                        ctx: CallContext) -> AsyncIterator[Generated]:
-        """TextGenerate's (a text request) or Generate's (ids) messages, not yet protos."""
+                        ctx: CallContext, express: Express | None = None
+                        ) -> AsyncIterator[Generated]:
+        """TextGenerate's (a text request) or Generate's (ids) messages, not yet protos;
+        `express` sends a running message straight to the client (`api/direct.py`)."""
         limits = await self.core.limits()
         is_text = isinstance(req, pb.TextGenerateRequest)
         check = validate_text_generate if is_text else validate_generate
         v = await validated(check, req.sampling_params, req, limits)
-        async for update, meta in self.generate(v):
+        async for update, meta in self.generate(v, express):
             _raise_if_cancelled(update, ctx)
             yield Generated(update.text if is_text else "", update.token_ids, meta,
                             update.final is not None)
@@ -110,9 +120,11 @@ class GenerationRPCs:
 
     # -- the path ----------------------------------------------------------------------------
 
-    async def generate(self, v: ValidatedRequest) -> AsyncGenerator[Generation, None]:
+    async def generate(self, v: ValidatedRequest, express: Express | None = None
+                       ) -> AsyncGenerator[Generation, None]:
         """Run `v` through the mesh, yielding each (update, meta_info) the client gets: one
-        per sample's news, or one per sample when the client did not ask to stream."""
+        per sample's news, or one per sample when the client did not ask to stream (some
+        running ones sent by `express` instead, where it is given: `api/direct.py`)."""
         # 1. admit: within this gateway's bounds and the client's deadline
         await self._admit(v)
         expires = deadline.current()
@@ -143,7 +155,9 @@ class GenerationRPCs:
                 dispatched = True
                 watch.sent()
                 # 5. stream: each sample's updates, folded as the client asked
-                stream = self._stream(pendings, Choices(v.n, v.stream), expires, record, watch)
+                direct = direct_write(v, rid, watch.clocks[0], express)
+                stream = self._stream(pendings, Choices(v.n, v.stream), expires, record, watch,
+                                      direct)
                 async with aclosing(stream):
                     async for i, out in stream:
                         yield out, meta_info(v, children[i], out, started)
@@ -199,19 +213,24 @@ class GenerationRPCs:
 
     async def _stream(self, pendings: list[PendingRequest], choices: Choices,
                       expires: float | None, record: RequestRecord,
-                      watch: RequestObservers
+                      watch: RequestObservers, direct: DirectWrite | None = None
                       ) -> AsyncGenerator[tuple[int, Update], None]:
         """(sample, update) pairs due to the client, until every sample has ended; the
-        request's failure (a sample's error, the deadline) is raised."""
+        request's failure (a sample's error, the deadline) is raised. While it waits after
+        the first output, `direct` (one sample) may send running outputs itself."""
         until = _loop_time(expires)  # once, not per update
         any_output = any(p.first_output for p in pendings)  # kept, not computed per update
+        lead = pendings[0]
         while not choices.done:
+            if any_output:
+                lead.direct = direct
             try:
                 if until is None:
                     updates = await next_updates(pendings)
                 else:
                     async with asyncio.timeout_at(until):
                         updates = await next_updates(pendings)
+                lead.direct = None
             except TimeoutError:
                 record.failed("deadline_exceeded")
                 watch.deadline_exceeded()

@@ -33,7 +33,8 @@ def call_context(context: Context) -> CallContext:
     remaining = context.time_remaining()
     deadline = time.time() + remaining if remaining is not None else None
     set_deadline(deadline)
-    return CallContext(metadata=metadata, peer=context.peer() or "", deadline=deadline)
+    return CallContext(metadata=metadata, peer=context.peer() or "", deadline=deadline,
+                       write_now=getattr(context, "write_now", None))  # the native server's
 
 
 class SglangServicer(sglang_pb2_grpc.SglangServiceServicer):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -57,10 +57,15 @@ class PendingRequest:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     first_output: bool = False
     done: bool = False  # its final output or error was taken
+    # Set while its handler waits with nothing taken: writes a running output to the client
+    # itself, or declines (False) and the output is queued here (`api/direct.py`).
+    direct: Callable[[Plain], bool] | None = None
 
     def deliver_running(self, item: Plain) -> None:
         """A running request's new text, ids and counts (the common output, packed)."""
         if self._final is not None or self._error is not None:
+            return
+        if self.direct is not None and not self._news and self.direct(item):
             return
         _, ids, prompt, completion, cached, text = item
         if text:

@@ -14,9 +14,8 @@ from meshlm.gateway.protocol.validation import ValidatedRequest
 def meta_info(v: ValidatedRequest, child: Child, update: Update,
               started: float) -> dict[str, str]:
     """For `update` of sample `child` of `v`, which arrived at `started` (unix seconds)."""
-    meta = {"id": child.rid, "prompt_tokens": str(update.prompt_tokens),
-            "completion_tokens": str(update.completion_tokens),
-            "cached_tokens": str(update.cached_tokens)}
+    meta = running_meta(child.rid, update.prompt_tokens, update.completion_tokens,
+                        update.cached_tokens)
     if v.n > 1:
         meta["index"] = str(child.index)
     if v.embed:
@@ -39,3 +38,9 @@ def meta_info(v: ValidatedRequest, child: Child, update: Update,
             meta["matched_stop_type"] = "text"
         meta["e2e_latency"] = f"{time.time() - started:.6f}"
     return meta
+
+
+def running_meta(rid: str, prompt: int, completion: int, cached: int) -> dict[str, str]:
+    """The meta_info of a running output of a one-sample request without logprobs."""
+    return {"id": rid, "prompt_tokens": str(prompt), "completion_tokens": str(completion),
+            "cached_tokens": str(cached)}

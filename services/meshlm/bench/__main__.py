@@ -68,6 +68,7 @@ from meshlm.bench.proc_cpu import snapshot
 from meshlm.bench.transport_floor import (
     grpc_message_floor_us,
     http_event_floor_us,
+    native_direct_message_floor_us,
     native_grpc_message_floor_us,
 )
 from meshlm.common.default_model import ensure_default_model
@@ -219,8 +220,9 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     engine, grpc_r, http_r = (Result.merged(rs) for rs in by_round.values())
     with pin_process(plan.rest) if plan else contextlib.nullcontext():
         rest = plan.rest if plan else None
-        floors = {"gRPC": native_grpc_message_floor_us(sat.concurrency, cpus=rest),
+        floors = {"gRPC": native_direct_message_floor_us(sat.concurrency, cpus=rest),
                   "HTTP": http_event_floor_us(sat.concurrency, cpus=rest)}
+        handler_floor = native_grpc_message_floor_us(sat.concurrency, cpus=rest)
         grpcio_floor = grpc_message_floor_us(sat.concurrency, cpus=rest)
         own = own_cpu_us(sat.concurrency, tokens=128, runs=3)
 
@@ -244,7 +246,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
         print(cpu_line(engine, r, transport))
     print(floor_line(floors, {"gRPC": grpc_r, "HTTP": http_r}, sat.concurrency, plan,
-                     grpcio_floor))
+                     handler_floor, grpcio_floor))
     print(own_work_line({"gRPC": own["grpc"], "HTTP": own["http"]}, floors,
                         {"gRPC": grpc_r, "HTTP": http_r}))
     if plan is not None:

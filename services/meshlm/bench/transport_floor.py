@@ -20,10 +20,11 @@ floor under the gateway's µs per token. What the gateway spends above it is its
 from __future__ import annotations
 
 import asyncio
+import functools
 import multiprocessing
 import os
 import socket
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine
 from typing import Any
 
 import grpc
@@ -38,16 +39,25 @@ RID = "0123456789abcdef0123456789abcdef"
 
 
 class _Ticks:
-    """Wakes every stream's writer once per tick."""
+    """Wakes every stream's writer once per tick, and calls `on_tick`."""
 
     def __init__(self) -> None:
         self.tick = asyncio.Event()
+        self.on_tick: Callable[[], None] = lambda: None
 
     async def run(self) -> None:
         while True:
             self.tick.set()
             self.tick.clear()
+            self.on_tick()
             await asyncio.sleep(TICK_S)
+
+
+def _message(i: int, messages: int) -> pb.TextGenerateResponse:
+    meta = {"id": RID, "prompt_tokens": "17", "completion_tokens": str(i + 1),
+            "cached_tokens": "0"}
+    return pb.TextGenerateResponse(text=" word", output_ids=[i], meta_info=meta,
+                                   finished=i == messages - 1)
 
 
 class _Streamer(sglang_pb2_grpc.SglangServiceServicer):
@@ -59,10 +69,34 @@ class _Streamer(sglang_pb2_grpc.SglangServiceServicer):
                            ctx: grpc.aio.ServicerContext) -> AsyncIterator[pb.TextGenerateResponse]:
         for i in range(self.messages):
             await self.ticks.tick.wait()
-            meta = {"id": RID, "prompt_tokens": "17", "completion_tokens": str(i + 1),
-                    "cached_tokens": "0"}
-            yield pb.TextGenerateResponse(text=" word", output_ids=[i], meta_info=meta,
-                                          finished=i == self.messages - 1)
+            yield _message(i, self.messages)
+
+
+class _DirectStreamer(sglang_pb2_grpc.SglangServiceServicer):
+    """As `_Streamer` on the native server, as the gateway streams there: the first and last
+    messages from the handler, the ones between written on each tick from outside it with
+    `write_now` (the gateway's direct writes, `gateway/api/direct.py`)."""
+
+    def __init__(self, messages: int, ticks: _Ticks) -> None:
+        self.messages = messages
+        self.running: dict[Any, list[Any]] = {}  # context -> [next message, its end]
+        ticks.on_tick = self._tick
+
+    def _tick(self) -> None:
+        for context, state in list(self.running.items()):
+            if context.write_now(_message(state[0], self.messages)):
+                state[0] += 1
+            if state[0] == self.messages - 1:
+                del self.running[context]
+                state[1].set()
+
+    async def TextGenerate(self, req: pb.TextGenerateRequest,
+                           ctx: grpc.aio.ServicerContext) -> AsyncIterator[pb.TextGenerateResponse]:
+        yield _message(0, self.messages)
+        end = asyncio.Event()
+        self.running[ctx] = [1, end]
+        await end.wait()
+        yield _message(self.messages - 1, self.messages)
 
 
 async def _serve_grpc(messages: int, ticks: _Ticks, ports: multiprocessing.Queue) -> None:
@@ -111,18 +145,22 @@ async def _serve_http(messages: int, ticks: _Ticks, ports: multiprocessing.Queue
     await uvicorn.Server(config).serve(sockets=[sock])
 
 
-async def _serve_native(messages: int, ticks: _Ticks, ports: multiprocessing.Queue) -> None:
+async def _serve_native(messages: int, ticks: _Ticks, ports: multiprocessing.Queue,
+                        direct: bool = False) -> None:
     from meshlm.common.native_grpc.server import NativeServer
 
     server = NativeServer()
-    sglang_pb2_grpc.add_SglangServiceServicer_to_server(_Streamer(messages, ticks), server)
+    streamer = (_DirectStreamer if direct else _Streamer)(messages, ticks)
+    sglang_pb2_grpc.add_SglangServiceServicer_to_server(streamer, server)
     server.add_insecure_port("127.0.0.1:0")
     [port] = await server.bind()
     ports.put(port)
     await server.wait_for_termination()
 
 
-_SERVERS = {"grpc": _serve_grpc, "native": _serve_native, "http": _serve_http}
+_SERVERS: dict[str, Callable[..., Coroutine[Any, Any, None]]] = {
+    "grpc": _serve_grpc, "native": _serve_native, "http": _serve_http,
+    "native-direct": functools.partial(_serve_native, direct=True)}
 
 
 def _serve(kind: str, messages: int, cpus: Collection[int] | None,
@@ -201,6 +239,13 @@ def native_grpc_message_floor_us(streams: int = 64, messages: int = 300,
     """The gateway's native gRPC server's CPU µs per streamed message (common/native_grpc),
     as above."""
     return _server_cpu_per_message("native", _drain_grpc, streams, messages, cpus)
+
+
+def native_direct_message_floor_us(streams: int = 64, messages: int = 300,
+                                   cpus: Collection[int] | None = None) -> float:
+    """The native server's CPU µs per streamed message written directly (`write_now`, as the
+    gateway writes a running request's messages), as above."""
+    return _server_cpu_per_message("native-direct", _drain_grpc, streams, messages, cpus)
 
 
 def http_event_floor_us(streams: int = 64, messages: int = 300,

@@ -22,7 +22,12 @@ from meshlm.bench.mesh_report import (
     rounds_line,
 )
 from meshlm.bench.pinning import CpuPlan
-from meshlm.bench.transport_floor import grpc_message_floor_us, http_event_floor_us
+from meshlm.bench.transport_floor import (
+    grpc_message_floor_us,
+    http_event_floor_us,
+    native_direct_message_floor_us,
+    native_grpc_message_floor_us,
+)
 
 ENGINE = Result("in-process", [0.010, 0.012, 0.011], tokens=1000, seconds=2.0,
                 cpu={"engine": 0.210})
@@ -119,10 +124,11 @@ def test_the_spaced_in_process_run_is_reported_beside_the_goal() -> None:
 
 def test_the_floor_line_says_where_the_bare_servers_ran_and_what_the_gateway_adds() -> None:
     assert floor_line({"gRPC": 26.4, "HTTP": 11.6}, {"gRPC": GRPC, "HTTP": HTTP}, 64, PLAN,
-                      61.2) == (
+                      30.2, 61.2) == (
         "the transports' own cost of a streamed message (a bare server writing the gateway's "
         "per-token message to 64 streams at once, on CPU 1 as the gateway): gRPC (the "
-        "gateway's native server) 26 µs (grpc.aio's 61), HTTP (uvicorn, SSE) 12 µs. "
+        "gateway's native server, written directly) 26 µs (each through its call's handler: "
+        "30; grpc.aio's: 61), HTTP (uvicorn, SSE) 12 µs. "
         "Messages per output token at saturation (a stream's mailbox folds what arrives "
         "while its client is busy): gRPC 0.50, HTTP 1.00; "
         "so the floor per token: gRPC 13 µs, HTTP 12 µs. What the gateway spends above it (µs "
@@ -155,6 +161,8 @@ async def test_the_gateway_path_streams_every_token_through_the_real_fronts(
 
 def test_the_bare_servers_stream_every_message_and_their_cpu_is_measured() -> None:
     for floor in (grpc_message_floor_us(streams=3, messages=20),
+                  native_grpc_message_floor_us(streams=3, messages=20),
+                  native_direct_message_floor_us(streams=3, messages=20),
                   http_event_floor_us(streams=3, messages=20)):
         assert 0 <= floor < 100_000  # every message arrived (else it raises); CPU ticks are coarse
 

@@ -157,18 +157,16 @@ class NativeServer(grpc.aio.Server):
         code, message = grpc.StatusCode.OK, ""
         cancelled = False
         try:
-            try:
-                async with asyncio.timeout_at(deadline) as limit:
-                    handler = await self._lookup(details)
-                    if handler is None:
-                        code, message = grpc.StatusCode.UNIMPLEMENTED, "Method not found!"
-                    else:
-                        request = await stream.request(handler.request_streaming)
-                        await run_handler(handler, context, request)
-            except TimeoutError:
-                if not limit.expired():
-                    raise
-                code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
+            if deadline is None:  # most calls: no timeout to enter and leave (a few µs)
+                code, message = await self._answer(stream, details, context)
+            else:
+                try:
+                    async with asyncio.timeout_at(deadline) as limit:
+                        code, message = await self._answer(stream, details, context)
+                except TimeoutError:
+                    if not limit.expired():
+                        raise
+                    code, message = grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"
         except grpc.aio.AbortError:
             code, message = context.code or grpc.StatusCode.UNKNOWN, context.details_text
         except StreamError as exc:
@@ -190,6 +188,15 @@ class NativeServer(grpc.aio.Server):
         elif not stream.closed:
             stream.reset(8)  # CANCEL: the server gave the call up (shutdown)
         context.finish(cancelled or code == grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    async def _answer(self, stream: Stream, details: CallDetails, context: Context
+                      ) -> tuple[grpc.StatusCode, str]:
+        """Find the call's handler and run it; the status, unless the handler raised."""
+        handler = await self._lookup(details)
+        if handler is None:
+            return grpc.StatusCode.UNIMPLEMENTED, "Method not found!"
+        await run_handler(handler, context, await stream.request(handler.request_streaming))
+        return grpc.StatusCode.OK, ""
 
     def log_protocol_error(self, peer: str, reason: str) -> None:
         log.warning("http2_protocol_error", peer=peer, reason=reason)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import httpx
@@ -52,10 +53,11 @@ class FakeApi:
     async def Abort(self, req: pb.AbortRequest, ctx: CallContext) -> pb.AbortResponse:
         raise MeshError(grpc.StatusCode.UNIMPLEMENTED, "Abort is not implemented yet")
 
-    def generated(self, req: pb.TextGenerateRequest | pb.GenerateRequest,
-                  ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse | pb.GenerateResponse]:
+    def generated(self, req: pb.TextGenerateRequest | pb.GenerateRequest, ctx: CallContext,
+                  express: Any = None
+                  ) -> AsyncIterator[pb.TextGenerateResponse | pb.GenerateResponse]:
         """What the HTTP front reads: the messages (the api's own are Generated tuples, with
-        the same fields)."""
+        the same fields); every message through it (`express`, direct writes, unused)."""
         if isinstance(req, pb.TextGenerateRequest):
             return self.TextGenerate(req, ctx)
         return self.Generate(req, ctx)

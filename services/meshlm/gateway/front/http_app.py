@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -34,6 +34,8 @@ from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import ServiceMetrics
 from meshlm.common.rpc import CallContext
+from meshlm.gateway.api.direct import Express
+from meshlm.gateway.api.generation import Generated
 from meshlm.gateway.front.auth import ApiKeyMiddleware, ApiKeys
 from meshlm.gateway.front.body_limit import BodyLimit
 from meshlm.gateway.front.disconnect import unless_disconnected
@@ -41,6 +43,7 @@ from meshlm.gateway.front.errors import HttpErrors, Shape, error_response
 from meshlm.gateway.front.http_call import call_context
 from meshlm.gateway.front.http_streams import (
     BodySendApp,
+    DirectBody,
     StreamResponse,
     Streams,
     drain,
@@ -162,14 +165,15 @@ class _Handlers:
                     max_new_tokens=sampling.max_new_tokens
                     if sampling.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
                 )
-                stream = self.api.generation.generated(req, ctx)
+                direct = DirectBody() if req.stream and len(reqs) == 1 and n == 1 else None
+                stream = self.api.generation.generated(req, ctx, _express(out, direct))
                 parts.append((out, stream))
                 streams.streams.append(stream)
             if reqs[0].stream:
                 heads = await first_of_each(streams.streams)
                 return StreamResponse(sse([(o, h, s) for (o, s), h in zip(parts, heads,
                                                                           strict=True)]),
-                                      streams, "text/event-stream")
+                                      streams, "text/event-stream", direct)
             await unless_disconnected(drain(parts), request.receive)
         except BaseException:
             await streams.aclose()
@@ -207,6 +211,21 @@ class _Handlers:
             log.exception("health_check_failed")
             healthy = False
         return Response(b"", status_code=200 if healthy else 503)
+
+
+def _express(out: NativeChoices, direct: DirectBody | None) -> Express | None:
+    """A lone streamed prompt's running messages as its SSE events, written straight to the
+    client while the connection takes them at once (`api/direct.py`); otherwise (False)
+    folded in later, by the response's task, as every other message."""
+    if direct is None:
+        return None
+
+    def express(text: str, ids: Sequence[int], meta: dict[str, str]) -> bool:
+        if not direct.writable():
+            return False  # before folding it in: the handler will
+        direct.write(out.add(Generated(text, list(ids), meta, False)).event())
+        return True
+    return express
 
 
 def _samples(req: native.NativeRequest) -> int:

@@ -155,13 +155,49 @@ def body_send(scope: Scope, send: Send) -> Send:
     return scope.get(BODY_SEND, send)  # type: ignore[no-any-return]
 
 
+class DirectBody:
+    """A streamed response's chunks written straight to its connection from outside the
+    response's task (the gateway's direct writes, `api/direct.py`), while the connection can
+    take them at once: uvicorn's httptools connection, its response started and chunked, not
+    complete, the client there and the socket not paused. Where the server's `send` is
+    anything else, nothing is written this way and the response's task writes every chunk."""
+
+    def __init__(self) -> None:
+        self._cycle: Any = None
+
+    def attach(self, body: Send) -> None:
+        """`body`: the server's own send, once the response has started."""
+        cycle = getattr(body, "__self__", None)
+        if (type(cycle).__module__ == "uvicorn.protocols.http.httptools_impl"
+                and all(hasattr(cycle, a) for a in _CYCLE_FIELDS)):
+            self._cycle = cycle
+
+    def detach(self) -> None:
+        self._cycle = None
+
+    def writable(self) -> bool:
+        cycle = self._cycle
+        return (cycle is not None and cycle.chunked_encoding and not cycle.disconnected
+                and not cycle.response_complete and not cycle.flow.write_paused)
+
+    def write(self, chunk: bytes) -> None:
+        """Write `chunk` as the server would (one HTTP/1.1 chunk); only when `writable()`."""
+        self._cycle.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+
+
+_CYCLE_FIELDS = ("transport", "flow", "chunked_encoding", "disconnected", "response_complete")
+
+
 class StreamResponse(Response):
     """Streams `chunks`. Whether the stream ends, fails or the client leaves, closes `chunks`
-    and then the api iterator `source` (which aborts the request if it is not finished)."""
+    and then the api iterator `source` (which aborts the request if it is not finished).
+    `direct`: where chunks may also be written from outside, once the response has started."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], source: Any, media_type: str) -> None:
+    def __init__(self, chunks: AsyncIterator[bytes], source: Any, media_type: str,
+                 direct: DirectBody | None = None) -> None:
         self.chunks = chunks
         self.source = source
+        self.direct = direct
         self.status_code = 200
         self.media_type = media_type
         self.background = None
@@ -173,11 +209,17 @@ class StreamResponse(Response):
         except (ClientGone, OSError):
             pass  # the client went away: nobody to tell
         finally:
+            if self.direct is not None:
+                self.direct.detach()
             await aclose(self.chunks)
             await aclose(self.source)
 
     async def _pump(self, send: Send, body: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        if self.direct is not None:
+            self.direct.attach(body)
         async for chunk in self.chunks:
             await body({"type": "http.response.body", "body": chunk, "more_body": True})
+        if self.direct is not None:
+            self.direct.detach()
         await body({"type": "http.response.body", "body": b"", "more_body": False})

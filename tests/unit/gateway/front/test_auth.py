@@ -125,8 +125,8 @@ class FakeApi:
     async def Tokenize(self, req: pb.TokenizeRequest, ctx: CallContext) -> pb.TokenizeResponse:
         return pb.TokenizeResponse(tokens=[1, 2], count=2, input_text=req.text)
 
-    async def generated(self, req: pb.TextGenerateRequest,
-                        ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse]:
+    async def generated(self, req: pb.TextGenerateRequest, ctx: CallContext,
+                        express: object = None) -> AsyncIterator[pb.TextGenerateResponse]:
         yield pb.TextGenerateResponse(text="ok", finished=True, meta_info={
             "id": "r1", "prompt_tokens": "1", "completion_tokens": "1", "cached_tokens": "0",
             "finish_reason": "length"})

@@ -124,8 +124,8 @@ class _Api:
     """TextGenerate (and `generated`, /generate's reading of it) streams two tokens with
     logprobs, as GatewayAPI formats them."""
 
-    def TextGenerate(self, req: pb.TextGenerateRequest,
-                     ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse]:
+    def TextGenerate(self, req: pb.TextGenerateRequest, ctx: CallContext,
+                     express: object = None) -> AsyncIterator[pb.TextGenerateResponse]:
         return self._stream(req)
 
     generated = TextGenerate

@@ -67,6 +67,7 @@ from meshlm.bench.pinning import (
 from meshlm.bench.proc_cpu import snapshot
 from meshlm.bench.transport_floor import (
     grpc_message_floor_us,
+    http_direct_event_floor_us,
     http_event_floor_us,
     native_direct_message_floor_us,
     native_grpc_message_floor_us,
@@ -221,8 +222,9 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     with pin_process(plan.rest) if plan else contextlib.nullcontext():
         rest = plan.rest if plan else None
         floors = {"gRPC": native_direct_message_floor_us(sat.concurrency, cpus=rest),
-                  "HTTP": http_event_floor_us(sat.concurrency, cpus=rest)}
-        handler_floor = native_grpc_message_floor_us(sat.concurrency, cpus=rest)
+                  "HTTP": http_direct_event_floor_us(sat.concurrency, cpus=rest)}
+        handler_floors = {"gRPC": native_grpc_message_floor_us(sat.concurrency, cpus=rest),
+                          "HTTP": http_event_floor_us(sat.concurrency, cpus=rest)}
         grpcio_floor = grpc_message_floor_us(sat.concurrency, cpus=rest)
         own = own_cpu_us(sat.concurrency, tokens=128, runs=3)
 
@@ -246,7 +248,7 @@ def main(model_path: str, warmup_requests: int, ttft_requests: int, saturation_r
     for r, transport in ((grpc_r, "gRPC"), (http_r, "HTTP")):
         print(cpu_line(engine, r, transport))
     print(floor_line(floors, {"gRPC": grpc_r, "HTTP": http_r}, sat.concurrency, plan,
-                     handler_floor, grpcio_floor))
+                     handler_floors, grpcio_floor))
     print(own_work_line({"gRPC": own["grpc"], "HTTP": own["http"]}, floors,
                         {"gRPC": grpc_r, "HTTP": http_r}))
     if plan is not None:

@@ -225,16 +225,17 @@ def _grpc_client(api: GatewayAPI, written: _Written, direct: bool = True) -> Cal
     return call
 
 
-def _http_client(api: GatewayAPI, written: _Written) -> Call:
+def _http_client(api: GatewayAPI, written: _Written, direct: bool = True) -> Call:
     """One streamed /generate call, through the HTTP app as ASGI."""
     return _asgi_call(build_http_app(api), written, "/generate", lambda tokens: {
         "text": "a prompt", "stream": True, "sampling_params": {
-            "temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}})
+            "temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}}, direct)
 
 
-def _asgi_call(app: Any, written: _Written, path: str, body_of: Callable[[int], Any]
-               ) -> Call:
-    """A streamed POST to `path` of `app`, called as ASGI; `send` counts the body's pieces."""
+def _asgi_call(app: Any, written: _Written, path: str, body_of: Callable[[int], Any],
+               direct: bool = True) -> Call:
+    """A streamed POST to `path` of `app`, called as ASGI; `send` counts the body's pieces;
+    `direct`: running events written directly, as on uvicorn's httptools connection."""
 
     async def call(tokens: int) -> None:
         body = orjson.dumps(body_of(tokens))
@@ -255,12 +256,32 @@ def _asgi_call(app: Any, written: _Written, path: str, body_of: Callable[[int], 
             await never.wait()  # the client stays connected
             return {"type": "http.disconnect"}
 
-        async def send(message: MutableMapping[str, Any]) -> None:
-            if message["type"] == "http.response.body" and message.get("body"):
-                written.add(len(message["body"]))
-
-        await app(scope, receive, send)
+        await app(scope, receive, _Connection(written, direct).send)
     return call
+
+
+class _Connection:
+    """The server's side of one HTTP call: `send` counts the body's pieces; with `direct`, it
+    is also what the gateway's direct writes take for uvicorn's connection (its transport, flow
+    control and response state: `front/http_streams.DirectBody`), writing to the same count."""
+
+    chunked_encoding = True
+    disconnected = False
+    response_complete = False
+
+    def __init__(self, written: _Written, direct: bool) -> None:
+        self._written = written
+        self.flow = self
+        self.write_paused = False
+        if direct:  # without a transport, not a connection direct writes know
+            self.transport = self
+
+    def write(self, data: bytes) -> None:
+        self._written.add(len(data))
+
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            self._written.add(len(message["body"]))
 
 
 def _openai_client(api: GatewayAPI, written: _Written) -> Call:
@@ -273,7 +294,8 @@ def _openai_client(api: GatewayAPI, written: _Written) -> Call:
 CLIENTS: dict[str, Callable[[GatewayAPI, _Written], Call]] = {
     "grpc": _grpc_client, "http": _http_client, "openai": _openai_client,
     # every message through the handler, as on grpc.aio's server (--grpc-server grpcio)
-    "grpc-handler": functools.partial(_grpc_client, direct=False)}
+    "grpc-handler": functools.partial(_grpc_client, direct=False),
+    "http-handler": functools.partial(_http_client, direct=False)}
 
 
 async def measure(transport: str, streams: int, tokens: int) -> dict[str, float]:

@@ -240,22 +240,23 @@ def cpu_line(engine: Result, mesh: Result, transport: str) -> str:
 
 
 def floor_line(floors: Mapping[str, float], gateway: Mapping[str, Result], streams: int,
-               plan: CpuPlan | None, handler: float, grpcio: float) -> str:
+               plan: CpuPlan | None, handler: Mapping[str, float], grpcio: float) -> str:
     """The transports' own CPU per streamed message (`transport_floor.py`, by transport name;
-    gRPC's is the gateway's native server with a running request's messages written directly,
-    as the gateway writes them; for comparison `handler` is the same server with every message
-    from its call's handler, `grpcio` grpc.aio's), the messages per token the gateway wrote
-    (`gateway`: its run on that transport), and what it spends per token above the floor
-    those messages cost."""
+    gRPC's is the gateway's native server; both with a running request's messages written
+    directly, as the gateway writes them; for comparison `handler` has every message from
+    its call's handler, and `grpcio` is grpc.aio's server), the messages per token the gateway
+    wrote (`gateway`: its run on that transport), and what it spends per token above the
+    floor those messages cost."""
     where = f", on {describe(plan.rest)} as the gateway" if plan else ""
     per_token = _floor_per_token(floors, gateway)
     sent = ", ".join(f"{t} {gateway[t].messages_per_token:.2f}" for t in per_token)
     return (f"the transports' own cost of a streamed message (a bare server writing the "
             f"gateway's per-token message to {streams} streams at once{where}): gRPC (the "
-            f"gateway's native server, written directly) {floors['gRPC']:.0f} µs (each "
-            f"through its call's handler: {handler:.0f}; grpc.aio's: {grpcio:.0f}), "
-            f"HTTP (uvicorn, SSE) {floors['HTTP']:.0f} µs. Messages per output token at "
-            f"saturation (a stream's mailbox folds what arrives while its "
+            f"gateway's native server) {floors['gRPC']:.0f} µs, HTTP (uvicorn, SSE) "
+            f"{floors['HTTP']:.0f} µs, written directly as the gateway writes them (each "
+            f"through its call's handler: gRPC {handler['gRPC']:.0f}, HTTP "
+            f"{handler['HTTP']:.0f}; grpc.aio's server: {grpcio:.0f}). Messages per output "
+            f"token at saturation (a stream's mailbox folds what arrives while its "
             f"client is busy): {sent}; so the floor per token: "
             + ", ".join(f"{t} {us:.0f} µs" for t, us in per_token.items())
             + f". What the gateway spends above it (µs per token): "

@@ -108,38 +108,66 @@ async def _serve_grpc(messages: int, ticks: _Ticks, ports: multiprocessing.Queue
     await server.wait_for_termination()
 
 
-def _sse_app(messages: int, ticks: _Ticks) -> Any:
-    from starlette.applications import Starlette
+def _event(i: int) -> bytes:
+    """SGLang's /generate event after `i` + 1 tokens: the text so far."""
+    from meshlm.gateway.front.sse import sse_event
+
+    return sse_event({"text": " word" * (i + 1), "meta_info": {
+        "id": RID, "finish_reason": None, "prompt_tokens": 17, "completion_tokens": i + 1,
+        "cached_tokens": 0, "e2e_latency": 0.002 * i, "weight_version": "default"}})
+
+
+def _sse_app(messages: int, ticks: _Ticks, direct: bool = False) -> Any:
+    """/generate's SSE stream; `direct`: the first and last events from the response's task,
+    the ones between written on each tick from outside it, as the gateway's direct writes do
+    (`front/http_streams.DirectBody`)."""
     from starlette.requests import Request
     from starlette.routing import Route
 
-    from meshlm.gateway.front.http_streams import StreamResponse
-    from meshlm.gateway.front.sse import SSE_DONE, sse_event
+    from meshlm.gateway.front.http_streams import BodySendApp, DirectBody, StreamResponse
+    from meshlm.gateway.front.sse import SSE_DONE
 
-    async def events() -> AsyncIterator[bytes]:
-        text = ""
-        for i in range(messages):
-            await ticks.tick.wait()
-            text += " word"  # SGLang's events carry the text so far
-            yield sse_event({"text": text, "meta_info": {
-                "id": RID, "finish_reason": None, "prompt_tokens": 17, "completion_tokens": i + 1,
-                "cached_tokens": 0, "e2e_latency": 0.002 * i, "weight_version": "default"}})
+    running: dict[DirectBody, list[Any]] = {}  # -> [next event, its end]
+
+    def tick() -> None:
+        for body, state in list(running.items()):
+            if body.writable():
+                body.write(_event(state[0]))
+                state[0] += 1
+            if state[0] == messages - 1:
+                del running[body]
+                state[1].set()
+
+    async def events(body: DirectBody | None) -> AsyncIterator[bytes]:
+        if body is None:
+            for i in range(messages):
+                await ticks.tick.wait()
+                yield _event(i)
+        else:
+            yield _event(0)
+            end = asyncio.Event()
+            running[body] = [1, end]
+            await end.wait()
+            yield _event(messages - 1)
         yield SSE_DONE
 
     async def generate(request: Request) -> StreamResponse:
         await request.body()
-        return StreamResponse(events(), None, "text/event-stream")
+        body = DirectBody() if direct else None
+        return StreamResponse(events(body), None, "text/event-stream", body)
 
-    return Starlette(routes=[Route("/generate", generate, methods=["POST"])])
+    ticks.on_tick = tick
+    return BodySendApp(routes=[Route("/generate", generate, methods=["POST"])])
 
 
-async def _serve_http(messages: int, ticks: _Ticks, ports: multiprocessing.Queue) -> None:
+async def _serve_http(messages: int, ticks: _Ticks, ports: multiprocessing.Queue,
+                      direct: bool = False) -> None:
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     sock.listen(1024)
-    config = uvicorn.Config(_sse_app(messages, ticks), log_config=None, access_log=False,
+    config = uvicorn.Config(_sse_app(messages, ticks, direct), log_config=None, access_log=False,
                             lifespan="off", http="httptools", loop="none")
     ports.put(sock.getsockname()[1])
     await uvicorn.Server(config).serve(sockets=[sock])
@@ -160,7 +188,8 @@ async def _serve_native(messages: int, ticks: _Ticks, ports: multiprocessing.Que
 
 _SERVERS: dict[str, Callable[..., Coroutine[Any, Any, None]]] = {
     "grpc": _serve_grpc, "native": _serve_native, "http": _serve_http,
-    "native-direct": functools.partial(_serve_native, direct=True)}
+    "native-direct": functools.partial(_serve_native, direct=True),
+    "http-direct": functools.partial(_serve_http, direct=True)}
 
 
 def _serve(kind: str, messages: int, cpus: Collection[int] | None,
@@ -246,6 +275,13 @@ def native_direct_message_floor_us(streams: int = 64, messages: int = 300,
     """The native server's CPU µs per streamed message written directly (`write_now`, as the
     gateway writes a running request's messages), as above."""
     return _server_cpu_per_message("native-direct", _drain_grpc, streams, messages, cpus)
+
+
+def http_direct_event_floor_us(streams: int = 64, messages: int = 300,
+                               cpus: Collection[int] | None = None) -> float:
+    """uvicorn's server CPU µs per SSE event written directly (as the gateway writes a lone
+    streamed prompt's running events), as above."""
+    return _server_cpu_per_message("http-direct", _drain_http, streams, messages, cpus)
 
 
 def http_event_floor_us(streams: int = 64, messages: int = 300,

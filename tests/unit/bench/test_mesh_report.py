@@ -24,6 +24,7 @@ from meshlm.bench.mesh_report import (
 from meshlm.bench.pinning import CpuPlan
 from meshlm.bench.transport_floor import (
     grpc_message_floor_us,
+    http_direct_event_floor_us,
     http_event_floor_us,
     native_direct_message_floor_us,
     native_grpc_message_floor_us,
@@ -124,11 +125,12 @@ def test_the_spaced_in_process_run_is_reported_beside_the_goal() -> None:
 
 def test_the_floor_line_says_where_the_bare_servers_ran_and_what_the_gateway_adds() -> None:
     assert floor_line({"gRPC": 26.4, "HTTP": 11.6}, {"gRPC": GRPC, "HTTP": HTTP}, 64, PLAN,
-                      30.2, 61.2) == (
+                      {"gRPC": 30.2, "HTTP": 14.4}, 61.2) == (
         "the transports' own cost of a streamed message (a bare server writing the gateway's "
         "per-token message to 64 streams at once, on CPU 1 as the gateway): gRPC (the "
-        "gateway's native server, written directly) 26 µs (each through its call's handler: "
-        "30; grpc.aio's: 61), HTTP (uvicorn, SSE) 12 µs. "
+        "gateway's native server) 26 µs, HTTP (uvicorn, SSE) 12 µs, written directly as the "
+        "gateway writes them (each through its call's handler: gRPC 30, HTTP 14; grpc.aio's "
+        "server: 61). "
         "Messages per output token at saturation (a stream's mailbox folds what arrives "
         "while its client is busy): gRPC 0.50, HTTP 1.00; "
         "so the floor per token: gRPC 13 µs, HTTP 12 µs. What the gateway spends above it (µs "
@@ -163,7 +165,8 @@ def test_the_bare_servers_stream_every_message_and_their_cpu_is_measured() -> No
     for floor in (grpc_message_floor_us(streams=3, messages=20),
                   native_grpc_message_floor_us(streams=3, messages=20),
                   native_direct_message_floor_us(streams=3, messages=20),
-                  http_event_floor_us(streams=3, messages=20)):
+                  http_event_floor_us(streams=3, messages=20),
+                  http_direct_event_floor_us(streams=3, messages=20)):
         assert 0 <= floor < 100_000  # every message arrived (else it raises); CPU ticks are coarse
 
 

@@ -158,9 +158,11 @@ def body_send(scope: Scope, send: Send) -> Send:
 class DirectBody:
     """A streamed response's chunks written straight to its connection from outside the
     response's task (the gateway's direct writes, `api/direct.py`), while the connection can
-    take them at once: uvicorn's httptools connection, its response started and chunked, not
-    complete, the client there and the socket not paused. Where the server's `send` is
-    anything else, nothing is written this way and the response's task writes every chunk."""
+    take them at once: uvicorn's httptools connection (the object whose method the server's
+    `send` is: its transport, flow control and response state), its response started and
+    chunked, not complete, the client there and the socket not paused. Where `send` is
+    anything else (h11's connection writes through its own state machine), nothing is
+    written this way and the response's task writes every chunk."""
 
     def __init__(self) -> None:
         self._cycle: Any = None
@@ -168,8 +170,7 @@ class DirectBody:
     def attach(self, body: Send) -> None:
         """`body`: the server's own send, once the response has started."""
         cycle = getattr(body, "__self__", None)
-        if (type(cycle).__module__ == "uvicorn.protocols.http.httptools_impl"
-                and all(hasattr(cycle, a) for a in _CYCLE_FIELDS)):
+        if all(hasattr(cycle, a) for a in _CYCLE_FIELDS):
             self._cycle = cycle
 
     def detach(self) -> None:

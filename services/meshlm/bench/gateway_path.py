@@ -185,7 +185,8 @@ class _Context:
             self.write_now = None  # type: ignore[assignment]
 
     def write_now(self, message: Any) -> bool:
-        self._written.add(len(self._serialize(message)))
+        data = message if isinstance(message, bytes) else self._serialize(message)
+        self._written.add(len(data))
         return True
 
     def invocation_metadata(self) -> tuple[()]:

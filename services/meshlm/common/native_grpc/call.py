@@ -115,10 +115,12 @@ class Context:
         await self._stream.send_message(self._serialize(message))
 
     def write_now(self, message: Any) -> bool:
-        """Send a streamed answer's next message at once, from outside the handler's task,
-        when the stream can take it without waiting; False, with nothing sent, otherwise
-        (the handler then sends it). Only while the handler is not itself sending."""
-        return self._stream.send_now(self._serialize(message))
+        """Send a streamed answer's next message (or its bytes, serialized already) at once,
+        from outside the handler's task, when the stream can take it without waiting; False,
+        with nothing sent, otherwise (the handler then sends it). Only while the handler is
+        not itself sending."""
+        return self._stream.send_now(message if isinstance(message, bytes)
+                                     else self._serialize(message))
 
     async def read(self) -> Any:
         raise NotImplementedError("requests reach handlers as their argument")

@@ -16,29 +16,41 @@ waits again, so the client's messages stay in order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
+from meshlm.common.logs import get_logger
 from meshlm.common.metrics import RequestMetrics
 from meshlm.common.packed import Plain
-from meshlm.gateway.protocol.meta_info import running_meta
 from meshlm.gateway.protocol.validation import ValidatedRequest
 
-# Sends one message of the call (its text, ids and meta_info) if it can go at once.
-Express = Callable[[str, Sequence[int], dict[str, str]], bool]
-DirectWrite = Callable[[Plain], bool]  # a running output, written to the client (True) or not
+log = get_logger(__name__)
+
+# Sends a running output as the call's next message (built by the front: its proto's bytes,
+# its SSE event), if it can go at once; False, with nothing sent or kept, otherwise.
+Express = Callable[[Plain], bool]
 
 
-def direct_write(v: ValidatedRequest, rid: str, clock: RequestMetrics,
-                 express: Express | None) -> DirectWrite | None:
+def direct_write(v: ValidatedRequest, clock: RequestMetrics,
+                 express: Express | None) -> Express | None:
     """How the inbox writes request `v`'s running outputs to its client, or None where they
-    must go through the handler."""
+    must go through the handler. (The message's meta_info is `protocol/meta_info.py`'s
+    `running_meta`: the rid and three counts.)"""
     if express is None or v.n != 1 or not v.stream or v.embed or v.sampling.return_logprob:
         return None
 
+    broken = False
+
     def write(item: Plain) -> bool:
-        _, ids, prompt, completion, cached, text = item
-        if not express(text, ids, running_meta(rid, prompt, completion, cached)):
+        nonlocal broken
+        if broken:
             return False
-        clock.output(prompt, completion, cached)
+        try:
+            if not express(item):
+                return False
+        except Exception:  # noqa: BLE001 - a bug here must not end the inbox's stream
+            log.exception("direct_write_failed", rid=item[0])
+            broken = True  # this request's outputs go through its handler from now on
+            return False
+        clock.output(item[2], item[3], item[4])
         return True
     return write

@@ -28,7 +28,7 @@ from meshlm.common.rpc import CallContext
 from meshlm.common.streams import BatchedStream
 from meshlm.common.tracing import carrier_of, detached_span, tracer
 from meshlm.gateway.api.core import GatewayCore
-from meshlm.gateway.api.direct import DirectWrite, Express, direct_write
+from meshlm.gateway.api.direct import Express, direct_write
 from meshlm.gateway.api.observers import RequestObservers
 from meshlm.gateway.api.request_record import RequestRecord
 from meshlm.gateway.mesh.aborts import abort_in_scheduler
@@ -39,6 +39,7 @@ from meshlm.gateway.mesh.wire import tokenizer_request
 from meshlm.gateway.protocol.choices import Choices, fan_out
 from meshlm.gateway.protocol.constraints import large_constraint
 from meshlm.gateway.protocol.meta_info import meta_info
+from meshlm.gateway.protocol.running_wire import RunningEncoder
 from meshlm.gateway.protocol.validation import (
     ValidatedRequest,
     check_batch,
@@ -79,20 +80,13 @@ class GenerationRPCs:
 
     async def TextGenerate(self, req: pb.TextGenerateRequest,
                            ctx: CallContext) -> AsyncIterator[pb.TextGenerateResponse]:
-        write = ctx.write_now
-        express: Express | None = None if write is None else (
-            lambda text, ids, meta: write(_with_meta(
-                pb.TextGenerateResponse(text=text, output_ids=ids), meta)))
-        async for g in self.generated(req, ctx, express):
+        async for g in self.generated(req, ctx, _express(ctx, text=True)):
             yield _with_meta(pb.TextGenerateResponse(text=g.text, finished=g.finished,
                                                      output_ids=g.output_ids), g.meta_info)
 
     async def Generate(self, req: pb.GenerateRequest,
                        ctx: CallContext) -> AsyncIterator[pb.GenerateResponse]:
-        write = ctx.write_now
-        express: Express | None = None if write is None else (
-            lambda text, ids, meta: write(_with_meta(pb.GenerateResponse(output_ids=ids), meta)))
-        async for g in self.generated(req, ctx, express):
+        async for g in self.generated(req, ctx, _express(ctx, text=False)):
             yield _with_meta(pb.GenerateResponse(output_ids=g.output_ids, finished=g.finished),
                              g.meta_info)
 
@@ -155,7 +149,7 @@ class GenerationRPCs:
                 dispatched = True
                 watch.sent()
                 # 5. stream: each sample's updates, folded as the client asked
-                direct = direct_write(v, rid, watch.clocks[0], express)
+                direct = direct_write(v, watch.clocks[0], express)
                 stream = self._stream(pendings, Choices(v.n, v.stream), expires, record, watch,
                                       direct)
                 async with aclosing(stream):
@@ -213,7 +207,7 @@ class GenerationRPCs:
 
     async def _stream(self, pendings: list[PendingRequest], choices: Choices,
                       expires: float | None, record: RequestRecord,
-                      watch: RequestObservers, direct: DirectWrite | None = None
+                      watch: RequestObservers, direct: Express | None = None
                       ) -> AsyncGenerator[tuple[int, Update], None]:
         """(sample, update) pairs due to the client, until every sample has ended; the
         request's failure (a sample's error, the deadline) is raised. While it waits after
@@ -296,6 +290,16 @@ class GenerationRPCs:
                 if role != "scheduler":
                     self.core.background.spawn(abort_in_scheduler(
                         self.core.channels, req.scheduler, [req.rid]))
+
+
+def _express(ctx: CallContext, text: bool) -> Express | None:
+    """TextGenerate's (`text`) or Generate's running messages sent as bytes straight to the
+    client, where the transport can (`api/direct.py`)."""
+    write = ctx.write_now
+    if write is None:
+        return None
+    encode = RunningEncoder(text)
+    return lambda item: write(encode(item))
 
 
 def _raise_if_cancelled(update: Update, ctx: CallContext) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
@@ -33,6 +33,7 @@ from starlette.types import Scope
 from meshlm.common.errors import MeshError
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import ServiceMetrics
+from meshlm.common.packed import Plain
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.direct import Express
 from meshlm.gateway.api.generation import Generated
@@ -61,6 +62,7 @@ from meshlm.gateway.front.sse import NativeChoices, native_embedding
 from meshlm.gateway.front.token_routes import token_routes
 from meshlm.gateway.protocol import native, transcode
 from meshlm.gateway.protocol.bounds import Bounds
+from meshlm.gateway.protocol.meta_info import running_meta
 from meshlm.gateway.protocol.validation import DEFAULT_MAX_NEW_TOKENS, check_batch
 from sglang.runtime.v1 import sglang_pb2
 
@@ -220,9 +222,11 @@ def _express(out: NativeChoices, direct: DirectBody | None) -> Express | None:
     if direct is None:
         return None
 
-    def express(text: str, ids: Sequence[int], meta: dict[str, str]) -> bool:
+    def express(item: Plain) -> bool:
         if not direct.writable():
             return False  # before folding it in: the handler will
+        rid, ids, prompt, completion, cached, text = item
+        meta = running_meta(rid, prompt, completion, cached)
         direct.write(out.add(Generated(text, list(ids), meta, False)).event())
         return True
     return express

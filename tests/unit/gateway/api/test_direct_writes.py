@@ -24,10 +24,10 @@ class Client:
         self.accept = accept  # whether the transport takes a message at once
         self.offered = 0
 
-    def write_now(self, message: Any) -> bool:
+    def write_now(self, message: bytes) -> bool:  # as the native server's, given bytes
         self.offered += 1
         if self.accept:
-            self.messages.append(("direct", message))
+            self.messages.append(("direct", pb.TextGenerateResponse.FromString(message)))
         return self.accept
 
     def fields(self) -> list[tuple[str, list[int], dict[str, str], bool]]:
@@ -124,3 +124,16 @@ async def test_logprobs_and_several_samples_always_take_the_handler() -> None:
         assert client.messages and req.direct is None
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_failing_direct_write_leaves_the_request_to_its_handler() -> None:
+    class Failing(Client):
+        def write_now(self, message: bytes) -> bool:
+            self.offered += 1
+            raise RuntimeError("a bug in a direct write")
+
+    client = Failing()
+    assert await _stream(client, direct=True, tokens=6) == ["handler"] * 6
+    assert client.offered == 1  # tried once, then this request's outputs went the usual way
+    assert [text for text, _, _, _ in client.fields()] == [" w0", " w1", " w2", " w3", " w4",
+                                                           " end"]

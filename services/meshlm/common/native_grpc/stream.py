@@ -5,6 +5,7 @@ handler, with the client's window given back as the handler reads them), its ans
 from __future__ import annotations
 
 import asyncio
+import struct
 import zlib
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,9 @@ from meshlm.common.native_grpc import frames as h2
 if TYPE_CHECKING:
     from meshlm.common.native_grpc.connection import Connection
 
+# A DATA frame's header (length in 3 bytes, type DATA, no flags, stream id) and the gRPC
+# message's (not compressed, length) in one pack.
+_DATA_HEAD = struct.Struct(">HBxxIxI")
 SEND_BUFFER = 256 * 1024  # a stream's unsent bytes past which its handler waits
 MAX_QUEUED_REQUESTS = 1024  # a streamed call's request messages not yet read by its handler
 RESPONSE_HEADERS = h2.literal(b":status", b"200") + h2.literal(b"content-type",
@@ -166,8 +170,7 @@ class Stream:
             return False
         self.send_window -= size
         out.send_window -= size
-        out.queue(size.to_bytes(3, "big") + b"\x00\x00" + self.id.to_bytes(4, "big")
-                  + b"\x00" + len(data).to_bytes(4, "big") + data)
+        out.queue(_DATA_HEAD.pack(size >> 8, size & 0xFF, self.id, len(data)) + data)
         return True
 
     async def _wait_writable(self) -> None:

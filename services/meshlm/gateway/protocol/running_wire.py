@@ -16,10 +16,18 @@ _IDS = {True: b"\xa2\x06",  # TextGenerateResponse.output_ids: field 100, packed
         False: b"\x0a"}     # GenerateResponse.output_ids: field 1
 
 
+_BYTE = [bytes((i,)) for i in range(0x80)]  # the varints of one byte
+# A completion_tokens entry up to its value, by the value's length (1 to 20 digits).
+_COMPLETION = {n: b"\x12" + _BYTE[21 + n] + b"\x0a\x11completion_tokens\x12" + _BYTE[n]
+               for n in range(1, 21)}
+
+
 def varint(n: int) -> bytes:
     """`n` (>= 0) as a protobuf varint."""
     if n < 0x80:
-        return bytes((n,))
+        return _BYTE[n]
+    if n < 0x4000:  # most token ids
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n >= 0x80:
         out.append((n & 0x7F) | 0x80)
@@ -45,21 +53,24 @@ class RunningEncoder:
     def __init__(self, text: bool) -> None:
         self._text = text
         self._ids_tag = _IDS[text]
-        self._kept: tuple[str, int, int] | None = None
+        self._rid = ""
+        self._prompt = self._cached = -1
         self._fixed = b""
 
     def __call__(self, item: Plain) -> bytes:
         rid, ids, prompt, completion, cached, text = item
-        if self._kept != (rid, prompt, cached):
-            self._kept = (rid, prompt, cached)
+        if prompt != self._prompt or cached != self._cached or rid != self._rid:
+            self._rid, self._prompt, self._cached = rid, prompt, cached
             self._fixed = (meta_entry(b"id", rid.encode()) + meta_entry(b"prompt_tokens",
                                                                          b"%d" % prompt)
                            + meta_entry(b"cached_tokens", b"%d" % cached))
-        out = self._fixed + meta_entry(b"completion_tokens", b"%d" % completion)
+        count = b"%d" % completion
+        parts = [self._fixed, _COMPLETION[len(count)], count]
         if text and self._text:
-            out += _field(_TEXT, text.encode())
+            data = text.encode()
+            size = len(data)
+            parts += (_TEXT, _BYTE[size] if size < 0x80 else varint(size), data)
         if ids:
-            packed = (varint(ids[0]) if len(ids) == 1
-                      else b"".join(varint(i) for i in ids))
-            out += _field(self._ids_tag, packed)
-        return out
+            packed = varint(ids[0]) if len(ids) == 1 else b"".join(varint(i) for i in ids)
+            parts += (self._ids_tag, varint(len(packed)), packed)
+        return b"".join(parts)

@@ -17,6 +17,7 @@ waits again, so the client's messages stay in order.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import RequestMetrics
@@ -28,6 +29,15 @@ log = get_logger(__name__)
 # Sends a running output as the call's next message (built by the front: its proto's bytes,
 # its SSE event), if it can go at once; False, with nothing sent or kept, otherwise.
 Express = Callable[[Plain], bool]
+
+
+class ChunkWriter(Protocol):
+    """Where an OpenAI stream's chunks (their JSON) can be written directly: the HTTP front's
+    SSE connection (`front/http_streams.DirectBody`)."""
+
+    def writable(self) -> bool: ...
+
+    def write(self, chunk: bytes) -> None: ...
 
 
 def direct_write(v: ValidatedRequest, clock: RequestMetrics,

@@ -27,13 +27,17 @@ from typing import Any, TypeVar
 
 from meshlm.common.context_length import truncated
 from meshlm.common.errors import MeshError, invalid
+from meshlm.common.packed import Plain
 from meshlm.common.rpc import CallContext
 from meshlm.gateway.api.core import GatewayCore, request_template
+from meshlm.gateway.api.direct import ChunkWriter, Express
 from meshlm.gateway.api.generation import GenerationRPCs, validated
 from meshlm.gateway.api.tokens import TokenRPCs
+from meshlm.gateway.mesh.inbox import Update
 from meshlm.gateway.protocol.bounds import text_chars
 from meshlm.gateway.protocol.chat_output import json_after_thinking, output_reader, thinking
 from meshlm.gateway.protocol.constraints import think_first
+from meshlm.gateway.protocol.meta_info import running_meta
 from meshlm.gateway.protocol.openai import (
     ChatRequest,
     CompletionRequest,
@@ -99,7 +103,7 @@ class OpenAIRPCs:
 
     # ---- the implementation the HTTP routes share --------------------------------------------
 
-    async def chat_chunks(self, req: ChatRequest) -> Chunks:
+    async def chat_chunks(self, req: ChatRequest, writer: ChunkWriter | None = None) -> Chunks:
         limits = await self.core.limits()
         model = served_model(self.core, req.model)
         check_batch(req.n, limits.max_batch, "n")
@@ -135,10 +139,11 @@ class OpenAIRPCs:
                             token_ids=req.return_token_ids, tokens_as_ids=req.tokens_as_ids,
                             prompt_logprobs=req.prompt_logprobs,
                             asked_ids=bool(req.logprob_ids))
-        async for chunk in self._answer(req, [(v, req.names)], answer):
+        async for chunk in self._answer(req, [(v, req.names)], answer, writer):
             yield chunk
 
-    async def completion_chunks(self, req: CompletionRequest) -> Chunks:
+    async def completion_chunks(self, req: CompletionRequest,
+                                writer: ChunkWriter | None = None) -> Chunks:
         limits = await self.core.limits()
         model = served_model(self.core, req.model)
         check_batch(len(req.prompts) * req.n, limits.max_batch, "prompt")
@@ -166,7 +171,7 @@ class OpenAIRPCs:
                                   tokens_as_ids=req.tokens_as_ids,
                                   prompt_logprobs=req.prompt_logprobs,
                                   asked_ids=bool(req.logprob_ids))
-        async for chunk in self._answer(req, runs, answer):
+        async for chunk in self._answer(req, runs, answer, writer):
             yield chunk
 
     async def embedding_response(self, req: EmbeddingRequest) -> bytes:
@@ -198,10 +203,14 @@ class OpenAIRPCs:
 
     async def _answer(self, req: GenerationRequest,
                       runs: list[tuple[ValidatedRequest, dict[str, str]]],
-                      answer: Answer) -> Chunks:
+                      answer: Answer, writer: ChunkWriter | None = None) -> Chunks:
         """Run every prompt through the gateway and fold their updates into `answer`'s
-        chunks."""
-        streams = [_renaming_stream(self.generation.generate(v), names) for v, names in runs]
+        chunks; with `writer`, a lone streamed sample's running chunks may be written
+        directly (`api/direct.py`)."""
+        express = (_chunk_express(answer, writer)
+                   if writer is not None and req.stream and len(runs) == 1 else None)
+        streams = [_renaming_stream(self.generation.generate(v, express), names)
+                   for v, names in runs]
         async for prompt, (update, meta) in _merged(streams):
             chunks = answer.add(prompt, update, meta)
             for i, chunk in enumerate(chunks):
@@ -211,6 +220,20 @@ class OpenAIRPCs:
             yield pb.OpenAIStreamChunk(json_chunk=dumps(answer.response()), finished=True)
         elif req.include_usage:
             yield pb.OpenAIStreamChunk(json_chunk=dumps(answer.usage_chunk()), finished=True)
+
+
+def _chunk_express(answer: Answer, writer: ChunkWriter) -> Express:
+    """A running output folded into `answer` and its chunks written, if `writer` can take
+    them now (checked before anything is folded in)."""
+    def express(item: Plain) -> bool:
+        if not writer.writable():
+            return False
+        rid, ids, prompt, completion, cached, text = item
+        update = Update(text, list(ids), None, None, prompt, completion, cached)
+        for chunk in answer.add(0, update, running_meta(rid, prompt, completion, cached)):
+            writer.write(dumps(chunk))
+        return True
+    return express
 
 
 def served_model(core: GatewayCore, model: str | None) -> str:

@@ -5,7 +5,7 @@ however the stream ends (which aborts an unfinished request)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -164,8 +164,9 @@ class DirectBody:
     anything else (h11's connection writes through its own state machine), nothing is
     written this way and the response's task writes every chunk."""
 
-    def __init__(self) -> None:
+    def __init__(self, frame: Callable[[bytes], bytes] | None = None) -> None:
         self._cycle: Any = None
+        self._frame = frame  # what a written piece becomes on the wire (an SSE event)
 
     def attach(self, body: Send) -> None:
         """`body`: the server's own send, once the response has started."""
@@ -182,7 +183,10 @@ class DirectBody:
                 and not cycle.response_complete and not cycle.flow.write_paused)
 
     def write(self, chunk: bytes) -> None:
-        """Write `chunk` as the server would (one HTTP/1.1 chunk); only when `writable()`."""
+        """Write `chunk` (framed) as the server would: one HTTP/1.1 chunk; only when
+        `writable()`."""
+        if self._frame is not None:
+            chunk = self._frame(chunk)
         self._cycle.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
 
 

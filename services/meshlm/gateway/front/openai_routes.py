@@ -31,7 +31,7 @@ from meshlm.gateway.api.openai import Chunks
 from meshlm.gateway.front.disconnect import unless_disconnected
 from meshlm.gateway.front.errors import Shape, error_body, failure
 from meshlm.gateway.front.http_call import call_context
-from meshlm.gateway.front.http_streams import EMPTY, StreamResponse, aclose, first
+from meshlm.gateway.front.http_streams import EMPTY, DirectBody, StreamResponse, aclose, first
 from meshlm.gateway.protocol.openai import (
     GenerationRequest,
     parse_chat,
@@ -100,15 +100,17 @@ def _card(card: pb.ModelCard, created: int) -> dict[str, Any]:
 
 
 async def _generation(parse: Callable[[bytes], GenerationRequest],
-                      run: Callable[[Any], Chunks], request: Request) -> Response:
+                      run: Callable[[Any, Any], Chunks], request: Request) -> Response:
     call_context(request)  # the deadline of a grpc-timeout header
     req = parse(await request.body())
-    chunks = run(req)
+    direct = DirectBody(frame=_event) if req.stream else None  # api/direct.py
+    chunks = run(req, direct)
     if not req.stream:
         last = await unless_disconnected(last_chunk(chunks), request.receive)
         return Response(last.json_chunk, media_type=JSON)
     head = await first_chunk(chunks, request)
-    return StreamResponse(_events(head, chunks, request.url.path), chunks, "text/event-stream")
+    return StreamResponse(_events(head, chunks, request.url.path), chunks, "text/event-stream",
+                          direct)
 
 
 async def first_chunk(chunks: Chunks, request: Request) -> pb.OpenAIStreamChunk:

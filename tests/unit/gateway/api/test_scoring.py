@@ -71,7 +71,8 @@ class FakeGateway(ScoringRPCs):
     async def call(call: Any) -> Any:
         return await call
 
-    async def generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
+    async def generate(self, v: ValidatedRequest, express: object = None
+                       ) -> AsyncIterator[tuple[Update, dict[str, str]]]:
         self.validated.append(v)
         prompt = v.text if v.text is not None else list(v.input_ids or [])
         if prompt == "long":

@@ -45,9 +45,10 @@ async def _serving() -> AsyncIterator[tuple[httpx.AsyncClient, Any]]:
         await task
 
 
-async def _generate(tokens: int) -> tuple[list[dict[str, Any]], int]:
-    """A streamed /generate of `tokens` tokens fed one at a time, each once the previous
-    event arrived; its events, and how many were written directly."""
+async def _generate(tokens: int, path: str = "/generate",
+                    body: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], int]:
+    """A streamed call to `path` (/generate by default) of `tokens` tokens fed one at a time,
+    each once the previous event arrived; its events, and how many were written directly."""
     written = 0
     write = http_streams.DirectBody.write
 
@@ -56,15 +57,16 @@ async def _generate(tokens: int) -> tuple[list[dict[str, Any]], int]:
         written += 1
         write(self, chunk)
 
+    if body is None:
+        body = {"text": "a prompt", "stream": True, "rid": "r1",
+                "sampling_params": {"max_new_tokens": 100}}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(http_streams.DirectBody, "write", counting)
         async with _serving() as (client, (mesh, table)):
             got: asyncio.Queue[str] = asyncio.Queue()
 
             async def read() -> None:
-                body = {"text": "a prompt", "stream": True, "rid": "r1",
-                        "sampling_params": {"max_new_tokens": 100}}
-                async with client.stream("POST", "/generate", json=body) as response:
+                async with client.stream("POST", path, json=body) as response:
                     assert response.status_code == 200
                     async for line in response.aiter_lines():
                         if line:  # not the blank line between events
@@ -73,21 +75,24 @@ async def _generate(tokens: int) -> tuple[list[dict[str, Any]], int]:
             reader = asyncio.create_task(read())
             while not mesh.started:
                 await asyncio.sleep(0)  # the request reaching the tokenizer's stream
-            req = table.requests["r1"]
+            [req] = table.requests.values()
+            rid = req.rid
             events = []
             for token in range(tokens):
                 last = token == tokens - 1
                 if token == 0 or last:  # whole, as the detokenizer sends them
                     req.deliver(gateway_pb2.TextOutput(
-                        rid="r1", token_ids=[token], text=f" w{token}", prompt_tokens=PROMPT,
+                        rid=rid, token_ids=[token], text=f" w{token}", prompt_tokens=PROMPT,
                         completion_tokens=token + 1, finished=last,
                         finish_reason="length" if last else ""))
                 else:
-                    req.deliver_running(("r1", [token], PROMPT, token + 1, 0, f" w{token}"))
-                events.append(orjson.loads(await asyncio.wait_for(got.get(), 10)))
-                while not last and req.direct is None:
-                    await asyncio.sleep(0)  # the handler back to waiting for news
-            assert await asyncio.wait_for(got.get(), 10) == "[DONE]"
+                    req.deliver_running((rid, [token], PROMPT, token + 1, 0, f" w{token}"))
+                while got.empty() or not last and req.direct is None:
+                    await asyncio.sleep(0)  # the event out; the handler back to waiting
+                while not got.empty() and not last:  # OpenAI's first: two chunks, maybe
+                    events.append(orjson.loads(got.get_nowait()))
+            while (line := await asyncio.wait_for(got.get(), 10)) != "[DONE]":
+                events.append(orjson.loads(line))  # the last output's (and usage's)
             await asyncio.wait_for(reader, 10)
     return events, written
 
@@ -110,3 +115,32 @@ async def test_running_events_are_written_directly_and_match_the_handlers() -> N
         "id": "r1", "finish_reason": None, "prompt_tokens": 17, "completion_tokens": 4,
         "cached_tokens": 0}}
     assert direct[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 100}
+
+
+def _without_ids(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for event in events:
+        event.pop("id", None)
+        event.pop("created", None)
+    return events
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/completions", {"model": "bench", "prompt": "a prompt", "stream": True,
+                         "max_tokens": 100}),
+    ("/v1/chat/completions", {"model": "bench", "stream": True, "max_tokens": 100,
+                              "messages": [{"role": "user", "content": "hi"}],
+                              "stream_options": {"include_usage": True,
+                                                 "continuous_usage_stats": True}}),
+])
+async def test_openai_streams_write_running_chunks_directly_as_the_handler_would(
+        path: str, body: dict[str, Any]) -> None:
+    direct, written = await _generate(6, path, body)
+    assert written >= 4  # the running outputs' chunks
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(http_streams.DirectBody, "writable", lambda self: False)
+        through_handler, none = await _generate(6, path, body)
+    assert none == 0
+    assert _without_ids(direct) == _without_ids(through_handler)
+    texts = [c.get("text") or c.get("delta", {}).get("content")
+             for event in direct for c in event.get("choices", [])]
+    assert "".join(t for t in texts if t) == " w0 w1 w2 w3 w4 w5"

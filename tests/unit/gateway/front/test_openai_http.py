@@ -91,7 +91,8 @@ class FakeGateway(OpenAIRPCs):
                         completion_tokens=0, cached_tokens=0, embedding=[0.5, float(size)])
         return update, {"id": "e1", "prompt_tokens": str(size)}
 
-    async def generate(self, v: ValidatedRequest) -> AsyncIterator[tuple[Update, dict[str, str]]]:
+    async def generate(self, v: ValidatedRequest, express: object = None
+                       ) -> AsyncIterator[tuple[Update, dict[str, str]]]:
         self.validated.append(v)
         prompt = v.text if v.text is not None else self.mode
         completed = False

@@ -56,8 +56,11 @@ class BatchedStream(Generic[T]):
         on_reply: Callable[[Any], None] | None = None,
         ready: Callable[[], Awaitable[None]] | None = None,
         on_lost: Callable[[str], None] | None = None,
+        weight: Callable[[T], int] | None = None,
     ) -> None:
         self.name, self.address = name, address
+        self._weight = weight  # what an item counts against capacity and max_batch (else 1)
+        self._load = 0  # the queue's items, weighed
         self._open_call, self._make_batch = open_call, make_batch
         self._on_reply = on_reply
         self._on_lost = on_lost
@@ -74,8 +77,12 @@ class BatchedStream(Generic[T]):
 
     @property
     def queued(self) -> int:
-        """Items waiting for the next batch (they pile up while the peer pushes back)."""
-        return len(self._queue)
+        """Items waiting for the next batch, weighed (they pile up while the peer pushes
+        back)."""
+        return self._load
+
+    def _weigh(self, items: list[T]) -> int:
+        return len(items) if self._weight is None else sum(map(self._weight, items))
 
     def start(self) -> None:
         if self._task is None:
@@ -83,15 +90,17 @@ class BatchedStream(Generic[T]):
 
     async def put(self, items: Iterable[T]) -> None:
         """Queue items; waits while the queue is full."""
-        while len(self._queue) >= self._capacity and not self._closed:
+        while self._load >= self._capacity and not self._closed:
             self._has_room.clear()
             await self._has_room.wait()
-        self._queue.extend(items)
-        self._has_items.set()
+        self.put_nowait(items)
 
     def put_nowait(self, items: Iterable[T]) -> None:
         """Queue items without waiting (callers that must never block, e.g. control messages)."""
+        if not isinstance(items, list):
+            items = list(items)
         self._queue.extend(items)
+        self._load += self._weigh(items)
         self._has_items.set()
 
     async def _watch(self, call: Any) -> None:
@@ -112,15 +121,26 @@ class BatchedStream(Generic[T]):
                 self._has_items.clear()
                 await self._has_items.wait()
                 continue
-            if len(self._queue) <= self._max_batch:  # the common case: take all at once
+            if self._load <= self._max_batch:  # the common case: take all at once
                 items = list(self._queue)
                 self._queue.clear()
+                self._load = 0
             else:
-                items = [self._queue.popleft() for _ in range(self._max_batch)]
-            if len(self._queue) < self._capacity:
+                items = self._take(self._max_batch)
+            if self._load < self._capacity:
                 self._has_room.set()
             await call.write(self._make_batch(items))
             self.messages_sent += 1
+
+    def _take(self, most: int) -> list[T]:
+        """Items from the queue's head up to `most` in weight (one at least)."""
+        items = [self._queue.popleft()]
+        taken = self._weigh(items)
+        while self._queue and taken + (w := self._weigh([self._queue[0]])) <= most:
+            items.append(self._queue.popleft())
+            taken += w
+        self._load -= taken
+        return items
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -135,8 +155,9 @@ class BatchedStream(Generic[T]):
                 error = f"{type(exc).__name__}: {exc}"
             if self._closed:
                 return
-            dropped = len(self._queue)
+            dropped = self._load
             self._queue.clear()
+            self._load = 0
             self._has_room.set()
             log.warning("stream_lost", stream=self.name, peer=self.address, error=error,
                         dropped=dropped)

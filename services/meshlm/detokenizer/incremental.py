@@ -13,6 +13,9 @@ out as U+FFFD).
 
 `make_detokenizer` picks the implementation for a tokenizer:
 
+- `ByteLevelDetokenizer`: for a decoder that is ByteLevel alone (GPT-2, Llama-3, Qwen): each
+  token stands for fixed bytes (token_bytes.py), so a step is a table lookup and, where a
+  character spans tokens, Python's incremental UTF-8 decoder.
 - `DecodeStreamDetokenizer`: the Rust `tokenizers.decoders.DecodeStream`, for decoders whose
   output is stable under appending tokens (ByteLevel, Metaspace, Replace/Fuse/Strip chains).
 - `OffsetDetokenizer`: the prefix/read-offset window of vLLM and SGLang's DecodeStatus, for the
@@ -25,13 +28,16 @@ Both decode only a few recent tokens per step; the whole sequence is decoded onc
 
 from __future__ import annotations
 
+import codecs
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream  # tokenizers >= 0.21
+
+from meshlm.detokenizer.token_bytes import ByteLevelTable
 
 _REPLACEMENT = "\ufffd"
 # Decoders under which decode(ids + more) always starts with decode(ids) once the latter ends in
@@ -58,7 +64,7 @@ class IncrementalDetokenizer(ABC):
         self._raw_len = 0  # characters of decoded text produced so far (before stop handling)
         self._pending = ""  # produced, but held back: it could be the start of a stop string
         self._done = False
-        self._matched_stop: str | None = None
+        self.matched_stop: str | None = None  # the stop string that ended the text, if any
         self._setup()
 
     @abstractmethod
@@ -68,12 +74,7 @@ class IncrementalDetokenizer(ABC):
     @property
     def stopped(self) -> bool:
         """True once a stop string has appeared; push() and finish() return "" from then on."""
-        return self._matched_stop is not None
-
-    @property
-    def matched_stop(self) -> str | None:
-        """The stop string that ended the text, if any."""
-        return self._matched_stop
+        return self.matched_stop is not None
 
     @property
     def token_ids(self) -> list[int]:
@@ -92,9 +93,7 @@ class IncrementalDetokenizer(ABC):
         """The request ended (eos, length, abort): return all text still held back."""
         if self._done:
             return ""
-        tail = ""
-        if self._holds_tokens():
-            tail = self._decode_all()[self._raw_len :]
+        tail = self._tail() if self._holds_tokens() else ""
         out = self._release(tail, final=True)
         self._done = True
         return out
@@ -106,6 +105,10 @@ class IncrementalDetokenizer(ABC):
     @abstractmethod
     def _holds_tokens(self) -> bool:
         """Whether some pushed ids have not been turned into text yet."""
+
+    def _tail(self) -> str:
+        """At finish: the text of the ids not yet turned into text."""
+        return self._decode_all()[self._raw_len :]
 
     def _decode_all(self) -> str:
         return self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
@@ -120,12 +123,51 @@ class IncrementalDetokenizer(ABC):
         if hit is not None:
             index, stop = hit
             self._pending = ""
-            self._matched_stop = stop
+            self.matched_stop = stop
             self._done = True
             return text[: index + len(stop)] if self._include_stop else text[:index]
         keep = 0 if final else _partial_stop_len(text, self._stops)
         self._pending = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
+
+
+class ByteLevelDetokenizer(IncrementalDetokenizer):
+    """For a ByteLevel decoder: each id's bytes from the tokenizer's table, decoded by this
+    request's incremental UTF-8 decoder (U+FFFD for invalid bytes, as the tokenizer's decode
+    gives; the start of a character is held until it completes or the request finishes)."""
+
+    def _setup(self) -> None:
+        self._table = _plan(self._tokenizer).byte_table(self._skip_special_tokens)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._partial = False  # the UTF-8 decoder holds the start of a character
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """One new id and no stop strings (a running request's every step, as a rule): its
+        text is one lookup when no character is split."""
+        if len(token_ids) != 1 or self._stops or self._done:
+            return super().push(token_ids)
+        token_id = token_ids[0]
+        self._ids.append(token_id)
+        text = None if self._partial else self._table.text.get(token_id)
+        if text is None:
+            text = self._decode(token_id)
+        self._raw_len += len(text)
+        return text
+
+    def _decode(self, token_id: int) -> str:
+        text = self._utf8.decode(self._table.bytes_of(token_id))
+        self._partial = bool(self._utf8.getstate()[0])
+        return text
+
+    def _decode_new(self, start: int) -> str:
+        return "".join([self._decode(token_id) for token_id in self._ids[start:]])
+
+    def _holds_tokens(self) -> bool:
+        return self._partial
+
+    def _tail(self) -> str:
+        self._partial = False
+        return self._utf8.decode(b"", final=True)
 
 
 class DecodeStreamDetokenizer(IncrementalDetokenizer):
@@ -239,7 +281,15 @@ def make_detokenizer(
     `stop`: strings that end the text (empty strings are ignored). `include_stop` keeps the
     matched stop string at the end of the text (SGLang's no_stop_trim); by default it is cut.
     """
-    if _plan(tokenizer).use_stream:
+    plan = _plan(tokenizer)
+    if plan.byte_level:
+        return ByteLevelDetokenizer(
+            tokenizer,
+            skip_special_tokens=skip_special_tokens,
+            stop=stop,
+            include_stop=include_stop,
+        )
+    if plan.use_stream:
         return DecodeStreamDetokenizer(
             tokenizer,
             skip_special_tokens=skip_special_tokens,
@@ -262,6 +312,15 @@ class _Plan:
     use_stream: bool  # DecodeStream is exact for its decoder
     byte_ids: frozenset[int]  # ByteFallback's <0xNN> tokens (empty without ByteFallback)
     special_ids: frozenset[int]  # added tokens that skip_special_tokens drops
+    byte_level: bool = False  # ByteLevel alone, and its table checked against decode
+    byte_tables: dict[bool, ByteLevelTable] = field(default_factory=dict)  # by skip_special
+
+    def byte_table(self, skip_special_tokens: bool) -> ByteLevelTable:
+        table = self.byte_tables.get(skip_special_tokens)
+        if table is None:
+            table = self.byte_tables[skip_special_tokens] = ByteLevelTable(
+                self.tokenizer, self.special_ids if skip_special_tokens else frozenset())
+        return table
 
 
 _PLANS: dict[int, _Plan] = {}  # by id(tokenizer); a process has one or two tokenizers
@@ -283,6 +342,8 @@ def _plan(tokenizer: Tokenizer) -> _Plan:
         byte_ids=byte_ids,
         special_ids=frozenset(i for i, t in specials if t.special),
     )
+    if kinds - {"Sequence"} == {"ByteLevel"} and plan.byte_table(False).check():
+        plan = replace(plan, byte_level=True, byte_tables=plan.byte_tables)
     _PLANS[id(tokenizer)] = plan
     return plan
 

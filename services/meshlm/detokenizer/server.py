@@ -14,7 +14,7 @@ from meshlm.common import config as cfg
 from meshlm.common.channels import ChannelPool
 from meshlm.common.logs import get_logger
 from meshlm.common.metrics import DetokenizerMetrics
-from meshlm.common.packed import Plain, packer, unpack
+from meshlm.common.packed import Plain, Run, entry_ids, packer, unpack
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
 from meshlm.common.server import Binding
@@ -46,6 +46,9 @@ from meshlm.v1 import detokenizer_pb2_grpc as pb_grpc
 
 log = get_logger(__name__)
 
+# What goes to a gateway: a whole output, a running request's entry, or a step's entries packed.
+Outgoing = gateway_pb2.TextOutput | Plain | Run
+
 
 @dataclass
 class DetokenizerConfig(ServiceConfig):
@@ -57,7 +60,7 @@ class DetokenizerConfig(ServiceConfig):
 
 
 class DetokenizerServicer(pb_grpc.DetokenizerServicer):
-    def __init__(self, tok: TextTokenizer, gateways: StreamPool[gateway_pb2.TextOutput | Plain],
+    def __init__(self, tok: TextTokenizer, gateways: StreamPool[Outgoing],
                  channels: ChannelPool, model_name: str = "") -> None:
         self._tok = tok
         self._token_texts = TokenTexts(tok.tokenizer)
@@ -83,26 +86,33 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
             if events.active:
                 events.record("send", new)
                 events.record("finish", [o.rid for items in by_gateway.values() for o in items
-                                         if not isinstance(o, tuple) and o.finished])
+                                         if isinstance(o, gateway_pb2.TextOutput)
+                                         and o.finished])
             for scheduler, rids in stops.items():
                 self._stop_in_scheduler(scheduler, rids)
         return common_pb2.Empty()
 
     def decode_batch(self, batch: detokenizer_pb2.TokenBatch
-                     ) -> tuple[dict[str, list[gateway_pb2.TextOutput | Plain]],
-                                dict[str, list[str]]]:
-        """Decode one step's outputs, in order; returns the items for each gateway (a running
-        request's text packed, common/packed.py; anything more whole) and, per scheduler, the
+                     ) -> tuple[dict[str, list[Outgoing]], dict[str, list[str]]]:
+        """Decode one step's outputs, in order; returns the items for each gateway (running
+        requests' texts packed, common/packed.py; anything more whole) and, per scheduler, the
         rids that matched a stop string (to be stopped there).
 
         Logprobs travel with the token ids they belong to (held-back text does not hold them
         back), with their tokens' texts added when the request asked for them."""
-        by_gateway: dict[str, list[gateway_pb2.TextOutput | Plain]] = {}
+        by_gateway: dict[str, list[Outgoing]] = {}
         stops: dict[str, list[str]] = {}
         needs_texts: list[tuple[Sequence[int], common_pb2.Logprobs]] = []
-        for item in unpack(batch.outputs, batch.packed):
+        outputs, packed = batch.outputs, batch.packed
+        if packed.rids and (not outputs or {o.rid for o in outputs}.isdisjoint(packed.rids)):
+            # No request both packed and whole here: the entries can go first, as one run.
+            self._decode_run(packed, entry_ids(outputs, packed), by_gateway, stops)
+            items: Sequence[detokenizer_pb2.TokenOutput | Plain] = outputs
+        else:
+            items = unpack(outputs, packed)
+        for item in items:
             if isinstance(item, tuple):
-                routed = self._decode_running(item, stops)
+                routed = self._route_running(self._decoded(item), stops)
             else:
                 routed = self._decode_whole(item, stops, needs_texts)
             if routed is not None:
@@ -111,20 +121,64 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
             self._token_texts.fill(needs_texts)
         return by_gateway, stops
 
-    def _decode_running(self, item: Plain, stops: dict[str, list[str]]
-                        ) -> tuple[str, gateway_pb2.TextOutput | Plain] | None:
-        """The common case, a running request's new ids: its text packed for its gateway, or
-        whole when the text matched a stop string; None when the request is over here."""
-        rid, ids, prompt, completion, cached, _ = item
+    def _decode_run(self, packed: common_pb2.PackedOutputs, new_ids: list[Sequence[int]],
+                    by_gateway: dict[str, list[Outgoing]], stops: dict[str, list[str]]) -> None:
+        """A step's packed entries (running requests' new ids), a column at a time. In the
+        common case (every request live here, one gateway, no stop string matched) the
+        entries go on as they came, with their texts added: one Run, no per-entry message or
+        tuple. Otherwise they are routed one by one."""
+        states = self._states
+        texts: list[str] = []
+        regular = True
+        gateway = None
+        for rid, ids in zip(packed.rids, new_ids, strict=True):
+            state = states.get(rid)
+            if state is None:  # already finished here (stop string): nothing to deliver
+                regular = False
+                texts.append("")
+                continue
+            decoder = state.decoder
+            if decoder is None:  # token ids only
+                texts.append("")
+            else:
+                texts.append(decoder.push(ids))
+                if decoder.matched_stop is not None:
+                    regular = False
+            if state.gateway != gateway:
+                regular = regular and gateway is None
+                gateway = state.gateway
+        if regular and gateway is not None:
+            run = Run()
+            run.CopyFrom(packed)
+            run.ClearField("outputs_at")
+            run.ClearField("texts")
+            run.texts.extend(texts)
+            by_gateway.setdefault(gateway, []).append(run)
+            return
+        for entry in zip(packed.rids, new_ids, packed.prompt_tokens, packed.completion_tokens,
+                         packed.cached_tokens, texts, strict=True):
+            routed = self._route_running(entry, stops)
+            if routed is not None:
+                by_gateway.setdefault(routed[0], []).append(routed[1])
+
+    def _decoded(self, item: Plain) -> Plain:
+        """A running request's entry with its new text."""
+        state = self._states.get(item[0])
+        if state is None or state.decoder is None:
+            return item
+        return (*item[:5], state.decoder.push(item[1]))
+
+    def _route_running(self, entry: Plain, stops: dict[str, list[str]]
+                       ) -> tuple[str, Outgoing] | None:
+        """A decoded running entry for its gateway: packed, or whole when its text matched a
+        stop string; None when the request is over here."""
+        rid, ids, prompt, completion, cached, text = entry
         state = self._states.get(rid)
         if state is None:
             return None  # already finished here (stop string): nothing to deliver
         decoder = state.decoder
-        if decoder is None:
-            return state.gateway, item
-        text = decoder.push(ids)
-        if not decoder.stopped:
-            return state.gateway, (rid, ids, prompt, completion, cached, text)
+        if decoder is None or not decoder.stopped:
+            return state.gateway, entry
         text_out = gateway_pb2.TextOutput(rid=rid, text=text, token_ids=ids,
                                           prompt_tokens=prompt, completion_tokens=completion,
                                           cached_tokens=cached)
@@ -223,10 +277,11 @@ async def serve(config: DetokenizerConfig) -> None:
     def on_gateway_lost(address: str) -> None:  # streams start after the servicer exists
         servicer.gateway_lost(address)
 
-    gateways: StreamPool[gateway_pb2.TextOutput | Plain] = peers.stream_pool(
+    gateways: StreamPool[Outgoing] = peers.stream_pool(
         "detokenizer->gateway", "gateway",
         lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
-        packer(gateway_pb2.TextBatch, texts=True), on_lost=on_gateway_lost)
+        packer(gateway_pb2.TextBatch, texts=True), on_lost=on_gateway_lost,
+        weight=lambda item: len(item.rids) if type(item) is Run else 1)
     servicer = DetokenizerServicer(tok, gateways, peers.channels, Path(model_path).name)
     server = mesh_server(config, [Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
                                   "meshlm.v1.Detokenizer"), profiler_binding(servicer.profiling)])

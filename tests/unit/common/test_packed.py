@@ -28,6 +28,13 @@ def _wire(batch: Any) -> Any:
     return type(batch).FromString(batch.SerializeToString())
 
 
+def _to_gateway(items: list[Any]) -> list[Any]:
+    """The detokenizer's items for one gateway as that gateway reads them: in one TextBatch,
+    a run's entries as Plain tuples."""
+    batch = _wire(packer(gateway_pb2.TextBatch, texts=True)(items))
+    return _as_tuples(unpack(batch.outputs, batch.packed))
+
+
 def _as_tuples(items: list[Any]) -> list[Any]:
     return [(i[0], list(i[1]), *i[2:]) if isinstance(i, tuple) else i for i in items]
 
@@ -49,6 +56,29 @@ def test_items_come_back_in_the_order_they_were_put() -> None:
     assert len(batch.outputs) == 4 and list(batch.packed.rids) == ["b", "a", "c"]
     assert list(batch.packed.outputs_at) == [0, 1, 1, 3] and not batch.packed.texts
     assert _as_tuples(list(unpack(batch.outputs, batch.packed))) == items
+
+
+def test_runs_merge_with_tuples_and_whole_outputs_in_order() -> None:
+    """Runs (entries already packed, as the detokenizer passes a step on) go into the batch as
+    they are, between the tuples and whole outputs queued around them."""
+    def run(*entries: Any) -> common_pb2.PackedOutputs:
+        return _wire(packer(gateway_pb2.TextBatch, texts=True)(list(entries))).packed
+
+    whole = gateway_pb2.TextOutput(rid="w", text="!", finished=True)
+    items: list[Any] = [
+        ("a", [1], 3, 1, 0, "x"),
+        run(("b", [2], 4, 1, 0, "y"), ("c", [3, 4], 5, 2, 1, "zz")),
+        whole,
+        run(("d", [5], 6, 1, 0, "")),
+        ("e", [6], 7, 1, 0, "q"),
+    ]
+    batch = _wire(packer(gateway_pb2.TextBatch, texts=True)(items))
+    assert list(batch.packed.outputs_at) == [3]
+    assert _as_tuples(unpack(batch.outputs, batch.packed)) == [
+        ("a", [1], 3, 1, 0, "x"), ("b", [2], 4, 1, 0, "y"), ("c", [3, 4], 5, 2, 1, "zz"),
+        whole, ("d", [5], 6, 1, 0, ""), ("e", [6], 7, 1, 0, "q")]
+    alone = run(("b", [2], 4, 1, 0, "y"))
+    assert packer(gateway_pb2.TextBatch, texts=True)([alone]).packed == alone
 
 
 def test_texts_travel_on_the_detokenizers_hop_only() -> None:
@@ -124,7 +154,9 @@ def test_the_detokenizer_packs_running_text_and_ends_a_stop_match_whole() -> Non
     # A running request's ids come packed; so do a token-ids-only request's.
     by_gateway, stops = servicer.decode_batch(_wire(make(
         [("a", ids[1:stop_at], 4, stop_at, 0, ""), ("g", [6], 4, 2, 0, "")])))
-    (a, g) = by_gateway["gw"]
+    (run,) = by_gateway["gw"]  # both live, for one gateway, no stop: the step's arrays
+    assert isinstance(run, common_pb2.PackedOutputs)
+    (a, g) = _to_gateway(by_gateway["gw"])
     assert a[:5] == ("a", ids[1:stop_at], 4, stop_at, 0) and g == ("g", [6], 4, 2, 0, "")
     texts.append(a[5])
     assert stops == {}
@@ -140,6 +172,41 @@ def test_the_detokenizer_packs_running_text_and_ends_a_stop_match_whole() -> Non
     assert stops == {"s": ["a"]}
     by_gateway, _ = servicer.decode_batch(_wire(make([("a", ids[stop_at + 1:], 4, 9, 0, "")])))
     assert by_gateway == {}
+
+
+def test_a_step_for_two_gateways_with_a_stop_and_a_stranger_goes_entry_by_entry() -> None:
+    """Where a step's entries cannot pass on as one run (two gateways, a stop string matched,
+    a request unknown here) each goes its own way, in order, with the text decoded once."""
+    tok = TextTokenizer(_tokenizer(), model_path=Path("."), max_model_len=2048)
+    servicer = DetokenizerServicer(tok, None, None)  # type: ignore[arg-type]  # no I/O here
+    words = _tokenizer().encode(" red fox", add_special_tokens=False).ids
+    make = packer(detokenizer_pb2.TokenBatch)
+    heads = [_header_output("a", [words[0]]), _header_output("b", [words[0]]),
+             _header_output("c", [words[0]], stop=(" fox",))]
+    heads[1].header.meta.route.gateway = "gw2"
+    servicer.decode_batch(_wire(make(heads)))
+    step = make([("a", [words[1]], 4, 2, 0, ""), ("b", [words[1]], 4, 2, 0, ""),
+                 ("x", [words[1]], 4, 2, 0, ""), ("c", [words[1]], 4, 2, 0, "")])
+    by_gateway, stops = servicer.decode_batch(_wire(step))
+    text = _tokenizer().decode(words[1:2])
+    a, c = by_gateway["gw"]
+    assert a == ("a", [words[1]], 4, 2, 0, text)
+    assert isinstance(c, gateway_pb2.TextOutput) and c.finished and c.matched_text == " fox"
+    assert by_gateway["gw2"] == [("b", [words[1]], 4, 2, 0, text)]
+    assert stops == {"s": ["c"]}
+
+
+def test_a_request_both_whole_and_packed_in_one_batch_keeps_its_order() -> None:
+    """Steps merged into one batch can hold a request's first output (whole) and its next
+    (packed): they are decoded in the order they were made."""
+    tok = TextTokenizer(_tokenizer(), model_path=Path("."), max_model_len=2048)
+    servicer = DetokenizerServicer(tok, None, None)  # type: ignore[arg-type]  # no I/O here
+    ids = _tokenizer().encode(" one two", add_special_tokens=False).ids
+    batch = packer(detokenizer_pb2.TokenBatch)(
+        [_header_output("n", ids[:1]), ("n", ids[1:], 4, len(ids), 0, "")])
+    by_gateway, _ = servicer.decode_batch(_wire(batch))
+    first, then = _to_gateway(by_gateway["gw"])
+    assert first.text + then[5] == " one two"
 
 
 async def test_the_gateways_mailbox_takes_packed_and_whole_outputs_alike() -> None:

@@ -73,6 +73,28 @@ async def test_put_waits_when_full():
     await stream.close()
 
 
+async def test_weighed_items_count_by_weight_against_capacity_and_max_batch():
+    """A weighed item (the detokenizer's run of a step's entries) counts what it carries: the
+    queue fills by weight, and a batch takes items up to max_batch in weight (one at least)."""
+    peer = FakePeer()
+    stream = BatchedStream("t", "peer", peer.open, list, capacity=10, max_batch=6,
+                           weight=len)
+    await stream.put([[1] * 4, [2] * 5])
+    assert stream.queued == 9
+    await stream.put([[3]])  # 9 < 10: room
+    blocked = asyncio.create_task(stream.put([[4] * 7]))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert not blocked.done() and stream.queued == 10
+    stream.start()
+    await asyncio.wait_for(blocked, 5)
+    await _until(lambda: sum(len(b) for b in peer.batches) == 4)
+    # Within 6 in weight each, in order; the 7 goes alone.
+    assert [[len(i) for i in b] for b in peer.batches] == [[4], [5, 1], [7]]
+    assert stream.queued == 0
+    await stream.close()
+
+
 async def test_reconnects_and_keeps_sending_after_failure():
     peer = FakePeer(fail_after=1)
     stream = BatchedStream("t", "peer", peer.open, list)

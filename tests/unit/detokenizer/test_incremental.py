@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from meshlm.common.default_corpus import CORPUS
 from meshlm.common.default_model import build_tokenizer
 from meshlm.detokenizer.incremental import (
+    ByteLevelDetokenizer,
     DecodeStreamDetokenizer,
     IncrementalDetokenizer,
     OffsetDetokenizer,
@@ -98,9 +99,21 @@ def offset_detokenizer(
     return OffsetDetokenizer(tok, skip_special_tokens=skip_special_tokens, stop=stop)
 
 
+def stream_detokenizer(
+    tok: Tokenizer, *, skip_special_tokens: bool, stop: Sequence[str] = ()
+) -> IncrementalDetokenizer:
+    """The Rust DecodeStream where the byte-level table is picked (it is exact there too);
+    elsewhere what make_detokenizer picks."""
+    det = make_detokenizer(tok, skip_special_tokens=skip_special_tokens, stop=stop)
+    if isinstance(det, ByteLevelDetokenizer):
+        return DecodeStreamDetokenizer(tok, skip_special_tokens=skip_special_tokens, stop=stop)
+    return det
+
+
 FACTORIES: dict[str, Callable[..., IncrementalDetokenizer]] = {
     "auto": make_detokenizer,
     "offset": offset_detokenizer,
+    "stream": stream_detokenizer,
 }
 
 # -- reference ------------------------------------------------------------------------------------
@@ -181,7 +194,7 @@ def test_stream_equals_full_decode_cut_at_stop(tok_name: str, factory: str, data
 
 def test_factory_picks_by_decoder() -> None:
     det = make_detokenizer(default_tokenizer(), skip_special_tokens=True)
-    assert isinstance(det, DecodeStreamDetokenizer)
+    assert isinstance(det, ByteLevelDetokenizer)
     assert isinstance(
         make_detokenizer(metaspace_tokenizer(), skip_special_tokens=True), DecodeStreamDetokenizer
     )
@@ -279,7 +292,7 @@ def test_decode_stream_failure_falls_back_exactly(stop: list[str], expected: str
 
     tok = default_tokenizer()
     ids = tok.encode("Tomas laughed 😀 and sat down.", add_special_tokens=False).ids
-    det = make_detokenizer(tok, skip_special_tokens=True, stop=stop)
+    det = stream_detokenizer(tok, skip_special_tokens=True, stop=stop)
     first = "".join(det.push([i]) for i in ids[:5])
     assert isinstance(det, DecodeStreamDetokenizer)
     det._stream = Broken()  # type: ignore[assignment]
@@ -293,3 +306,45 @@ def test_empty_pushes_and_no_ids() -> None:
     assert det.push([]) == ""
     assert det.finish() == ""
     assert det.push([5]) == "" and not det.stopped
+
+
+def _byte_token(tok: Tokenizer, byte: int) -> int:
+    """The id of the byte-level token that stands for `byte` alone."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in printable]
+    char = chr(byte) if byte in printable else chr(256 + shifted.index(byte))
+    token_id = tok.token_to_id(char)
+    assert token_id is not None
+    return token_id
+
+
+@pytest.mark.parametrize("raw", [
+    b"\xf0\x80\x80A",  # an impossible second byte
+    b"\xed\xa0\x80z",  # a surrogate's encoding
+    b"\xe4\xbd",  # a character cut short at the end
+    b"\xff\xfe ok",  # bytes that never start a character
+    b"\xc3",  # the first half of "é" alone
+])
+def test_byte_level_invalid_bytes_decode_as_the_tokenizer_does(raw: bytes) -> None:
+    tok = default_tokenizer()
+    ids = [_byte_token(tok, b) for b in raw]
+    for skip in (True, False):
+        det = make_detokenizer(tok, skip_special_tokens=skip)
+        assert isinstance(det, ByteLevelDetokenizer)
+        pushed, tail = stream(det, ids, [1])
+        assert "".join(pushed) + tail == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_byte_level_added_tokens_outside_the_byte_alphabet() -> None:
+    """An added token spelled with characters the byte alphabet lacks stands for its own UTF-8
+    bytes, special or not (a fresh tokenizer: the table is per tokenizer)."""
+    tok = Tokenizer.from_str(default_tokenizer().to_str())
+    tok.add_tokens(["你好", "ümlaut"])
+    tok.add_special_tokens(["<|ключ|>"])
+    ids = tok.encode("a你好 <|ключ|>ümlaut", add_special_tokens=False).ids
+    for skip in (True, False):
+        det = make_detokenizer(tok, skip_special_tokens=skip)
+        assert isinstance(det, ByteLevelDetokenizer)
+        pushed, tail = stream(det, ids, [1])
+        assert "".join(pushed) + tail == tok.decode(ids, skip_special_tokens=skip)
+    assert "你好" in tok.decode(ids) and "<|ключ|>" not in tok.decode(ids, skip_special_tokens=True)

@@ -223,6 +223,8 @@ class PythonicCalls(CallReader):
             if not start and not last:
                 return "", []
             self._calls_mode = start.startswith("[")
+            if not self._calls_mode:  # content, with the white space held until now
+                return self._as_content(self._text), []
         if not self._calls_mode:
             return self._as_content(text), []
         deltas: list[Delta] = []

@@ -12,7 +12,7 @@ from typing import Any
 import llguidance
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from meshlm.common.errors import MeshError
@@ -567,6 +567,7 @@ _PIECES = ["<tool_call>", "</tool_call>", "<function=f>", "<parameter=x>", "</pa
 
 
 @settings(max_examples=200, deadline=None)
+@example(["\n", "<tool_call>"], 1, "pythonic")  # white space held, then content: all of it
 @given(st.lists(st.sampled_from(_PIECES), max_size=12), st.integers(1, 9),
        st.sampled_from(sorted(PARSERS)))
 def test_every_parser_reads_any_output_the_same_however_split(pieces: list[str], size: int,

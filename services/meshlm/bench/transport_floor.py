@@ -10,11 +10,13 @@ tick of a timer, as the gateway writes one message to each client per engine ste
 - HTTP: uvicorn as the gateway runs it (httptools), the gateway's Starlette response class,
   SGLang's /generate event (cumulative text, the same meta_info keys) as Server-Sent Events.
 
-Its CPU seconds per message are the transport's own cost of one public message, measured on this
-machine in this run; times the messages per token the gateway wrote (fewer than one at
-saturation, where a stream's mailbox folds what arrives while its client is busy), it is the
-floor under the gateway's µs per token. What the gateway spends above it is its own work
-(reading the detokenizer's stream, routing each update, building the message).
+The messages are made before the run: making them is the gateway's own work, which
+`bench.gateway_path` measures. The server's CPU seconds per message are the transport's own
+cost of one public message, measured on this machine in this run; times the messages per
+token the gateway wrote (fewer than one at saturation, where a stream's mailbox folds what
+arrives while its client is busy), it is the floor under the gateway's µs per token. What the
+gateway spends above it is its own work (reading the detokenizer's stream, routing each
+update, building the message).
 """
 
 from __future__ import annotations
@@ -61,15 +63,18 @@ def _message(i: int, messages: int) -> pb.TextGenerateResponse:
 
 
 class _Streamer(sglang_pb2_grpc.SglangServiceServicer):
+    """The messages are made before the run: making one is the gateway's own work (and
+    bench.gateway_path's), not the transport's."""
+
     def __init__(self, messages: int, ticks: _Ticks) -> None:
-        self.messages = messages
+        self.replies = [_message(i, messages) for i in range(messages)]
         self.ticks = ticks
 
     async def TextGenerate(self, req: pb.TextGenerateRequest,
                            ctx: grpc.aio.ServicerContext) -> AsyncIterator[pb.TextGenerateResponse]:
-        for i in range(self.messages):
+        for reply in self.replies:
             await self.ticks.tick.wait()
-            yield _message(i, self.messages)
+            yield reply
 
 
 class _DirectStreamer(sglang_pb2_grpc.SglangServiceServicer):
@@ -79,12 +84,14 @@ class _DirectStreamer(sglang_pb2_grpc.SglangServiceServicer):
 
     def __init__(self, messages: int, ticks: _Ticks) -> None:
         self.messages = messages
+        self.replies = [_message(i, messages) for i in range(messages)]  # made beforehand,
+        self.wire = [m.SerializeToString() for m in self.replies]  # as _Streamer's
         self.running: dict[Any, list[Any]] = {}  # context -> [next message, its end]
         ticks.on_tick = self._tick
 
     def _tick(self) -> None:
         for context, state in list(self.running.items()):
-            if context.write_now(_message(state[0], self.messages)):
+            if context.write_now(self.wire[state[0]]):
                 state[0] += 1
             if state[0] == self.messages - 1:
                 del self.running[context]
@@ -92,11 +99,11 @@ class _DirectStreamer(sglang_pb2_grpc.SglangServiceServicer):
 
     async def TextGenerate(self, req: pb.TextGenerateRequest,
                            ctx: grpc.aio.ServicerContext) -> AsyncIterator[pb.TextGenerateResponse]:
-        yield _message(0, self.messages)
+        yield self.replies[0]
         end = asyncio.Event()
         self.running[ctx] = [1, end]
         await end.wait()
-        yield _message(self.messages - 1, self.messages)
+        yield self.replies[-1]
 
 
 async def _serve_grpc(messages: int, ticks: _Ticks, ports: multiprocessing.Queue) -> None:
@@ -128,11 +135,12 @@ def _sse_app(messages: int, ticks: _Ticks, direct: bool = False) -> Any:
     from meshlm.gateway.front.sse import SSE_DONE
 
     running: dict[DirectBody, list[Any]] = {}  # -> [next event, its end]
+    made = [_event(i) for i in range(messages)]  # beforehand, as the gRPC servers' messages
 
     def tick() -> None:
         for body, state in list(running.items()):
             if body.writable():
-                body.write(_event(state[0]))
+                body.write(made[state[0]])
                 state[0] += 1
             if state[0] == messages - 1:
                 del running[body]
@@ -140,15 +148,15 @@ def _sse_app(messages: int, ticks: _Ticks, direct: bool = False) -> Any:
 
     async def events(body: DirectBody | None) -> AsyncIterator[bytes]:
         if body is None:
-            for i in range(messages):
+            for event in made:
                 await ticks.tick.wait()
-                yield _event(i)
+                yield event
         else:
-            yield _event(0)
+            yield made[0]
             end = asyncio.Event()
             running[body] = [1, end]
             await end.wait()
-            yield _event(messages - 1)
+            yield made[-1]
         yield SSE_DONE
 
     async def generate(request: Request) -> StreamResponse:

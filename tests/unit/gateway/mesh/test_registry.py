@@ -3,6 +3,7 @@
 import pytest
 import redis
 
+from meshlm.gateway.mesh import registry
 from meshlm.gateway.mesh.registry import RidRegistry, coalesce, command, key
 from meshlm.launch.redis_server import RedisServer
 
@@ -66,6 +67,33 @@ async def test_an_error_reply_fails_the_round_and_the_next_one_writes(redis_serv
         await reg.close()
 
 
+async def test_a_rounds_writes_go_in_evals_and_a_refused_one_fails_the_round(redis_server,
+                                                                         monkeypatch):
+    """Many records go as several EVALs of the write script in one round trip, each record
+    with its fields and TTL; a record Redis refuses (a key that is not a hash) is the round's
+    error, after the script wrote the others."""
+    monkeypatch.setattr(registry, "WRITES_PER_EVAL", 3)
+    sync = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=5)
+    try:
+        ops = [(f"r{i}", {"state": "running", "n": str(i)}, 5 if i % 2 else None)
+               for i in range(7)]
+        commands = reg._writes(ops)
+        assert len(commands) == 3 and all(c.startswith(b"*") for c in commands)
+        await reg._send(commands)
+        for i in range(7):
+            record = sync.hgetall(key(f"r{i}"))
+            assert record["state"] == "running" and record["n"] == str(i)
+            assert 0 < sync.ttl(key(f"r{i}")) <= (5 if i % 2 else 100)
+        sync.set(key("not-a-hash"), "x")
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            await reg._send(reg._writes([("not-a-hash", {"state": "queued"}, None),
+                                         ("fine", {"state": "queued"}, None)]))
+        assert sync.hget(key("fine"), "state") == "queued"
+    finally:
+        await reg.close()
+
+
 def test_coalesce_merges_each_rids_ops_in_order():
     ops = [("a", {"gateway": "g", "state": "queued"}, None),
            ("b", {"state": "running"}, None),
@@ -78,9 +106,9 @@ def test_coalesce_merges_each_rids_ops_in_order():
 
 
 async def test_a_short_requests_writes_reach_redis_as_one_write(redis_server):
-    """create_later, running and finish within one flush interval: one HSET with the final
-    state and one EXPIRE with the finished TTL; no script (a pipeline with one first asks
-    whether the script exists, a round trip of its own)."""
+    """create_later, running and finish within one flush interval: one EVAL (by its text:
+    EVALSHA would first ask whether the script exists, a round trip of its own) doing one
+    HSET with the final state and one EXPIRE with the finished TTL."""
     sync = redis.Redis.from_url(redis_server.url)
     reg = RidRegistry(redis_server.url, ttl=100, finished_ttl=5, flush_interval=0.2)
     reg.start()
@@ -98,7 +126,7 @@ async def test_a_short_requests_writes_reach_redis_as_one_write(redis_server):
         stats = sync.info("commandstats")
         calls = {c: stats.get(f"cmdstat_{c}", {}).get("calls", 0)
                  for c in ("hset", "expire", "evalsha", "eval", "script", "script|exists")}
-        assert calls == {"hset": 1, "expire": 1, "evalsha": 0, "eval": 0, "script": 0,
+        assert calls == {"hset": 1, "expire": 1, "evalsha": 0, "eval": 1, "script": 0,
                          "script|exists": 0}
     finally:
         await reg.close()

@@ -178,16 +178,19 @@ class MeshPeers:
     def stream_pool(self, name: str, role: str, open_call: Callable[[Any], Any],
                     make_batch: Callable[[list[T]], Any],
                     on_lost: Callable[[str], None] | None = None,
-                    weight: Callable[[T], int] | None = None) -> StreamPool[T]:
+                    weight: Callable[[T], int] | None = None,
+                    write_through: bool = False) -> StreamPool[T]:
         """Streams `name` to any `role` peer's address: `open_call(channel)` gives the RPC to
         call (e.g. `lambda ch: DetokenizerStub(ch).Push`), `make_batch(items)` the message,
         `on_lost(address)` runs after a call to that peer failed, `weight(item)` what an item
-        counts against the queue's bounds (see BatchedStream)."""
+        counts against the queue's bounds, `write_through` for a producer that puts once per
+        step (see BatchedStream)."""
         def open_stream(address: str) -> BatchedStream[T]:
             self.channels.for_role(role, address)  # names the peer
             channel = self.channels.stream_channel(address)
             return BatchedStream(name, address, open_call(channel), make_batch,
-                                 ready=channel.channel_ready, on_lost=on_lost, weight=weight)
+                                 ready=channel.channel_ready, on_lost=on_lost, weight=weight,
+                                 write_through=write_through)
 
         pool: StreamPool[T] = StreamPool(open_stream)
         self._pools.append(pool)

@@ -81,13 +81,13 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
             by_gateway, stops = self.decode_batch(batch)
             self.metrics.decoded(len(batch.outputs) + len(batch.packed.rids),
                                  sum(len(rids) for rids in stops.values()))
-            for address, items in by_gateway.items():
-                await self._gateways.get(address).put(items)
-            if events.active:
+            if events.active:  # before the hand-off: a put may write at once
                 events.record("send", new)
                 events.record("finish", [o.rid for items in by_gateway.values() for o in items
                                          if isinstance(o, gateway_pb2.TextOutput)
                                          and o.finished])
+            for address, items in by_gateway.items():
+                await self._gateways.get(address).put(items)
             for scheduler, rids in stops.items():
                 self._stop_in_scheduler(scheduler, rids)
         return common_pb2.Empty()
@@ -281,7 +281,7 @@ async def serve(config: DetokenizerConfig) -> None:
         "detokenizer->gateway", "gateway",
         lambda ch: gateway_pb2_grpc.GatewayInboxStub(ch).Deliver,
         packer(gateway_pb2.TextBatch, texts=True), on_lost=on_gateway_lost,
-        weight=lambda item: len(item.rids) if type(item) is Run else 1)
+        weight=lambda item: len(item.rids) if type(item) is Run else 1, write_through=True)
     servicer = DetokenizerServicer(tok, gateways, peers.channels, Path(model_path).name)
     server = mesh_server(config, [Binding(pb_grpc.add_DetokenizerServicer_to_server, servicer,
                                   "meshlm.v1.Detokenizer"), profiler_binding(servicer.profiling)])

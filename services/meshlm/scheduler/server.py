@@ -227,7 +227,7 @@ async def serve(config: SchedulerConfig) -> None:
     outputs: StreamPool[detokenizer_pb2.TokenOutput | Plain] = peers.stream_pool(
         "scheduler->detokenizer", "detokenizer",
         lambda ch: detokenizer_pb2_grpc.DetokenizerStub(ch).Push,
-        packer(detokenizer_pb2.TokenBatch))
+        packer(detokenizer_pb2.TokenBatch), write_through=True)
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         eos_token_ids=sorted(engine.eos_token_ids),

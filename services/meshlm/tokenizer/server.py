@@ -217,8 +217,8 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                 by_scheduler.setdefault(meta.route.scheduler, []).append(
                     wire.tokenized(req, prompt, carrier_of(span), words, tags))
         for address, items in by_scheduler.items():
+            events.record("send", (r.meta.rid for r in items))  # a put may write at once
             await self._schedulers.get(address).put(items)
-            events.record("send", (r.meta.rid for r in items))
         self.metrics.forwarded(len(requests) - len(rejections), sum(
             len(r.input_ids) for items in by_scheduler.values() for r in items), len(rejections))
         return rejections
@@ -260,7 +260,7 @@ async def serve(config: TokenizerConfig) -> None:
     peers = MeshPeers(config)
     schedulers: StreamPool[scheduler_pb2.TokenizedRequest] = peers.stream_pool(
         "tokenizer->scheduler", "scheduler", lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Submit,
-        lambda items: scheduler_pb2.TokenizedBatch(requests=items))
+        lambda items: scheduler_pb2.TokenizedBatch(requests=items), write_through=True)
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=tok.max_model_len, vocab_size=tok.vocab_size,
         eos_token_ids=tok.eos_token_ids,

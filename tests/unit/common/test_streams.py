@@ -95,6 +95,59 @@ async def test_weighed_items_count_by_weight_against_capacity_and_max_batch():
     await stream.close()
 
 
+class NowaitCall(FakeCall):
+    """A call that can take a message at once (as the native client's), until `full`."""
+
+    full = False
+
+    def write_nowait(self, batch) -> bool:
+        if self.full or self.ended.done():
+            return False
+        self.peer.batches.append(("now", batch))
+        return True
+
+
+class NowaitPeer(FakePeer):
+    def open(self):
+        self.calls += 1
+        self.call = NowaitCall(self, fail=False)
+        return self.call
+
+
+async def test_write_through_sends_a_put_at_once_while_the_sender_is_idle():
+    """With write_through, a put that finds the sender idle is its own message, written by
+    the put itself; one the call cannot take at once is queued, and the sender sends it and
+    what follows, in order."""
+    peer = NowaitPeer()
+    stream = BatchedStream("t", "peer", peer.open, list, write_through=True)
+    stream.start()
+    await _until(lambda: stream._idle)
+    await stream.put([1, 2])
+    stream.put_nowait([3])
+    assert peer.batches == [("now", [1, 2]), ("now", [3])] and stream.messages_sent == 2
+    peer.call.full = True
+    await stream.put([4])
+    stream.put_nowait([5])  # queued behind 4, not written ahead of it
+    await _until(lambda: sum(len(b) for b in peer.batches if isinstance(b, list)) == 2)
+    assert peer.batches[2:] in ([[4, 5]], [[4], [5]])
+    peer.call.full = False
+    await _until(lambda: stream._idle)
+    await stream.put([6])
+    assert peer.batches[-1] == ("now", [6])
+    await stream.close()
+
+
+async def test_without_write_through_puts_wait_for_the_sender():
+    peer = NowaitPeer()
+    stream = BatchedStream("t", "peer", peer.open, list)
+    stream.start()
+    await _until(lambda: stream._idle)
+    await stream.put([1])
+    assert peer.batches == []
+    await _until(lambda: peer.batches == [[1]])
+    await stream.close()
+
+
 async def test_reconnects_and_keeps_sending_after_failure():
     peer = FakePeer(fail_after=1)
     stream = BatchedStream("t", "peer", peer.open, list)

@@ -120,6 +120,18 @@ class NativeCall:
             if call.status is not None and call.status.code() != grpc.StatusCode.OK:
                 raise call.status
 
+    def write_nowait(self, message: Any) -> bool:
+        """Send one message at once if nothing of the call's waits to be sent before it; False,
+        with nothing sent, otherwise (or once the call has ended). What the peer's windows do
+        not take at once goes when they open, in order."""
+        call = self._call
+        if call.status is not None or call.sent_end or call.pending:
+            return False
+        data = self._serialize(message)
+        call.conn.send_message(call, b"\x00" + len(data).to_bytes(4, "big") + data)
+        call.conn.out.flush()
+        return True
+
     async def done_writing(self) -> None:
         call = self._call
         if call.status is None and not call.sent_end:

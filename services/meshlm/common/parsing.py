@@ -53,13 +53,14 @@ class Parser:
         self.method = method
         self.name = message_name(deserializer, method)
 
-    def parse(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+    def parse(self, raw: bytes, context: grpc.aio.ServicerContext | None) -> Any:
         try:
             return self._deserialize(raw)
         except Exception as exc:  # noqa: BLE001 - any parse failure is the client's message
             reason = reason_of(exc)
             log.warning("malformed_message", method=self.method, message=self.name,
-                        reason=reason, size=len(raw), peer=context.peer())
+                        reason=reason, size=len(raw),
+                        peer=context.peer() if context is not None else "")
             raise MeshError(grpc.StatusCode.INVALID_ARGUMENT,
                             f"could not parse {self.name}: {reason}") from None
 

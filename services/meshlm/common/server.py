@@ -9,11 +9,12 @@ import asyncio
 import contextlib
 import signal
 import ssl
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -27,7 +28,7 @@ from meshlm.common.channels import (
 from meshlm.common.interceptors import ErrorInterceptor, TracingInterceptor
 from meshlm.common.logs import get_logger
 from meshlm.common.native_grpc.server import NativeServer
-from meshlm.common.parsing import ParseInterceptor
+from meshlm.common.parsing import ParseInterceptor, Parser
 
 log = get_logger(__name__)
 
@@ -92,6 +93,12 @@ def server_options(public: bool = False, max_receive_bytes: int | None = None,
 NATIVE_PUBLIC_WINDOW = 4 * 1024 * 1024  # a public call's receive window on the native server
 
 
+def _parsing(sink: Sink, parser: Parser) -> Callable[[bytes], None]:
+    """`sink` taking bytes: each parsed (a malformed one is INVALID_ARGUMENT, as everywhere)."""
+    parse, take = parser.parse, sink.take
+    return lambda raw: take(parse(raw, None))
+
+
 def _keepalive_seconds(public: bool) -> tuple[float, float]:
     """The native server's (idle time before it PINGs a silent client, time for the answer),
     as grpc.aio's server options set them."""
@@ -119,6 +126,18 @@ class Binding:
     add: Callable[[Any, grpc.aio.Server], None]
     servicer: Any
     name: str
+    sinks: Mapping[str, Sink] = field(default_factory=dict)  # method name -> its sink
+
+
+@dataclass(frozen=True)
+class Sink:
+    """Where a streamed request's messages go on the native server: each is parsed as
+    `message` and given to `take` as its bytes arrive, instead of waking the method's handler
+    for it (`NativeServer.add_sink`). The handler, which grpc.aio's server runs as ever, must
+    do the same with each message it reads; on the native server it reads only their end."""
+
+    message: type[Message]
+    take: Callable[[Any], None]
 
 
 class GrpcServer:
@@ -153,6 +172,11 @@ class GrpcServer:
         recording = RecordingServer(self.server)
         for b in bindings:
             b.add(b.servicer, recording)
+            if isinstance(self.server, NativeServer):
+                for method, sink in b.sinks.items():
+                    path = f"/{b.name}/{method}"
+                    self.server.add_sink(path, _parsing(sink, Parser(sink.message.FromString,
+                                                                     path)))
         self.accept_ahead = AcceptAhead(self.server, recording.methods, chain, accept_ahead)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Generic, TypeVar
 
@@ -57,14 +58,18 @@ class BatchedStream(Generic[T]):
         ready: Callable[[], Awaitable[None]] | None = None,
         on_lost: Callable[[str], None] | None = None,
         weight: Callable[[T], int] | None = None,
-        write_through: bool = False,
+        write_through: bool = False, quiet: float = 0.0,
     ) -> None:
         self.name, self.address = name, address
         # write_through: a put that finds the sender idle and the call able to take a message
         # at once (`write_nowait`, the native client's calls) writes its batch itself, a task
         # switch and a loop turn sooner; for producers that put once per step (a put's items
-        # are then its one message, as the sender would have made them).
+        # are then its one message, as the sender would have made them). With `quiet`, only a
+        # put at least that many seconds after the one before: for producers that put an item
+        # at a time (a lone one leaves at once, a burst is gathered, a message a loop turn).
         self._write_through = write_through
+        self._quiet = quiet
+        self._last_put = 0.0  # time.monotonic() of the last put, with `quiet`
         self._direct: Callable[[Any], bool] | None = None  # the open call's write_nowait
         self._idle = False  # the sender waits for items
         self._weight = weight  # what an item counts against capacity and max_batch (else 1)
@@ -107,7 +112,11 @@ class BatchedStream(Generic[T]):
         """Queue items without waiting (callers that must never block, e.g. control messages)."""
         if not isinstance(items, list):
             items = list(items)
-        if self._direct is not None and self._idle and not self._queue and items:
+        lone = True
+        if self._quiet:
+            now = time.monotonic()
+            lone, self._last_put = now - self._last_put >= self._quiet, now
+        if self._direct is not None and self._idle and not self._queue and items and lone:
             try:
                 if self._direct(self._make_batch(items)):
                     self.messages_sent += 1

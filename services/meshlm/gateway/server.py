@@ -192,8 +192,10 @@ async def serve(config: GatewayConfig) -> None:
                            redis_auth)
     registry.start()
 
+    inbox_servicer = InboxServicer(table)
     inbox = mesh_server(config, [Binding(gateway_pb2_grpc.add_GatewayInboxServicer_to_server,
-                                         InboxServicer(table), "meshlm.v1.GatewayInbox")])
+                                         inbox_servicer, "meshlm.v1.GatewayInbox",
+                                         inbox_servicer.sinks())])
     inbox_address = advertised(config, await start_mesh_server(inbox, config, tls))
     identity = GatewayIdentity(inbox=inbox_address, served_model_name=config.served_model_name,
                                tool_call_parser=config.tool_call_parser,

@@ -25,7 +25,7 @@ from meshlm.common.metrics import SchedulerMetrics
 from meshlm.common.packed import Plain, packer
 from meshlm.common.profiling import Profiling, profiler_binding
 from meshlm.common.roles import MESH_PORTS
-from meshlm.common.server import Binding
+from meshlm.common.server import Binding, Sink
 from meshlm.common.service import (
     MeshPeers,
     ServiceConfig,
@@ -134,9 +134,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def Submit(self, request_iterator: AsyncIterator[scheduler_pb2.TokenizedBatch],
                      context: grpc.aio.ServicerContext) -> common_pb2.Empty:
-        async for batch in request_iterator:
+        async for batch in request_iterator:  # on the native server: none (`sinks`)
             self.loop.submit(batch)
         return common_pb2.Empty()
+
+    def sinks(self) -> dict[str, Sink]:
+        """Submit's batches admitted as they arrive (on the native server): no task switch
+        and no loop turn between a tokenizer's batch and the engine loop's wake-up."""
+        return {"Submit": Sink(scheduler_pb2.TokenizedBatch, self.loop.submit)}
 
     async def Abort(self, request: scheduler_pb2.AbortRequest,
                     context: grpc.aio.ServicerContext) -> scheduler_pb2.AbortResponse:
@@ -243,7 +248,8 @@ async def serve(config: SchedulerConfig) -> None:
                       grammars=Grammars(model_path, engine.vocab_size, engine.eos_token_ids))
     servicer = SchedulerServicer(loop, EngineControl(engine, loop, info))
     server = mesh_server(config, [Binding(pb_grpc.add_SchedulerServicer_to_server, servicer,
-                                  "meshlm.v1.Scheduler"), profiler_binding(profiling)])
+                                          "meshlm.v1.Scheduler", servicer.sinks()),
+                                  profiler_binding(profiling)])
     bound = await start_mesh_server(server, config, peers.tls)
     loop.address = advertised(config, bound)
     loop.watchdog.report = server.set_serving

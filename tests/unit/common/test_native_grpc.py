@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
+from meshlm.common.errors import MeshError
 from meshlm.common.native_grpc import frames as h2
 from meshlm.common.native_grpc.server import NativeServer
 from meshlm.common.tls import tls_context
@@ -376,3 +377,34 @@ async def test_write_now_sends_within_the_window_and_declines_past_it(served: An
         assert b"grpc-status" in trailers
     finally:
         client.close()
+
+
+async def test_a_sink_takes_each_message_where_it_arrives(served: Any) -> None:
+    server, _, port = served
+    taken: list[bytes] = []
+    server.add_sink(f"/{SERVICE}/Sum", taken.append)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        sums = _method(channel, "Sum", "stream_unary")
+        assert await sums(iter([b"1", b"2", b"39"])) == b"0"  # its handler read only the end
+    assert taken == [b"1", b"2", b"39"]
+
+
+@pytest.mark.parametrize(("failure", "code", "details"), [
+    (MeshError(grpc.StatusCode.INVALID_ARGUMENT, "a bad batch"),
+     grpc.StatusCode.INVALID_ARGUMENT, "a bad batch"),
+    (KeyError("rid"), grpc.StatusCode.INTERNAL, "internal error: KeyError('rid')"),
+])
+async def test_a_failing_sink_ends_its_call_with_a_status(served: Any, failure: Exception,
+                                                          code: grpc.StatusCode,
+                                                          details: str) -> None:
+    server, _, port = served
+
+    def sink(message: bytes) -> None:
+        if message == b"2":
+            raise failure
+    server.add_sink(f"/{SERVICE}/Sum", sink)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await _method(channel, "Sum", "stream_unary")(iter([b"1", b"2", b"3"]))
+        assert (failed.value.code(), failed.value.details()) == (code, details)
+        assert await _method(channel, "Echo")(b"ok") == b"ko"  # the connection serves on

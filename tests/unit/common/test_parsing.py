@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from meshlm.common.interceptors import ErrorInterceptor, TracingInterceptor
 from meshlm.common.parsing import ParseInterceptor, message_name, reason_of
-from meshlm.common.server import GrpcServer
+from meshlm.common.server import Binding, GrpcServer, Sink
 from meshlm.v1 import common_pb2, tokenizer_pb2
 
 MARKER = "MALFORMED-MARKER"
@@ -207,3 +207,29 @@ async def test_grpc_server_refuses_malformed_health_checks_on_both_ports():
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await server.stop(None)
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+async def test_a_native_servers_sink_takes_parsed_messages_and_refuses_malformed_ones(
+        caplog, kind):
+    recorder, taken = Recorder(), []
+    server = GrpcServer([Binding(
+        lambda r, s: s.add_generic_rpc_handlers([handlers(r)]), recorder, "test.Parse",
+        {"StreamUnary": Sink(tokenizer_pb2.GenerateBatch, taken.append)})], native=True)
+    address = await server.start("127.0.0.1", 0, None)
+    good = tokenizer_pb2.GenerateBatch(requests=[tokenizer_pb2.GenerateRequest(
+        meta=common_pb2.RequestMeta(rid="ok"))])
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            method = channel.stream_unary("/test.Parse/StreamUnary")
+            await method(iter([good.SerializeToString()] * 2), timeout=5)
+            assert taken == [good, good] and recorder.seen == []  # the sink took them
+            raws = [good.SerializeToString(), MALFORMED[kind](BATCH), good.SerializeToString()]
+            with caplog.at_level(logging.WARNING, logger="meshlm.common.parsing"):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await method(iter(raws), timeout=5)
+    finally:
+        await server.stop(None)
+    assert_refused(err.value, "meshlm.v1.GenerateBatch")
+    assert taken == [good] * 3  # the one before the bad message, none after
+    assert len(refusals(caplog)) == 1

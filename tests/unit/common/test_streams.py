@@ -137,6 +137,26 @@ async def test_write_through_sends_a_put_at_once_while_the_sender_is_idle():
     await stream.close()
 
 
+async def test_quiet_write_through_sends_a_lone_put_at_once_and_gathers_a_burst():
+    """With `quiet`, only a put that comes that long after the one before is written at once;
+    puts close together wait for the sender, which sends them as one message."""
+    peer = NowaitPeer()
+    stream = BatchedStream("t", "peer", peer.open, list, write_through=True, quiet=60.0)
+    stream.start()
+    await _until(lambda: stream._idle)
+    stream.put_nowait([1])  # the first: nothing came before it
+    stream.put_nowait([2])
+    stream.put_nowait([3])
+    assert peer.batches == [("now", [1])]
+    await _until(lambda: len(peer.batches) == 2)
+    assert peer.batches[1] == [2, 3]
+    await _until(lambda: stream._idle)
+    stream._last_put -= 120.0  # as if two quiet minutes had passed
+    stream.put_nowait([4])
+    assert peer.batches[2] == ("now", [4])
+    await stream.close()
+
+
 async def test_without_write_through_puts_wait_for_the_sender():
     peer = NowaitPeer()
     stream = BatchedStream("t", "peer", peer.open, list)

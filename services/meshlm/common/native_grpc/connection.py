@@ -250,6 +250,7 @@ class Connection(asyncio.Protocol):
         if not content_type.startswith(b"application/grpc"):
             return self._http_error(stream, b"415")
         path = pseudo.get(b":path", b"").decode("latin-1")
+        stream.sink = self.server.sinks.get(path)
         if end:
             stream.on_data(b"", True)
         deadline = None if timeout is None else self._loop.time() + timeout

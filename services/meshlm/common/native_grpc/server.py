@@ -25,7 +25,7 @@ import grpc
 from meshlm.common.logs import get_logger
 from meshlm.common.native_grpc.call import CallDetails, Context, encoded_metadata, run_handler
 from meshlm.common.native_grpc.connection import Connection
-from meshlm.common.native_grpc.stream import Stream, StreamError
+from meshlm.common.native_grpc.stream import Sink, Stream, StreamError
 
 log = get_logger(__name__)
 
@@ -52,6 +52,7 @@ class NativeServer(grpc.aio.Server):
         self._listeners: list[asyncio.Server] = []
         self._calls: set[asyncio.Task[None]] = set()
         self._stopped = asyncio.Event()
+        self.sinks: dict[str, Sink] = {}  # method -> what takes its request messages
         self._server = None  # grpc.aio's core server, which accept-ahead looks for: none here
 
     # -- registration (as grpc.aio.Server) -------------------------------------------------
@@ -64,6 +65,14 @@ class NativeServer(grpc.aio.Server):
                                        ) -> None:
         for name, handler in method_handlers.items():
             self._methods[f"/{service_name}/{name}"] = handler
+
+    def add_sink(self, method: str, sink: Sink) -> None:
+        """Hand each request message of `method` (/package.Service/Method, a streamed request)
+        to `sink` where its bytes arrive, on the connection's read: no task switch and no loop
+        turn before it is taken, where the handler would wake for each. The handler still runs
+        and answers the call, and reads only the end of its requests. A sink that raises ends
+        the call: a MeshError with its status, anything else INTERNAL."""
+        self.sinks[method] = sink
 
     def add_insecure_port(self, address: str) -> int:
         return self._bind(address, None)

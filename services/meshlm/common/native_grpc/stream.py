@@ -7,15 +7,21 @@ from __future__ import annotations
 import asyncio
 import struct
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from meshlm.common.errors import MeshError
+from meshlm.common.logs import get_logger
 from meshlm.common.native_grpc import frames as h2
 
 if TYPE_CHECKING:
     from meshlm.common.native_grpc.connection import Connection
+
+log = get_logger(__name__)
+
+Sink = Callable[[bytes], None]  # takes one request message of a call (`NativeServer.add_sink`)
 
 # A DATA frame's header (length in 3 bytes, type DATA, no flags, stream id) and the gRPC
 # message's (not compressed, length) in one pack.
@@ -40,7 +46,7 @@ class Stream:
 
     __slots__ = ("id", "conn", "send_window", "recv_unacked", "unread", "pending", "trailers",
                  "headers_sent", "remote_ended", "closed", "task", "encoding", "_inbox",
-                 "_buf", "_writable")
+                 "_buf", "_writable", "sink")
 
     def __init__(self, stream_id: int, conn: Connection, send_window: int) -> None:
         self.id = stream_id
@@ -58,6 +64,9 @@ class Stream:
         self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._buf = b""
         self._writable: asyncio.Future[None] | None = None
+        # Takes each request message where its bytes arrive, instead of the handler
+        # (`NativeServer.add_sink`); the handler then reads only the end of the requests.
+        self.sink: Sink | None = None
 
     # -- requests -------------------------------------------------------------------------
     def on_data(self, data: bytes, end: bool) -> None:
@@ -74,6 +83,10 @@ class Stream:
             message = buf[at + 5:at + 5 + size]
             if buf[at]:
                 message = self._decompressed(message)
+            if self.sink is not None:
+                at += 5 + size
+                self._sink(message)
+                continue
             if self._inbox.qsize() >= MAX_QUEUED_REQUESTS:
                 raise StreamError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"more than {MAX_QUEUED_REQUESTS} request messages unread")
@@ -84,6 +97,20 @@ class Stream:
         if end:
             self.remote_ended = True
             self._inbox.put_nowait(None)
+
+    def _sink(self, message: bytes) -> None:
+        """Hand `message` to the sink; its failure ends the call (a MeshError with its status,
+        anything else INTERNAL, logged)."""
+        assert self.sink is not None
+        try:
+            self.sink(message)
+        except MeshError as exc:
+            self._inbox.put_nowait(None)
+            raise StreamError(exc.code, exc.message) from None
+        except Exception as exc:  # noqa: BLE001 - one call's failure, not the connection's
+            log.exception("sink_failed", peer=self.conn.peer, stream=self.id, error=repr(exc))
+            self._inbox.put_nowait(None)
+            raise StreamError(grpc.StatusCode.INTERNAL, f"internal error: {exc!r}") from None
 
     def _decompressed(self, message: bytes) -> bytes:
         if self.encoding not in (b"gzip", b"deflate"):

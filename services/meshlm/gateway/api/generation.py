@@ -143,11 +143,11 @@ class GenerationRPCs:
                 # 4. dispatch: one batch to the tokenizer, the first sample first
                 trace_context = carrier_of(span)
                 context = self.core.model.max_model_len if self.core.model else 0
-                await self._dispatch(tokenizer, [
-                    tokenizer_request(v, c, route, trace_context, started, expires, context)
-                    for c in children])
+                requests = [tokenizer_request(v, c, route, trace_context, started, expires,
+                                              context) for c in children]
+                watch.sent()  # before the hand-off: a lone request is written by the put
+                await self._dispatch(tokenizer, requests)
                 dispatched = True
-                watch.sent()
                 # 5. stream: each sample's updates, folded as the client asked
                 direct = direct_write(v, watch.clocks[0], express)
                 stream = self._stream(pendings, Choices(v.n, v.stream), expires, record, watch,

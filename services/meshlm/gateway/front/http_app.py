@@ -222,12 +222,17 @@ def _express(out: NativeChoices, direct: DirectBody | None) -> Express | None:
     if direct is None:
         return None
 
+    first = out.outputs[0]  # one sample: its running messages carry no index
+
     def express(item: Plain) -> bool:
         if not direct.writable():
             return False  # before folding it in: the handler will
-        rid, ids, prompt, completion, cached, text = item
-        meta = running_meta(rid, prompt, completion, cached)
-        direct.write(out.add(Generated(text, list(ids), meta, False)).event())
+        event = first.running_event(item)
+        if event is None:  # not the plain event: folded in as the handler would
+            rid, ids, prompt, completion, cached, text = item
+            meta = running_meta(rid, prompt, completion, cached)
+            event = out.add(Generated(text, list(ids), meta, False)).event()
+        direct.write(event)
         return True
     return express
 

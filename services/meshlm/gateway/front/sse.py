@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from meshlm.common.packed import Plain
 from meshlm.gateway.api.generation import Generated
 from meshlm.gateway.protocol.logprob_meta import LOGPROB_KEYS
 from sglang.runtime.v1 import sglang_pb2
@@ -36,6 +37,7 @@ _COUNTS = ("prompt_tokens", "completion_tokens", "cached_tokens")
 _LOGPROB_KEYS = frozenset(LOGPROB_KEYS)
 _CONSUMED = {"id", "index", "finish_reason", "matched_stop", "matched_stop_type", "e2e_latency",
              *_COUNTS, *LOGPROB_KEYS}
+_RUNNING = {"id", "index", *_COUNTS}  # a running message's meta_info keys (`running_meta`)
 
 # The api's messages, as protos or not yet (`api/generation.Generated`): the same fields.
 GenerateMessage = sglang_pb2.TextGenerateResponse | sglang_pb2.GenerateResponse | Generated
@@ -61,7 +63,7 @@ class NativeOutput:
         self.started = started  # time.monotonic() when the HTTP request arrived
         self.text = ""
         self.output_ids: list[int] | None = None
-        self.meta: dict[str, str] = {}
+        self.meta: dict[str, str | int] = {}  # meta_info so far (counts: str or int)
         self.logprobs: dict[str, list[Any]] = {}
         self.finished = False
         self._text_json = bytearray()  # the text so far, JSON-escaped, without its quotes
@@ -90,6 +92,41 @@ class NativeOutput:
                 if value is not None:
                     self.logprobs.setdefault(key, []).extend(orjson.loads(value))
         self.finished = self.finished or message.finished
+
+    def running_event(self, item: Plain) -> bytes | None:
+        """Fold in a running output as the inbox has it (`api/direct.py`: rid, new ids, the
+        three counts, new text) and return its SSE event: the bytes `add` of its message and
+        `event()` give, made from the counts as numbers rather than through meta_info's
+        strings and back. None, with nothing folded in, where the event is not the plain one
+        (logprobs, meta_info keys of the request's own, or a sample already finished)."""
+        meta = self.meta
+        if self.logprobs or self.finished or not meta.keys() <= _RUNNING:
+            return None
+        rid, ids, prompt, completion, cached, text = item
+        if self.return_text and text:
+            self.text += text
+            self._text_json += orjson.dumps(text)[1:-1]
+        if self.output_ids is None:
+            self.output_ids = []
+        if ids:
+            if self.output_ids:
+                self._ids_json += b","
+            self._ids_json += (b"%d" % ids[0] if len(ids) == 1
+                               else orjson.dumps(list(ids))[1:-1])
+            self.output_ids.extend(ids)
+        meta["id"], meta["prompt_tokens"] = rid, prompt  # numbers: `_int` takes them as they are
+        meta["completion_tokens"], meta["cached_tokens"] = completion, cached
+        parts: list[bytes | bytearray] = (
+            [b'data: {"text":"', self._text_json, b'","output_ids":['] if self.return_text
+            else [b'data: {"output_ids":['])
+        parts += [self._ids_json, b'],"meta_info":{"id":', orjson.dumps(rid),
+                  b',"finish_reason":null,"prompt_tokens":%d,"completion_tokens":%d,'
+                  b'"cached_tokens":%d,"e2e_latency":' % (prompt, completion, cached),
+                  orjson.dumps(round(time.monotonic() - self.started, 6)), b"}"]
+        if self.index is not None:
+            parts += [b',"index":', b"%d" % self.index]
+        parts.append(b"}\n\n")
+        return b"".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -195,7 +232,7 @@ def _meta_dict(message: GenerateMessage) -> dict[str, str]:
     return meta if isinstance(meta, dict) else dict(meta)
 
 
-def _int(value: str) -> int | str:
+def _int(value: str | int) -> int | str:
     try:
         return int(value)
     except ValueError:

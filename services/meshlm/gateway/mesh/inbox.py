@@ -17,6 +17,7 @@ import grpc
 
 from meshlm.common.errors import MeshError
 from meshlm.common.packed import Plain, unpack
+from meshlm.common.server import Sink
 from meshlm.v1 import common_pb2, gateway_pb2
 from meshlm.v1 import gateway_pb2_grpc as pb_grpc
 
@@ -196,22 +197,32 @@ class RequestTable:
 
 
 class InboxServicer(pb_grpc.GatewayInboxServicer):
-    """Detokenizers' streams land here."""
+    """Detokenizers' streams land here: on the native server each batch is delivered where it
+    arrives (`sinks`), without a task switch and a loop turn before it."""
 
     def __init__(self, table: RequestTable) -> None:
         self._table = table
 
     async def Deliver(self, request_iterator: AsyncIterator[gateway_pb2.TextBatch],
                       context: grpc.aio.ServicerContext) -> common_pb2.Empty:
-        requests = self._table.requests
-        async for batch in request_iterator:
-            for item in unpack(batch.outputs, batch.packed):
-                if isinstance(item, tuple):
-                    req = requests.get(item[0])
-                    if req is not None:
-                        req.deliver_running(item)
-                else:
-                    req = requests.get(item.rid)
-                    if req is not None:
-                        req.deliver(item)
+        async for batch in request_iterator:  # on the native server: none (`sinks`)
+            self.deliver(batch)
         return common_pb2.Empty()
+
+    def deliver(self, batch: gateway_pb2.TextBatch) -> None:
+        """One detokenizer batch: each output into its request's mailbox (or written to its
+        client, `api/direct.py`)."""
+        requests = self._table.requests
+        for item in unpack(batch.outputs, batch.packed):
+            if isinstance(item, tuple):
+                req = requests.get(item[0])
+                if req is not None:
+                    req.deliver_running(item)
+            else:
+                req = requests.get(item.rid)
+                if req is not None:
+                    req.deliver(item)
+
+    def sinks(self) -> dict[str, Sink]:
+        """Deliver's batches delivered as they arrive (on the native server)."""
+        return {"Deliver": Sink(gateway_pb2.TextBatch, self.deliver)}

@@ -12,6 +12,9 @@ from meshlm.gateway.mesh.dependencies import Dependencies
 from meshlm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 SubmitStreams = dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]]
+# A request put on a Submit stream this long after the one before is written at once (a lone
+# request does not wait for the sender's turn); closer ones are gathered, a message a turn.
+SUBMIT_QUIET = 0.002  # seconds
 
 
 class Replicas:
@@ -30,7 +33,8 @@ class Replicas:
         stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
             "gateway->tokenizer", address, stub.Submit,
             lambda items: tokenizer_pb2.GenerateBatch(requests=items),
-            on_reply=self._on_rejections, ready=channel.channel_ready)
+            on_reply=self._on_rejections, ready=channel.channel_ready, write_through=True,
+            quiet=SUBMIT_QUIET)
         stream.start()
         self._submit[address] = stream
 

@@ -45,7 +45,7 @@ KEY_PREFIX = "meshlm:rid:"
 RETRY_AFTER = 2.0  # seconds without Redis after a failure
 PROBE_EVERY = 1.0  # seconds between checks that Redis is there and is the same server
 MAX_UNSENT = 100_000  # final states kept for Redis while it is away (oldest dropped)
-FLUSH_INTERVAL = 0.01  # seconds from the first background write queued to its round
+FLUSH_INTERVAL = 0.05  # seconds from the first background write queued to its round
 FIND_RETRIES = (0.03, 0.07, 0.15, 0.25)  # seconds between lookups of a rid not yet found
 WRITES_PER_EVAL = 1000  # records one script writes (a resync's thousands go as several)
 

@@ -12,7 +12,7 @@ passes through the mesh either way).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,6 +24,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
 _provider: TracerProvider | None = None
+_recording = False  # a tracer provider is set (`recording`)
+_FIELDS: frozenset[str] = frozenset()  # the propagators' metadata keys, once read (`carried`)
+_EMPTY = otel_context.Context()
 
 
 def exporting() -> bool:
@@ -74,8 +77,33 @@ def detached_span(tracer: trace.Tracer, name: str,
         span.end()
 
 
+def recording() -> bool:
+    """Whether this process records spans (a tracer provider is set; once set, it stays)."""
+    global _recording
+    if not _recording:
+        _recording = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+    return _recording
+
+
+def carried(metadata: Iterable[tuple[str, Any]]) -> bool:
+    """Whether a call's metadata carries trace context (a traceparent, tracestate, baggage)."""
+    fields = _FIELDS or _fields()
+    return any(key in fields for key, _ in metadata)
+
+
+def _fields() -> frozenset[str]:
+    global _FIELDS
+    _FIELDS = frozenset(propagate.get_global_textmap().fields)
+    return _FIELDS
+
+
 def carrier_of(span: trace.Span | None = None) -> dict[str, str]:
-    """W3C context of `span` (or the current span) as a string map for an internal message."""
+    """W3C context of `span` (or the current span) as a string map for an internal message.
+    Nothing to carry (no spans recorded, no context that came in) is an empty map at once: the
+    propagators' walk cost every hop of a request a few µs for it."""
+    if not recording() and not otel_context.get_current() and not (
+            span is not None and span.get_span_context().is_valid):
+        return {}
     carrier: dict[str, str] = {}
     ctx = trace.set_span_in_context(span) if span is not None else None
     propagate.inject(carrier, context=ctx)
@@ -84,4 +112,6 @@ def carrier_of(span: trace.Span | None = None) -> dict[str, str]:
 
 def context_of(carrier: Mapping[str, str]) -> otel_context.Context:
     """The parent context carried in-band (empty context when there is none)."""
+    if not carrier:
+        return _EMPTY
     return propagate.extract(dict(carrier))

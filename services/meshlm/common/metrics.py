@@ -36,7 +36,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     GCCollector,
-    Histogram,
     PlatformCollector,
     ProcessCollector,
 )
@@ -124,17 +123,17 @@ class _RequestSeries:
     """One model's labelled request-level series (resolved once per request, not per token)."""
 
     model_name: str
-    success: Counter  # unlabelled parent: finished_reason varies per request
-    ttft: tuple[Histogram, ...]
-    itl: tuple[Buckets, ...]  # observed per token: the lean histogram (metrics_histogram.py)
-    e2e: tuple[Histogram, ...]
-    prompt_tokens: tuple[Counter, ...]
+    success: TokenCounter  # unlabelled parent: finished_reason varies per request
+    ttft: tuple[Buckets, ...]
+    itl: tuple[Buckets, ...]  # observed per token
+    e2e: tuple[Buckets, ...]
+    prompt_tokens: tuple[Count, ...]
     generation_tokens: tuple[Count, ...]
-    cached_tokens: Counter
-    prompt_lengths: Histogram
-    generation_lengths: Histogram
-    finished: Counter
-    aborted: Counter
+    cached_tokens: Count
+    prompt_lengths: Buckets
+    generation_lengths: Buckets
+    finished: Count
+    aborted: Count
 
 
 class RequestMetrics:
@@ -214,11 +213,14 @@ class GatewayMetrics(ServiceMetrics):
         self._engines: list[tuple[list[str], dict[str, Any]]] = []
         r = self.registry
 
-        def hist(name: str, doc: str, buckets: Iterable[float]) -> Histogram:
-            return Histogram(name, doc, MODEL, buckets=tuple(buckets), registry=r)
+        # Every request-level series is a lean one (metrics_histogram.py): observed on the
+        # event loop only, without prometheus_client's locks (a request's dozen observations
+        # through them cost the gateway about 13 µs).
+        def hist(name: str, doc: str, buckets: Iterable[float]) -> TokenHistogram:
+            return TokenHistogram(name, doc, MODEL, buckets, r)
 
-        def counter(name: str, doc: str, labels: list[str] = MODEL) -> Counter:
-            return Counter(name, doc, labels, registry=r)
+        def counter(name: str, doc: str, labels: list[str] = MODEL) -> TokenCounter:
+            return TokenCounter(name, doc, labels, r)
 
         self._ttft = (
             hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in "

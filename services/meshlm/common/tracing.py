@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Status, StatusCode
 
 _provider: TracerProvider | None = None
-_recording = False  # a tracer provider is set (`recording`)
+_recording: bool | None = None  # a tracer provider is set (`recording`), once known
 _FIELDS: frozenset[str] = frozenset()  # the propagators' metadata keys, once read (`carried`)
 _EMPTY = otel_context.Context()
 
@@ -37,7 +37,7 @@ def exporting() -> bool:
 
 def setup_tracing(role: str) -> None:
     """Record and export this service's spans, if there is an endpoint to export them to."""
-    global _provider
+    global _provider, _recording
     if _provider is not None or not exporting():
         return
     from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -45,6 +45,7 @@ def setup_tracing(role: str) -> None:
     _provider = TracerProvider(resource=Resource.create({"service.name": f"meshlm-{role}"}))
     _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(_provider)
+    _recording = True
 
 
 def shutdown_tracing() -> None:
@@ -78,9 +79,10 @@ def detached_span(tracer: trace.Tracer, name: str,
 
 
 def recording() -> bool:
-    """Whether this process records spans (a tracer provider is set; once set, it stays)."""
+    """Whether this process records spans: a tracer provider is set (`setup_tracing`, before
+    the first call; read once, where OpenTelemetry reads the environment each time)."""
     global _recording
-    if not _recording:
+    if _recording is None:
         _recording = not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
     return _recording
 

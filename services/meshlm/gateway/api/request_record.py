@@ -2,7 +2,7 @@
 
 The record says where the request runs (gateway, tokenizer, scheduler, detokenizer; and n when
 it has n samples), so an Abort on any gateway finds it. A rid the client chose may clash with
-one on another gateway and is checked before anything is sent; a fresh uuid4 cannot, and is
+one on another gateway and is checked before anything is sent; a fresh one cannot, and is
 recorded off the request's path. Whatever ends the request (its last output, a failure, its
 deadline, or the client going away), the record ends exactly once.
 """

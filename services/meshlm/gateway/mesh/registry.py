@@ -208,7 +208,7 @@ class RidRegistry:
         return bool(created)
 
     def create_later(self, rid: str, fields: dict[str, Any]) -> None:
-        """Record a request whose rid cannot clash (a fresh uuid4), off the request's path."""
+        """Record a request whose rid cannot clash (a fresh random one), off the request's path."""
         self._queue.append((rid, self._record(rid, fields), None))
         self._wake.set()
 

@@ -22,6 +22,7 @@ one CPU, micro: 230-token outputs 2.4-2.5 -> 2.25 µs an event, 1000-token 3.4-3
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -73,18 +74,8 @@ class NativeOutput:
         """Fold in `message`; `meta`: its meta_info as a dict, if it was read already."""
         if meta is None:
             meta = _meta_dict(message)
-        if self.return_text and message.text:
-            self.text += message.text
-            self._text_json += orjson.dumps(message.text)[1:-1]
-        if self.output_ids is None:
-            self.output_ids = []
-        ids = message.output_ids  # both carry them (text: meshlm's extension)
-        if ids:
-            if self.output_ids:
-                self._ids_json += b","
-            self._ids_json += (b"%d" % ids[0] if len(ids) == 1
-                               else orjson.dumps(list(ids))[1:-1])
-            self.output_ids.extend(ids)
+        # Both carry ids (TextGenerateResponse: meshlm's extension); GenerateResponse no text.
+        self._fold(message.text if self.return_text else "", message.output_ids)
         self.meta.update(meta)
         if not _LOGPROB_KEYS.isdisjoint(meta):
             for key in LOGPROB_KEYS:
@@ -103,6 +94,16 @@ class NativeOutput:
         if self.logprobs or self.finished or not meta.keys() <= _RUNNING:
             return None
         rid, ids, prompt, completion, cached, text = item
+        self._fold(text, ids)
+        meta["id"], meta["prompt_tokens"] = rid, prompt  # numbers: `_int` takes them as they are
+        meta["completion_tokens"], meta["cached_tokens"] = completion, cached
+        return self._event(b'{"id":%b,"finish_reason":null,"prompt_tokens":%d,'
+                           b'"completion_tokens":%d,"cached_tokens":%d,"e2e_latency":%b}' % (
+                               orjson.dumps(rid), prompt, completion, cached,
+                               orjson.dumps(round(time.monotonic() - self.started, 6))))
+
+    def _fold(self, text: str, ids: Sequence[int]) -> None:
+        """Append a message's new text and ids, and their JSON fragments."""
         if self.return_text and text:
             self.text += text
             self._text_json += orjson.dumps(text)[1:-1]
@@ -114,15 +115,13 @@ class NativeOutput:
             self._ids_json += (b"%d" % ids[0] if len(ids) == 1
                                else orjson.dumps(list(ids))[1:-1])
             self.output_ids.extend(ids)
-        meta["id"], meta["prompt_tokens"] = rid, prompt  # numbers: `_int` takes them as they are
-        meta["completion_tokens"], meta["cached_tokens"] = completion, cached
+
+    def _event(self, meta_info: bytes) -> bytes:
+        """The SSE event of the text and ids so far, with `meta_info` (its JSON)."""
         parts: list[bytes | bytearray] = (
             [b'data: {"text":"', self._text_json, b'","output_ids":['] if self.return_text
             else [b'data: {"output_ids":['])
-        parts += [self._ids_json, b'],"meta_info":{"id":', orjson.dumps(rid),
-                  b',"finish_reason":null,"prompt_tokens":%d,"completion_tokens":%d,'
-                  b'"cached_tokens":%d,"e2e_latency":' % (prompt, completion, cached),
-                  orjson.dumps(round(time.monotonic() - self.started, 6)), b"}"]
+        parts += [self._ids_json, b'],"meta_info":', meta_info]
         if self.index is not None:
             parts += [b',"index":', b"%d" % self.index]
         parts.append(b"}\n\n")
@@ -143,14 +142,7 @@ class NativeOutput:
         """The SSE event of `to_dict()`, byte for byte, written around the kept fragments."""
         if self.logprobs or self.output_ids is None:  # rare: encoded whole
             return sse_event(self.to_dict())
-        parts: list[bytes | bytearray] = (
-            [b'data: {"text":"', self._text_json, b'","output_ids":['] if self.return_text
-            else [b'data: {"output_ids":['])
-        parts += [self._ids_json, b'],"meta_info":', orjson.dumps(self._meta_info())]
-        if self.index is not None:
-            parts += [b',"index":', b"%d" % self.index]
-        parts.append(b"}\n\n")
-        return b"".join(parts)
+        return self._event(orjson.dumps(self._meta_info()))
 
     def _meta_info(self) -> dict[str, Any]:
         meta = self.meta

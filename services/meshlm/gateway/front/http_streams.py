@@ -5,6 +5,8 @@ however the stream ends (which aborts an unfinished request)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -220,11 +222,43 @@ class StreamResponse(Response):
             await aclose(self.source)
 
     async def _pump(self, send: Send, body: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        if self.direct is not None:
-            self.direct.attach(body)
-        async for chunk in self.chunks:
-            await body({"type": "http.response.body", "body": chunk, "more_body": True})
-        if self.direct is not None:
-            self.direct.detach()
-        await body({"type": "http.response.body", "body": b"", "more_body": False})
+        corked = _cork(body)  # the head and the first chunk in one segment: one wake-up
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": self.raw_headers})
+            if self.direct is not None:
+                self.direct.attach(body)
+            async for chunk in self.chunks:
+                await body({"type": "http.response.body", "body": chunk, "more_body": True})
+                if corked is not None:
+                    _uncork(corked)
+                    corked = None
+            if self.direct is not None:
+                self.direct.detach()
+            await body({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            if corked is not None:
+                _uncork(corked)
+
+
+def _cork(body: Send) -> Any:
+    """The TCP socket under uvicorn's httptools connection (the object whose method `body`
+    is), corked: the server writes a response's head and its first chunk separately, and
+    each write went out as a segment of its own, waking the client for the head alone. None
+    where there is no such socket (another server, a Unix socket, no TCP_CORK)."""
+    transport = getattr(getattr(body, "__self__", None), "transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or not hasattr(
+            socket, "TCP_CORK"):
+        return None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)
+    except OSError:
+        return None
+    return sock
+
+
+def _uncork(sock: Any) -> None:
+    """Send what the cork held (at once: the connection is TCP_NODELAY)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 0)

@@ -247,9 +247,10 @@ def _cork(body: Send) -> Any:
     each write went out as a segment of its own, waking the client for the head alone. None
     where there is no such socket (another server, a Unix socket, no TCP_CORK)."""
     transport = getattr(getattr(body, "__self__", None), "transport", None)
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or not hasattr(
-            socket, "TCP_CORK"):
+    extra = getattr(transport, "get_extra_info", None)
+    sock: Any = extra("socket") if callable(extra) else None
+    if (not hasattr(socket, "TCP_CORK") or not hasattr(sock, "setsockopt")
+            or getattr(sock, "family", None) not in (socket.AF_INET, socket.AF_INET6)):
         return None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1)

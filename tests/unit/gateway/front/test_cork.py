@@ -50,6 +50,10 @@ def test_nothing_is_corked_without_a_tcp_socket() -> None:
         assert _cork(Cycle(left).send) is None
         assert _cork(Cycle(None).send) is None
         assert _cork(lambda message: None) is None  # another server's send
+        assert _cork(Cycle(None).send.__self__.transport.get_extra_info) is None
+        odd = Cycle(None)
+        odd.transport = object()  # type: ignore[assignment]  # not an asyncio transport
+        assert _cork(odd.send) is None
     finally:
         left.close()
         right.close()

@@ -55,6 +55,9 @@ Call = Callable[[int], Coroutine[Any, Any, None]]  # one streamed call of n toke
 ADDRESS = {"tokenizer": "tokenizer:0", "scheduler": "scheduler:0",
            "detokenizer": "detokenizer:0"}
 PROMPT_TOKENS = 17
+# Seconds a run may take (a second or two, normally): one that hangs (a handler that raised
+# leaves its stand-in client waiting) fails the bench instead of stalling it.
+RUN_TIMEOUT = 120.0
 WORD = " word"
 
 
@@ -335,7 +338,8 @@ def own_cpu_us(streams: int, tokens: int, runs: int) -> dict[str, float]:
     one may hold torch and the bench's objects), on the CPUs this process may use."""
     out = subprocess.run([sys.executable, "-m", "meshlm.bench.gateway_path", "--json",
                           "--streams", str(streams), "--tokens", str(tokens),
-                          "--runs", str(runs)], check=True, capture_output=True, text=True)
+                          "--runs", str(runs)], check=True, capture_output=True, text=True,
+                         timeout=2 * RUN_TIMEOUT * runs + 60)
     return {t: statistics.median(r["token_us"] for r in rs)
             for t, rs in json.loads(out.stdout).items()}
 
@@ -354,8 +358,8 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {t: [] for t in transports}
     for _ in range(args.runs):  # the transports alternate, run by run
         for transport in transports:
-            results[transport].append(asyncio.run(measure(transport, args.streams,
-                                                          args.tokens)))
+            results[transport].append(asyncio.run(asyncio.wait_for(
+                measure(transport, args.streams, args.tokens), RUN_TIMEOUT)))
     if args.json:
         print(json.dumps(results))
         return

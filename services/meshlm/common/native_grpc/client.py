@@ -212,7 +212,7 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.keepalive is not None:
-            self.keepalive.last_read = self.loop.time()
+            self.keepalive.heard()
         try:
             self._read(data)
         except (ValueError, IndexError, HPACKError) as exc:  # a malformed frame

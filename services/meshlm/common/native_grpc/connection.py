@@ -93,7 +93,7 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.keepalive is not None:
-            self.keepalive.last_read = self._loop.time()
+            self.keepalive.heard()
         try:
             self._read(data)
         except ConnectionError_ as exc:

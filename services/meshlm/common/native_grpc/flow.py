@@ -59,7 +59,11 @@ class Sending(Protocol):
 class Keepalive:
     """PING a peer silent for `idle` seconds; `expire()` when nothing at all arrived within
     `timeout` after the PING (a hung peer's sockets stay open: its calls would wait for ever).
-    The connection sets `last_read` (its loop's time) whenever bytes arrive."""
+    The connection calls `heard()` whenever bytes arrive.
+
+    Whether anything came after the PING is a flag, not a comparison of times: a loop's clock
+    may not move between the PING and its answer (uvloop's is read once a loop turn, to the
+    millisecond), and the answer then looked as old as the PING."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle: float, timeout: float,
                  writer: Writer, expire: Callable[[float], None]) -> None:
@@ -68,21 +72,28 @@ class Keepalive:
         self._writer = writer
         self._expire = expire
         self.last_read = loop.time()
+        self.answered = True  # something arrived since the last PING
         self._ping_sent: float | None = None
         self._timer = loop.call_later(idle, self._check)
+
+    def heard(self) -> None:
+        """Bytes arrived from the peer."""
+        self.last_read = self._loop.time()
+        self.answered = True
 
     def stop(self) -> None:
         self._timer.cancel()
 
     def _check(self) -> None:
         now = self._loop.time()
-        if self._ping_sent is not None and self.last_read <= self._ping_sent:
+        if self._ping_sent is not None and not self.answered:
             if now - self._ping_sent >= self._timeout:
                 self._expire(now - self.last_read)
                 return
             delay = self._ping_sent + self._timeout - now
         elif (silent := now - self.last_read) >= self._idle:
             self._ping_sent = now
+            self.answered = False
             self._writer.queue(h2.frame(h2.PING, 0, 0, b"liveness"))
             delay = self._timeout
         else:

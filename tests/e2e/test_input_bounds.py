@@ -182,6 +182,25 @@ def test_the_tokenizer_refuses_a_huge_prompt_without_encoding_it_all(mesh, wide_
     assert _small(wide_stub) < 60
 
 
+def test_samples_of_a_huge_prompt_past_one_mesh_message_are_answered(mesh, wide_stub) -> None:
+    """Eight samples of a 10 MB prompt are 80 MB for the tokenizer, over the mesh's message
+    limit (64 MiB): the gateway sends them in several messages and the tokenizer refuses the
+    prompt, where one message would have failed the Submit stream and the request would have
+    waited for ever. The call also comes back in seconds (reading a large message in linear
+    time), not at its deadline."""
+    request = text_request(BIG)
+    request.sampling_params.n = 8
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(wide_stub.TextGenerate(request, timeout=60))
+    took = time.monotonic() - started
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert f"context length ({CONTEXT} tokens)" in err.value.details()
+    print(f"\n8 samples of a 10 MB prompt refused in {took:.2f} s")
+    assert took < 30, took
+    assert _small(wide_stub) < 60
+
+
 def test_bodies_and_messages_over_the_size_limits_are_refused_unread(mesh, stub) -> None:
     over = b"x" * (DEFAULT_BODY_BYTES + 1)
     with httpx.Client(base_url=mesh.addresses.gateway_http, timeout=60) as http:

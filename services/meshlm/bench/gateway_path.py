@@ -70,8 +70,9 @@ class _Deps:
     def serving(self, role: str) -> list[str]:
         return self.addresses[role]
 
-    def pick(self, role: str) -> str:
-        return ADDRESS[role]
+    def pick(self, role: str, usable: Callable[[str], bool] | None = None) -> str | None:
+        address = ADDRESS[role]
+        return address if usable is None or usable(address) else None
 
 
 class _Registry:
@@ -170,6 +171,8 @@ def stand_in_api(mesh_box: list[StandInMesh]) -> tuple[GatewayAPI, RequestTable]
     core.engine_len = 4096
 
     class _Submit:
+        lost = False
+
         async def put(self, requests: list[tokenizer_pb2.GenerateRequest]) -> None:
             await mesh_box[0].put(requests)
 

@@ -29,6 +29,18 @@ PING_TIMEOUT_MS = 2_000  # and closes it when the ping's answer takes longer
 SERVER_KEEPALIVE_TIME_MS = 2_000  # a server pings a silent client (slower: public clients too)
 SERVER_PING_TIMEOUT_MS = 3_000
 MIN_PING_INTERVAL_MS = KEEPALIVE_TIME_MS // 2  # what a server allows (timer jitter margin)
+MESH_MESSAGE_BYTES = 64 * 1024 * 1024  # the mesh ports' message limit, each way
+
+
+class MessageTooLarge(ValueError):
+    """A message over MESH_MESSAGE_BYTES, refused by the sender before any of it was sent (its
+    call goes on): the peer would have failed the whole call for it, and with the call every
+    message queued behind it (`BatchedStream` splits the batch instead)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"a message of {size} bytes, over the mesh's limit of "
+                         f"{MESH_MESSAGE_BYTES} bytes")
+        self.size = size
 
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -39,8 +51,8 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1_000),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.max_receive_message_length", MESH_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MESH_MESSAGE_BYTES),
     ("grpc.enable_retries", 0),
 ]
 

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from meshlm.common.accept_ahead import AcceptAhead, RecordingServer
 from meshlm.common.channels import (
+    MESH_MESSAGE_BYTES,
     MIN_PING_INTERVAL_MS,
     SERVER_KEEPALIVE_TIME_MS,
     SERVER_PING_TIMEOUT_MS,
@@ -38,8 +39,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # liveness probes, which must not restart a replica that only waits for its dependencies.
 LIVENESS = "liveness"
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # the mesh ports' message limit, each way
-
 # Keepalive: a hung client's connection closes within seconds, and the mesh clients' pings
 # (every KEEPALIVE_TIME_MS of silence, common/channels.py) are allowed on idle streams.
 SERVER_OPTIONS: list[tuple[str, Any]] = [
@@ -49,8 +48,8 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MESH_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MESH_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
 
@@ -160,7 +159,7 @@ class GrpcServer:
         self.native = native
         if native:
             self.server: grpc.aio.Server = NativeServer(
-                chain, max_receive_bytes=max_receive_bytes or MAX_MESSAGE_BYTES,
+                chain, max_receive_bytes=max_receive_bytes or MESH_MESSAGE_BYTES,
                 stream_window=NATIVE_PUBLIC_WINDOW if public else MESH_WINDOW_BYTES,
                 keepalive=_keepalive_seconds(public))
             accept_ahead = 0

@@ -16,6 +16,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
+from meshlm.common.channels import MessageTooLarge
 from meshlm.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -49,7 +50,14 @@ class BatchedStream(Generic[T]):
     Nothing ends the stream but `close()`: an unexpected error in one call is logged and the
     stream reconnects, so its queue is never left without a sender. `on_lost(address)` runs
     after each failed call, once its queue was dropped: a sender whose peer owns requests (the
-    detokenizer's stream to a gateway) ends them there, since nobody else will."""
+    detokenizer's stream to a gateway) ends them there, since nobody else will; one that owns
+    the requests itself (the gateway's Submit) ends those that may have been lost. `lost` is
+    True from then until the next call is open.
+
+    A batch the call refuses as over the mesh's message limit (`MessageTooLarge`, before any
+    of it is sent: the peer would fail the call for it) goes out split in halves instead, down
+    to single items; an item too large alone is dropped and handed to `on_too_large(item,
+    error)`, whose owner ends its request. The call, and all else queued, goes on."""
 
     def __init__(
         self, name: str, address: str, open_call: OpenCall,
@@ -57,6 +65,7 @@ class BatchedStream(Generic[T]):
         on_reply: Callable[[Any], None] | None = None,
         ready: Callable[[], Awaitable[None]] | None = None,
         on_lost: Callable[[str], None] | None = None,
+        on_too_large: Callable[[T, MessageTooLarge], None] | None = None,
         weight: Callable[[T], int] | None = None,
         write_through: bool = False, quiet: float = 0.0,
     ) -> None:
@@ -77,6 +86,7 @@ class BatchedStream(Generic[T]):
         self._open_call, self._make_batch = open_call, make_batch
         self._on_reply = on_reply
         self._on_lost = on_lost
+        self._on_too_large = on_too_large
         self._ready = ready
         self._capacity, self._max_batch = capacity, max_batch
         self._queue: collections.deque[T] = collections.deque()
@@ -86,6 +96,7 @@ class BatchedStream(Generic[T]):
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.connected = False
+        self.lost = False  # from a failed call until the next one is open
         self.messages_sent = 0
 
     @property
@@ -157,8 +168,23 @@ class BatchedStream(Generic[T]):
                 items = self._take(self._max_batch)
             if self._load < self._capacity:
                 self._has_room.set()
+            await self._write(call, items)
+
+    async def _write(self, call: Any, items: list[T]) -> None:
+        """One message of `items`; in halves if it is over the mesh's limit."""
+        try:
             await call.write(self._make_batch(items))
-            self.messages_sent += 1
+        except MessageTooLarge as exc:
+            if len(items) > 1:
+                half = len(items) // 2
+                await self._write(call, items[:half])
+                await self._write(call, items[half:])
+                return
+            log.error("message_too_large", stream=self.name, peer=self.address, size=exc.size)
+            if self._on_too_large is not None:
+                self._on_too_large(items[0], exc)
+            return
+        self.messages_sent += 1
 
     def _take(self, most: int) -> list[T]:
         """Items from the queue's head up to `most` in weight (one at least)."""
@@ -187,6 +213,7 @@ class BatchedStream(Generic[T]):
             self._queue.clear()
             self._load = 0
             self._has_room.set()
+            self.lost = True
             log.warning("stream_lost", stream=self.name, peer=self.address, error=error,
                         dropped=dropped)
             if self._on_lost is not None:
@@ -211,7 +238,7 @@ class BatchedStream(Generic[T]):
         if self._write_through:
             self._direct = getattr(call, "write_nowait", None)
         try:
-            self.connected = True
+            self.connected, self.lost = True, False
             await self._send(call, watcher)
         except grpc.aio.AioRpcError as exc:
             error = f"{exc.code().name}: {exc.details()}"

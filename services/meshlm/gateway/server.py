@@ -234,7 +234,7 @@ async def serve(config: GatewayConfig) -> None:
     api = GatewayAPI(GatewayCore(identity, deps, table, registry, channels, bounds), submit,
                      metrics)
     api_ref.append(api)
-    replicas = Replicas(deps, channels, submit, api.generation.on_rejections)
+    replicas = Replicas(deps, channels, submit, api.generation)
     for address in deps.addresses["tokenizer"]:
         replicas.open_submit(address)
     discovery = Discovery(replicas, {role: names for role, (_, names) in entries.items()},

@@ -2,6 +2,7 @@
 
 import asyncio
 
+from meshlm.common.channels import MessageTooLarge
 from meshlm.common.streams import BatchedStream
 
 
@@ -304,4 +305,53 @@ async def test_a_failing_on_lost_does_not_stop_the_stream():
     await _until(lambda: peer.calls >= 2)
     await stream.put([2])
     await _until(lambda: [2] in peer.batches)
+    await stream.close()
+
+
+class SizedCall(FakeCall):
+    """Refuses, as the native client does, a batch over `limit` items' worth of bytes."""
+
+    limit = 3
+
+    async def write(self, batch) -> None:
+        if sum(batch) > self.limit:
+            raise MessageTooLarge(sum(batch))
+        await super().write(batch)
+
+
+class SizedPeer(FakePeer):
+    def open(self):
+        self.calls += 1
+        return SizedCall(self, fail=False)
+
+
+async def test_a_batch_over_the_message_limit_goes_in_halves_down_to_one_item():
+    """Each item weighs its value in bytes: [1, 1, 1, 1, 5, 1] is over the limit of 3, so it
+    goes split in halves, down to the 5 that is over it alone and handed back; the call goes
+    on and later items go out."""
+    peer = SizedPeer()
+    refused: list[tuple[int, int]] = []
+    stream = BatchedStream("t", "peer", peer.open, list,
+                           on_too_large=lambda item, error: refused.append((item, error.size)))
+    await stream.put([1, 1, 1, 1, 5, 1])
+    stream.start()
+    await _until(lambda: refused and sum(map(sum, peer.batches)) == 5)
+    assert peer.batches == [[1, 1, 1], [1], [1]]  # [1, 1, 1] | [1] [5 | 1]
+    assert refused == [(5, 5)]
+    await stream.put([2])
+    await _until(lambda: [2] in peer.batches)
+    assert peer.calls == 1 and stream.connected and not stream.lost
+    await stream.close()
+
+
+async def test_lost_from_a_failed_call_until_the_next_one_is_open():
+    peer = FakePeer(fail_after=1)
+    lost_seen: list[bool] = []
+    stream = BatchedStream("t", "peer", peer.open, list,
+                           on_lost=lambda address: lost_seen.append(stream.lost))
+    assert not stream.lost
+    stream.start()
+    await stream.put([1])
+    await _until(lambda: lost_seen and peer.calls >= 2 and stream.connected)
+    assert lost_seen == [True] and not stream.lost
     await stream.close()

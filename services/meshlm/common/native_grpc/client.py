@@ -26,7 +26,12 @@ from typing import Any, cast
 import grpc
 from hpack import Decoder, HPACKError
 
-from meshlm.common.channels import KEEPALIVE_TIME_MS, PING_TIMEOUT_MS
+from meshlm.common.channels import (
+    KEEPALIVE_TIME_MS,
+    MESH_MESSAGE_BYTES,
+    PING_TIMEOUT_MS,
+    MessageTooLarge,
+)
 from meshlm.common.logs import get_logger
 from meshlm.common.native_grpc import frames as h2
 from meshlm.common.native_grpc.flow import Keepalive, Writer
@@ -57,7 +62,7 @@ class _Call:
         self.ended = conn.loop.create_future()  # done with the status
         self.sent_end = False
         self.recv_unacked = 0
-        self._buf = b""
+        self._partial = h2.Partial()
         self._writable: asyncio.Future[None] | None = None
 
     def end(self, status: grpc.aio.AioRpcError) -> None:
@@ -70,7 +75,9 @@ class _Call:
         self.conn.out.blocked.pop(self.id, None)
 
     def on_data(self, data: bytes) -> None:
-        buf = self._buf + data if self._buf else data
+        buf = self._partial.join(data)
+        if buf is None:
+            return
         at = 0
         while len(buf) - at >= 5:
             size = int.from_bytes(buf[at + 1:at + 5], "big")
@@ -82,7 +89,7 @@ class _Call:
                 return
             self.replies.put_nowait(buf[at + 5:at + 5 + size])
             at += 5 + size
-        self._buf = buf[at:]
+        self._partial.keep(buf, at)
 
     def wake(self) -> None:
         if self._writable is not None and not self._writable.done():
@@ -104,7 +111,8 @@ class NativeCall:
         self._deserialize = deserialize
 
     async def write(self, message: Any) -> None:
-        """Send one message; waits while the peer's windows hold it back."""
+        """Send one message; waits while the peer's windows hold it back. One over the mesh's
+        limit raises MessageTooLarge, with nothing sent."""
         call = self._call
         if call.status is not None:
             if call.status.code() == grpc.StatusCode.OK:
@@ -113,6 +121,8 @@ class NativeCall:
         if call.sent_end:
             raise asyncio.InvalidStateError("the call's requests were already ended")
         data = self._serialize(message)
+        if len(data) > MESH_MESSAGE_BYTES:
+            raise MessageTooLarge(len(data))  # the peer would fail the call for it
         call.conn.send_message(call, b"\x00" + len(data).to_bytes(4, "big") + data)
         call.conn.out.flush()  # a batch is already one message a turn: no turn's wait for it
         if call.pending:
@@ -128,6 +138,8 @@ class NativeCall:
         if call.status is not None or call.sent_end or call.pending:
             return False
         data = self._serialize(message)
+        if len(data) > MESH_MESSAGE_BYTES:
+            return False  # `write` says why
         call.conn.send_message(call, b"\x00" + len(data).to_bytes(4, "big") + data)
         call.conn.out.flush()
         return True

@@ -96,3 +96,36 @@ def grpc_message(text: str) -> bytes:
         else:
             out += b"%%%02X" % b
     return bytes(out)
+
+
+class Partial:
+    """The start of a call's next gRPC message while the rest of it has not come: kept as
+    the DATA payloads it came in and joined once the message is whole, so reading a message
+    costs time linear in its size (joining at every payload made a 40 MB message cost
+    seconds). A reader takes `join(data)` as the bytes to parse (None: still short of the
+    message) and `keep(buf, at)` what it did not parse."""
+
+    __slots__ = ("parts", "have", "need")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.have = 0  # bytes in parts
+        self.need = 0  # bytes the next message takes, its 5-byte prefix included
+
+    def join(self, data: bytes) -> bytes | None:
+        if not self.parts:
+            return data
+        self.parts.append(data)
+        self.have += len(data)
+        if self.have < self.need:
+            return None
+        buf = b"".join(self.parts)
+        self.parts = []
+        return buf
+
+    def keep(self, buf: bytes, at: int) -> None:
+        if at < len(buf):
+            rest = buf[at:] if at else buf
+            self.parts = [rest]
+            self.have = len(rest)
+            self.need = 5 + int.from_bytes(rest[1:5], "big") if len(rest) >= 5 else 5

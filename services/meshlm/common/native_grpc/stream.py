@@ -46,7 +46,7 @@ class Stream:
 
     __slots__ = ("id", "conn", "send_window", "recv_unacked", "unread", "pending", "trailers",
                  "headers_sent", "remote_ended", "closed", "task", "encoding", "_inbox",
-                 "_buf", "_writable", "sink")
+                 "_partial", "_writable", "sink")
 
     def __init__(self, stream_id: int, conn: Connection, send_window: int) -> None:
         self.id = stream_id
@@ -62,7 +62,7 @@ class Stream:
         self.task: asyncio.Task[None] | None = None
         self.encoding = b"identity"
         self._inbox: asyncio.Queue[bytes | None] = asyncio.Queue()
-        self._buf = b""
+        self._partial = h2.Partial()
         self._writable: asyncio.Future[None] | None = None
         # Takes each request message where its bytes arrive, instead of the handler
         # (`NativeServer.add_sink`); the handler then reads only the end of the requests.
@@ -70,7 +70,7 @@ class Stream:
 
     # -- requests -------------------------------------------------------------------------
     def on_data(self, data: bytes, end: bool) -> None:
-        buf = self._buf + data if self._buf else data
+        buf = self._partial.join(data) or b""
         at, size_limit = 0, self.conn.server.max_receive_bytes
         while len(buf) - at >= 5:
             size = int.from_bytes(buf[at + 1:at + 5], "big")
@@ -93,7 +93,7 @@ class Stream:
             self._inbox.put_nowait(message)
             self.unread += len(message) + 5
             at += 5 + size
-        self._buf = buf[at:]
+        self._partial.keep(buf, at)
         if end:
             self.remote_ended = True
             self._inbox.put_nowait(None)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from meshlm.common import deadline
+from meshlm.common.channels import MESH_MESSAGE_BYTES, MessageTooLarge
 from meshlm.common.errors import MeshError
 from meshlm.common.metrics import GatewayMetrics
 from meshlm.common.profiling import Profiling
@@ -124,7 +125,7 @@ class GenerationRPCs:
         expires = deadline.current()
         rid = v.rid or fresh_rid()
         # 2. route: the replicas every sample takes
-        tokenizer, route = self.core.pick("tokenizer"), self._route(v)
+        tokenizer, route = self._tokenizer(), self._route(v)
         children, started = fan_out(rid, v.n, v.sampling), time.time()
         ready = asyncio.Event()
         pendings = [PendingRequest(rid=c.rid, tokenizer=tokenizer, scheduler=route.scheduler,
@@ -172,6 +173,18 @@ class GenerationRPCs:
                             f"this gateway has {inflight} requests in flight (limit "
                             f"{bounds.max_inflight}); retry later or use another gateway")
         deadline.remaining()  # DEADLINE_EXCEEDED at once if the client's deadline has passed
+
+    def _tokenizer(self) -> str:
+        """A serving tokenizer whose Submit stream is not down: while it reconnects, what is
+        put on it waits, and it may never reconnect (a peer that hangs)."""
+        address = self.core.deps.pick("tokenizer", self._submit_up)
+        if address is None:
+            raise MeshError(grpc.StatusCode.UNAVAILABLE, "no tokenizer is available")
+        return address
+
+    def _submit_up(self, address: str) -> bool:
+        stream = self.submit.get(address)
+        return stream is not None and not stream.lost
 
     def _route(self, v: ValidatedRequest) -> common_pb2.Route:
         """The scheduler asked for (routed_dp_rank), else the router's choice (routing_key,
@@ -278,15 +291,34 @@ class GenerationRPCs:
             self.core.table.fail(rejection.rid, MeshError.from_number(
                 rejection.status.code, rejection.status.message))
 
+    def on_too_large(self, request: tokenizer_pb2.GenerateRequest,
+                     error: MessageTooLarge) -> None:
+        """A sample's request over the mesh's message limit was not sent (a prompt past what
+        --max-prompt-chars or the public message limits should let in)."""
+        self.core.table.fail(request.rid, MeshError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request is {error.size} bytes on the mesh, over its limit of "
+            f"{MESH_MESSAGE_BYTES}; send a shorter prompt"))
+
+    def on_submit_lost(self, address: str) -> None:
+        """The Submit stream to a tokenizer failed while the tokenizer may still serve (its
+        health is watched on another connection): what was on the stream is lost, and which
+        requests those were is not known, so every request there without output ends
+        UNAVAILABLE (a client may retry it), and none goes there until the stream is back
+        (`_tokenizer`)."""
+        self._end_on("tokenizer", address, f"the stream to the tokenizer at {address} was lost")
+
     def on_dependency_down(self, role: str, address: str) -> None:
         """A replica stopped serving: end the requests that depended on it (UNAVAILABLE) rather
         than leave them hanging. Past the tokenizer a request no longer needs it."""
+        self._end_on(role, address, f"the {role} at {address} became unavailable")
+
+    def _end_on(self, role: str, address: str, why: str) -> None:
         for req in list(self.core.table.requests.values()):
             hit = (getattr(req, role) == address if role != "tokenizer"
                    else req.tokenizer == address and not req.first_output)
             if hit:
-                req.fail(MeshError(grpc.StatusCode.UNAVAILABLE,
-                                   f"the {role} at {address} became unavailable"))
+                req.fail(MeshError(grpc.StatusCode.UNAVAILABLE, why))
                 if role != "scheduler":
                     self.core.background.spawn(abort_in_scheduler(
                         self.core.channels, req.scheduler, [req.rid]))

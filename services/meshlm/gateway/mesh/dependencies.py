@@ -97,9 +97,11 @@ class Dependencies:
     def serving(self, role: str) -> list[str]:
         return [a for a in self.addresses[role] if self._serving.get(a)]
 
-    def pick(self, role: str) -> str | None:
-        """Round-robin over the serving replicas of a role."""
+    def pick(self, role: str, usable: Callable[[str], bool] | None = None) -> str | None:
+        """Round-robin over the serving replicas of a role (those `usable` allows)."""
         live = self.serving(role)
+        if usable is not None:
+            live = [a for a in live if usable(a)]
         if not live:
             return None
         return live[next(self._rr[role]) % len(live)]

@@ -4,9 +4,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
-from meshlm.common.channels import ChannelPool
+from meshlm.common.channels import ChannelPool, MessageTooLarge
 from meshlm.common.streams import BatchedStream
 from meshlm.gateway.mesh.dependencies import Dependencies
 from meshlm.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -17,13 +17,27 @@ SubmitStreams = dict[str, BatchedStream[tokenizer_pb2.GenerateRequest]]
 SUBMIT_QUIET = 0.002  # seconds
 
 
+class SubmitOwner(Protocol):
+    """Who owns the requests a Submit stream carries (`api/generation.py`)."""
+
+    def on_rejections(self, batch: tokenizer_pb2.RejectionBatch) -> None:
+        """The tokenizer refused some."""
+
+    def on_submit_lost(self, address: str) -> None:
+        """The stream to the tokenizer at `address` failed: what it carried may be lost."""
+
+    def on_too_large(self, request: tokenizer_pb2.GenerateRequest,
+                     error: MessageTooLarge) -> None:
+        """A request over the mesh's message limit was not sent."""
+
+
 class Replicas:
     def __init__(self, deps: Dependencies, channels: ChannelPool, submit: SubmitStreams,
-                 on_rejections: Callable[[tokenizer_pb2.RejectionBatch], None]) -> None:
+                 owner: SubmitOwner) -> None:
         self.deps = deps
         self._channels = channels
         self._submit = submit
-        self._on_rejections = on_rejections
+        self._owner = owner
 
     def open_submit(self, address: str) -> None:
         """Start the gateway->tokenizer Submit stream to `address` (its channel must carry its
@@ -33,8 +47,9 @@ class Replicas:
         stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
             "gateway->tokenizer", address, stub.Submit,
             lambda items: tokenizer_pb2.GenerateBatch(requests=items),
-            on_reply=self._on_rejections, ready=channel.channel_ready, write_through=True,
-            quiet=SUBMIT_QUIET)
+            on_reply=self._owner.on_rejections, ready=channel.channel_ready,
+            on_lost=self._owner.on_submit_lost, on_too_large=self._owner.on_too_large,
+            write_through=True, quiet=SUBMIT_QUIET)
         stream.start()
         self._submit[address] = stream
 

@@ -221,6 +221,11 @@ class DetokenizerServicer(pb_grpc.DetokenizerServicer):
         self._close(text_out.rid, state, "stop")
 
     def _open(self, out: detokenizer_pb2.TokenOutput) -> DecodeState:
+        """A request's state from its header (one it had already, a scheduler sending its end
+        again after a lost stream, is closed first)."""
+        old = self._states.get(out.rid)
+        if old is not None:
+            self._close(out.rid, old, "error")
         span = self._tracer.start_span("detokenizer.request",
                                        context=context_of(out.header.trace),
                                        attributes={"meshlm.rid": out.rid})

@@ -255,18 +255,36 @@ class EngineLoop:
                 soonest = due
         return None if soonest is None else max(soonest - now, EXPIRY_CHECK)
 
-    def forfeit(self, reason: str) -> int:
-        """Give up every live request (the watchdog's answer to a stall or a freeze): each is
-        aborted in the engine and ends with an UNAVAILABLE error saying `reason`. Returns how
-        many."""
+    def forfeit(self, reason: str, only: Callable[[Tracked], bool] | None = None) -> int:
+        """Give up every live request (the watchdog's answer to a stall or a freeze), or those
+        `only` picks: each is aborted in the engine and ends with an UNAVAILABLE error saying
+        `reason`. Returns how many."""
         count = 0
         for rid, tracked in self.tracked.items():
             if tracked.forfeit or tracked.silent or tracked.expired:
+                continue
+            if only is not None and not only(tracked):
                 continue
             tracked.forfeit = reason
             self.engine.abort(rid)
             count += 1
         self.wake.set()
+        return count
+
+    def detokenizer_lost(self, address: str) -> int:
+        """The stream to the detokenizer at `address` failed (`BatchedStream.on_lost`) while
+        the detokenizer may still serve: outputs on it are gone, and which is not known, so
+        each request whose outputs went there ends UNAVAILABLE now (a lost final would leave
+        it waiting for ever, a lost token would leave a hole in its text). Its end carries its
+        header again, for a detokenizer that never had it. Requests with no output yet lost
+        nothing and go on. Returns how many ended."""
+        def sent_there(tracked: Tracked) -> bool:
+            if tracked.detokenizer != address or not tracked.header_sent:
+                return False
+            tracked.header_sent = False
+            return True
+        count = self.forfeit(f"the stream to the detokenizer at {address} was lost", sent_there)
+        log.warning("detokenizer_lost", detokenizer=address, requests=count)
         return count
 
     # -- control calls -----------------------------------------------------------------------

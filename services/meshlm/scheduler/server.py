@@ -229,10 +229,14 @@ async def serve(config: SchedulerConfig) -> None:
         await asyncio.get_running_loop().run_in_executor(
             executor, auto_threads, engine, config.mesh_cpu_us, config.cpus or None)
     peers = MeshPeers(config)
+
+    def on_detokenizer_lost(address: str) -> None:  # streams start after the loop exists
+        loop.detokenizer_lost(address)
+
     outputs: StreamPool[detokenizer_pb2.TokenOutput | Plain] = peers.stream_pool(
         "scheduler->detokenizer", "detokenizer",
         lambda ch: detokenizer_pb2_grpc.DetokenizerStub(ch).Push,
-        packer(detokenizer_pb2.TokenBatch), write_through=True)
+        packer(detokenizer_pb2.TokenBatch), on_lost=on_detokenizer_lost, write_through=True)
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
         eos_token_ids=sorted(engine.eos_token_ids),

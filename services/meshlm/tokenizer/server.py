@@ -47,7 +47,7 @@ from meshlm.v1 import tokenizer_pb2_grpc as pb_grpc
 
 log = get_logger(__name__)
 
-Rejections = asyncio.Queue[list[tokenizer_pb2.Rejection] | None]
+Rejections = asyncio.Queue[tokenizer_pb2.RejectionBatch | None]
 
 
 @dataclass
@@ -66,6 +66,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
         self._tok = tok
         self.workers = workers or Workers()
         self._schedulers = schedulers
+        self._replies: set[Rejections] = set()  # each open Submit call's
         self._info = info
         self._tracer = tracer("meshlm.tokenizer")
         self.metrics = metrics or TokenizerMetrics(Path(info.model_path).name)
@@ -77,11 +78,13 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
     ) -> AsyncIterator[tokenizer_pb2.RejectionBatch]:
         replies: Rejections = asyncio.Queue()
         reader = asyncio.ensure_future(self._read(request_iterator, replies))
+        self._replies.add(replies)
         try:
-            while (rejections := await replies.get()) is not None:
-                yield tokenizer_pb2.RejectionBatch(rejections=rejections)
+            while (batch := await replies.get()) is not None:
+                yield batch
             await reader  # its failure ends the stream
         finally:
+            self._replies.discard(replies)
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
 
@@ -120,7 +123,7 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
                      replies: Rejections) -> None:
         rejections = await self._forward(requests)
         if rejections:
-            replies.put_nowait(rejections)
+            replies.put_nowait(tokenizer_pb2.RejectionBatch(rejections=rejections))
 
     async def _big_job(self, requests: list[tokenizer_pb2.GenerateRequest],
                        replies: Rejections) -> None:
@@ -129,9 +132,9 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             await self._reply(requests, replies)
         except Exception:
             log.exception("tokenize_failed", requests=len(requests))
-            replies.put_nowait([wire.rejection(r.meta.rid, grpc.StatusCode.INTERNAL,
-                                               "the tokenizer failed on this prompt")
-                                for r in requests])
+            replies.put_nowait(tokenizer_pb2.RejectionBatch(rejections=[
+                wire.rejection(r.meta.rid, grpc.StatusCode.INTERNAL,
+                               "the tokenizer failed on this prompt") for r in requests]))
 
     async def _tokenize(self, requests: Sequence[tokenizer_pb2.GenerateRequest]
                         ) -> list[list[int] | TooLong | Refused]:
@@ -223,6 +226,15 @@ class TokenizerServicer(pb_grpc.TokenizerServicer):
             len(r.input_ids) for items in by_scheduler.values() for r in items), len(rejections))
         return rejections
 
+    def scheduler_lost(self, address: str) -> None:
+        """The stream to the scheduler at `address` failed (`BatchedStream.on_lost`) while the
+        scheduler may still serve: what was on it is gone, and which requests those were this
+        tokenizer does not keep. Every gateway with a Submit stream here is told, and ends its
+        requests that came this way and have had no output."""
+        log.warning("scheduler_lost", scheduler=address, gateways=len(self._replies))
+        for replies in self._replies:
+            replies.put_nowait(tokenizer_pb2.RejectionBatch(lost_schedulers=[address]))
+
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
                        context: grpc.aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
         tokens = await self.workers.run(len(request.text), self._tok.encode, request.text,
@@ -258,9 +270,14 @@ async def serve(config: TokenizerConfig) -> None:
     model_path = resolve_model_path(config.model_path)
     tok = TextTokenizer.from_pretrained(model_path)
     peers = MeshPeers(config)
+
+    def on_scheduler_lost(address: str) -> None:  # streams start after the servicer exists
+        servicer.scheduler_lost(address)
+
     schedulers: StreamPool[scheduler_pb2.TokenizedRequest] = peers.stream_pool(
         "tokenizer->scheduler", "scheduler", lambda ch: scheduler_pb2_grpc.SchedulerStub(ch).Submit,
-        lambda items: scheduler_pb2.TokenizedBatch(requests=items), write_through=True)
+        lambda items: scheduler_pb2.TokenizedBatch(requests=items), on_lost=on_scheduler_lost,
+        write_through=True)
     info = common_pb2.ModelInfo(
         model_path=model_path, max_model_len=tok.max_model_len, vocab_size=tok.vocab_size,
         eos_token_ids=tok.eos_token_ids,

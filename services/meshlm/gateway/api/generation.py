@@ -285,11 +285,19 @@ class GenerationRPCs:
 
     # -- news from the mesh ------------------------------------------------------------------
 
-    def on_rejections(self, batch: tokenizer_pb2.RejectionBatch) -> None:
-        """Requests a tokenizer refused (e.g. prompt too long) fail with its status."""
+    def on_rejections(self, batch: tokenizer_pb2.RejectionBatch, tokenizer: str) -> None:
+        """Requests a tokenizer refused (e.g. prompt too long) fail with its status; those it
+        sent to a scheduler whose stream it lost, and that have had no output, end
+        UNAVAILABLE (what the stream carried is gone, and which it was is not known)."""
         for rejection in batch.rejections:
             self.core.table.fail(rejection.rid, MeshError.from_number(
                 rejection.status.code, rejection.status.message))
+        for scheduler in batch.lost_schedulers:
+            def came_that_way(req: PendingRequest, scheduler: str = scheduler) -> bool:
+                return (req.tokenizer == tokenizer and req.scheduler == scheduler
+                        and not req.first_output)
+            self._end(came_that_way, f"the stream from the tokenizer at {tokenizer} to the "
+                                     f"scheduler at {scheduler} was lost", abort=True)
 
     def on_too_large(self, request: tokenizer_pb2.GenerateRequest,
                      error: MessageTooLarge) -> None:
@@ -306,20 +314,28 @@ class GenerationRPCs:
         requests those were is not known, so every request there without output ends
         UNAVAILABLE (a client may retry it), and none goes there until the stream is back
         (`_tokenizer`)."""
-        self._end_on("tokenizer", address, f"the stream to the tokenizer at {address} was lost")
+        self._end(lambda req: req.tokenizer == address and not req.first_output,
+                  f"the stream to the tokenizer at {address} was lost", abort=True)
 
     def on_dependency_down(self, role: str, address: str) -> None:
         """A replica stopped serving: end the requests that depended on it (UNAVAILABLE) rather
         than leave them hanging. Past the tokenizer a request no longer needs it."""
-        self._end_on(role, address, f"the {role} at {address} became unavailable")
+        if role == "tokenizer":  # past the tokenizer a request no longer needs it
+            def hit(req: PendingRequest) -> bool:
+                return req.tokenizer == address and not req.first_output
+        else:
+            def hit(req: PendingRequest) -> bool:
+                return bool(getattr(req, role) == address)
+        self._end(hit, f"the {role} at {address} became unavailable",
+                  abort=role != "scheduler")
 
-    def _end_on(self, role: str, address: str, why: str) -> None:
+    def _end(self, hit: Callable[[PendingRequest], bool], why: str, abort: bool) -> None:
+        """End the requests `hit` picks UNAVAILABLE saying `why`; `abort`: in their scheduler
+        too (unless it is the one that went away)."""
         for req in list(self.core.table.requests.values()):
-            hit = (getattr(req, role) == address if role != "tokenizer"
-                   else req.tokenizer == address and not req.first_output)
-            if hit:
+            if hit(req):
                 req.fail(MeshError(grpc.StatusCode.UNAVAILABLE, why))
-                if role != "scheduler":
+                if abort:
                     self.core.background.spawn(abort_in_scheduler(
                         self.core.channels, req.scheduler, [req.rid]))
 

@@ -20,8 +20,8 @@ SUBMIT_QUIET = 0.002  # seconds
 class SubmitOwner(Protocol):
     """Who owns the requests a Submit stream carries (`api/generation.py`)."""
 
-    def on_rejections(self, batch: tokenizer_pb2.RejectionBatch) -> None:
-        """The tokenizer refused some."""
+    def on_rejections(self, batch: tokenizer_pb2.RejectionBatch, address: str) -> None:
+        """The tokenizer at `address` refused some, or lost its stream to a scheduler."""
 
     def on_submit_lost(self, address: str) -> None:
         """The stream to the tokenizer at `address` failed: what it carried may be lost."""
@@ -47,7 +47,8 @@ class Replicas:
         stream: BatchedStream[tokenizer_pb2.GenerateRequest] = BatchedStream(
             "gateway->tokenizer", address, stub.Submit,
             lambda items: tokenizer_pb2.GenerateBatch(requests=items),
-            on_reply=self._owner.on_rejections, ready=channel.channel_ready,
+            on_reply=lambda batch: self._owner.on_rejections(batch, address),
+            ready=channel.channel_ready,
             on_lost=self._owner.on_submit_lost, on_too_large=self._owner.on_too_large,
             write_through=True, quiet=SUBMIT_QUIET)
         stream.start()

@@ -6,7 +6,8 @@ without this they waited for ever (a lost request or final output) or silently m
 
 Each test cuts one stream's TCP connection with `ss -K` (the kernel's socket destroy: root and
 CONFIG_INET_DIAG_DESTROY, as CI has; skipped otherwise), found by the sending process's sockets
-to its peer's port: the tokenizer and the scheduler reach those peers by the stream alone. The
+to its peer's port: the tokenizer, scheduler and detokenizer reach those peers by the stream
+alone. The
 gateway's own Submit stream shares its peer with the gateway's health watch, so it is tested
 where it can be cut alone (tests/unit/gateway/api/test_submit_lost.py)."""
 
@@ -84,6 +85,29 @@ def test_a_lost_scheduler_to_detokenizer_stream_ends_the_requests_it_carried(mes
                what="a request on the scheduler again")
     wait_until(lambda: scheduler_busy(mesh2, scheduler.address) == 0, timeout=30,
                what="the scheduler to hold nothing of the ended requests")
+
+
+def test_a_lost_detokenizer_to_gateway_stream_ends_the_requests_it_carried(mesh2, stub,
+                                                                          registry):
+    streams = streaming([Stream(stub, f"cut gateway {i}", max_new_tokens=1900,
+                                wait_first=False) for i in range(4)])
+    through = {s.rid: routes(registry, s.rid)["detokenizer"] for s in streams}
+    victim = through[streams[0].rid]
+    doomed = [s for s in streams if through[s.rid] == victim]
+    spared = [s for s in streams if through[s.rid] != victim]
+    pid = next(d.pid for d in mesh2.replicas("detokenizer") if d.address == victim)
+    inbox = mesh2.addresses.gateway_inbox
+    print(f"\ncutting {victim} -> gateway: {len(doomed)} streams through it, {len(spared)} "
+          f"through the other detokenizer")
+    cut(pid, inbox)
+    for s in doomed:
+        s.join()
+        assert s.code() == grpc.StatusCode.UNAVAILABLE, (s.rid, s.code())
+        assert f"the detokenizer lost its stream to the gateway at {inbox}" in _details(s)
+    finished_in_full(spared, 1900)
+    for scheduler in mesh2.replicas("scheduler"):  # the ended requests were aborted there
+        wait_until(lambda a=scheduler.address: scheduler_busy(mesh2, a) == 0, timeout=30,
+                   what="the schedulers to hold nothing of the ended requests")
 
 
 @pytest.fixture

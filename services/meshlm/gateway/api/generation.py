@@ -314,20 +314,16 @@ class GenerationRPCs:
         requests those were is not known, so every request there without output ends
         UNAVAILABLE (a client may retry it), and none goes there until the stream is back
         (`_tokenizer`)."""
-        self._end(lambda req: req.tokenizer == address and not req.first_output,
+        self._end(_before_output_on(address),
                   f"the stream to the tokenizer at {address} was lost", abort=True)
 
     def on_dependency_down(self, role: str, address: str) -> None:
         """A replica stopped serving: end the requests that depended on it (UNAVAILABLE) rather
         than leave them hanging. Past the tokenizer a request no longer needs it."""
-        if role == "tokenizer":  # past the tokenizer a request no longer needs it
-            def hit(req: PendingRequest) -> bool:
-                return req.tokenizer == address and not req.first_output
-        else:
-            def hit(req: PendingRequest) -> bool:
-                return bool(getattr(req, role) == address)
-        self._end(hit, f"the {role} at {address} became unavailable",
-                  abort=role != "scheduler")
+        def on_it(req: PendingRequest) -> bool:
+            return bool(getattr(req, role) == address)
+        self._end(_before_output_on(address) if role == "tokenizer" else on_it,
+                  f"the {role} at {address} became unavailable", abort=role != "scheduler")
 
     def _end(self, hit: Callable[[PendingRequest], bool], why: str, abort: bool) -> None:
         """End the requests `hit` picks UNAVAILABLE saying `why`; `abort`: in their scheduler
@@ -338,6 +334,12 @@ class GenerationRPCs:
                 if abort:
                     self.core.background.spawn(abort_in_scheduler(
                         self.core.channels, req.scheduler, [req.rid]))
+
+
+def _before_output_on(tokenizer: str) -> Callable[[PendingRequest], bool]:
+    """Picks the requests that went to `tokenizer` and have had no output (past it, a request
+    no longer needs it)."""
+    return lambda req: req.tokenizer == tokenizer and not req.first_output
 
 
 def fresh_rid() -> str:

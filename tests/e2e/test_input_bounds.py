@@ -147,11 +147,12 @@ def test_a_small_request_keeps_its_latency_while_huge_prompts_arrive(mesh, stub)
     assert loaded <= max(2 * unloaded, unloaded + LATENCY_FLOOR), (loaded, unloaded)
 
 
-@pytest.fixture
-def wide_stub(mesh) -> Iterator[pb_grpc.SglangServiceStub]:
-    """A gateway of the mesh that lets 10 MB prompts through to the tokenizer."""
+@pytest.fixture(params=["native", "grpcio"])
+def wide_stub(mesh, request) -> Iterator[pb_grpc.SglangServiceStub]:
+    """A gateway of the mesh that lets 10 MB prompts through to the tokenizer, its Submit
+    streams on the native client and on grpc.aio's (--mesh-streams)."""
     name = f"gateway-wide-{uuid.uuid4().hex[:6]}"
-    proc = mesh.start_gateway(name, max_prompt_chars=20_000_000)
+    proc = mesh.start_gateway(name, max_prompt_chars=20_000_000, mesh_streams=request.param)
     try:
         with grpc.insecure_channel(proc.grpc_address) as channel:
             yield pb_grpc.SglangServiceStub(channel)

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 
 import grpc
 
-from meshlm.common.channels import MessageTooLarge
+from meshlm.common.channels import MESH_MESSAGE_BYTES, MessageTooLarge
 from meshlm.common.logs import get_logger
 
 log = get_logger(__name__)
@@ -171,9 +171,14 @@ class BatchedStream(Generic[T]):
             await self._write(call, items)
 
     async def _write(self, call: Any, items: list[T]) -> None:
-        """One message of `items`; in halves if it is over the mesh's limit."""
+        """One message of `items`; in halves if it is over the mesh's limit (the native
+        client's `write` says so; a grpc.aio call's message is measured here, as grpc would
+        fail the call for it)."""
+        message = self._make_batch(items)
         try:
-            await call.write(self._make_batch(items))
+            if isinstance(call, grpc.aio.Call) and message.ByteSize() > MESH_MESSAGE_BYTES:
+                raise MessageTooLarge(message.ByteSize())
+            await call.write(message)
         except MessageTooLarge as exc:
             if len(items) > 1:
                 half = len(items) // 2

@@ -15,6 +15,7 @@ import pytest
 
 from meshlm.common.errors import MeshError
 from meshlm.common.native_grpc import frames as h2
+from meshlm.common.native_grpc.connection import RESET_BUDGET
 from meshlm.common.native_grpc.server import NativeServer
 from meshlm.common.tls import tls_context
 from meshlm.launch.certs import ensure_dev_certs
@@ -244,6 +245,52 @@ async def test_an_oversized_frame_is_a_frame_size_error(served: Any) -> None:
     kind, payload = frames[-1]
     assert kind == h2.GOAWAY
     assert int.from_bytes(payload[4:8], "big") == h2.FRAME_SIZE_ERROR
+
+
+def _opened_and_reset(first: int, count: int) -> bytes:
+    """`count` calls opened and reset at once by the client, from stream `first` on."""
+    headers = _call_headers(f"/{SERVICE}/Later")
+    cancel = h2.CANCEL.to_bytes(4, "big")
+    return b"".join(h2.frame(h2.HEADERS, h2.END_HEADERS, i, headers)
+                    + h2.frame(h2.RST_STREAM, 0, i, cancel)
+                    for i in range(first, first + 2 * count, 2))
+
+
+async def test_a_rapid_reset_client_is_sent_away_with_enhance_your_calm(served: Any) -> None:
+    """Calls opened and reset at once, over and over (CVE-2023-44487), spend the connection's
+    reset budget: GOAWAY ENHANCE_YOUR_CALM once past RESET_BUDGET of them, and the close."""
+    _, _, port = served
+    flood = _opened_and_reset(1, RESET_BUDGET + 10)
+    frames = await _until_closed(port, h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0) + flood)
+    kind, payload = frames[-1]
+    assert kind == h2.GOAWAY
+    assert int.from_bytes(payload[4:8], "big") == h2.ENHANCE_YOUR_CALM
+    assert b"rapid reset" in payload[8:]
+
+
+async def test_a_client_that_cancels_some_calls_keeps_its_connection(served: Any) -> None:
+    """A third of the calls reset at once, the others run to their end, over three times as
+    many calls as the budget: the connection stays, and answers."""
+    _, _, port = served
+    client = await RawClient.connect(port)
+    try:
+        finished = _call_headers(f"/{SERVICE}/Sum")  # no requests: answers "0" at once
+        stream = 1
+        for _ in range(RESET_BUDGET):
+            client.send(_opened_and_reset(stream, 1) + b"".join(
+                h2.frame(h2.HEADERS, h2.END_HEADERS | h2.END_STREAM, stream + i, finished)
+                for i in (2, 4)))
+            stream += 6
+        client.send(h2.frame(h2.PING, 0, 0, b"probe..."))
+        while (got := await client.frame()) is not None:
+            kind, flags, _, _ = got
+            assert kind != h2.GOAWAY, "the server sent the client away"
+            if kind == h2.PING and flags & h2.ACK:
+                break
+        else:
+            raise AssertionError("the server closed the connection")
+    finally:
+        client.close()
 
 
 class RawClient:

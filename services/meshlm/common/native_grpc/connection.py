@@ -36,6 +36,12 @@ DRAIN_WAIT_S = 1.0  # the longest wait for a client's answer to the shutdown's P
 _DRAIN_PING = b"draining"
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 30, 10, 3
 UNACKED_LIMIT_MS = 40_000  # sent data unacknowledged this long: the peer is gone
+# Rapid reset (CVE-2023-44487): a client that opens calls and resets them at once makes the
+# server start and cancel a handler for each, without ever waiting for one to finish (one
+# connection held a gateway's loop for 8 s, 30,000 calls a second). Each call the client resets
+# while it runs costs 2 of this budget and each call it opens gives 1 back, so a client that
+# cancels under a third of its calls never spends it; past it, GOAWAY ENHANCE_YOUR_CALM.
+RESET_BUDGET = 1000
 _RESERVED = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding",
                        b"grpc-accept-encoding", b"content-length", b"connection"))
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
@@ -62,6 +68,7 @@ class Connection(asyncio.Protocol):
         self._draining = False  # the first GOAWAY is sent
         self.drained: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last_stream = 0
+        self.reset_debt = 0  # see RESET_BUDGET
         self._decoder = Decoder()
         self._decoder.max_header_list_size = server.max_header_bytes
         self._buf = b""
@@ -220,6 +227,8 @@ class Connection(asyncio.Protocol):
         if stream_id % 2 == 0 or stream_id <= self.last_stream:
             raise ConnectionError_(h2.PROTOCOL_ERROR, f"a new stream with id {stream_id}")
         self.last_stream = stream_id
+        if self.reset_debt:
+            self.reset_debt -= 1
         stream = Stream(stream_id, self, self.stream_window)
         if self.going_away or len(self.streams) >= MAX_STREAMS:
             self.queue(h2.frame(h2.RST_STREAM, 0, stream_id,
@@ -287,6 +296,10 @@ class Connection(asyncio.Protocol):
                 self.close_stream(stream)
                 if stream.task is not None:
                     stream.task.cancel()
+                self.reset_debt += 2
+                if self.reset_debt > RESET_BUDGET:
+                    raise ConnectionError_(h2.ENHANCE_YOUR_CALM, "the client reset far more "
+                                           "calls than it let finish (rapid reset)")
         elif kind == h2.GOAWAY:
             self.going_away = True
         elif kind == h2.PUSH_PROMISE:

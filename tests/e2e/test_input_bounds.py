@@ -6,6 +6,7 @@ refused at once, before any of it enters the mesh."""
 
 from __future__ import annotations
 
+import socket
 import statistics
 import threading
 import time
@@ -244,3 +245,49 @@ def test_a_batch_that_could_never_be_admitted_is_refused_at_once(mesh, stub) -> 
     assert load.finished_total == finished and load.running == 0 and load.waiting == 0
     info = orjson.loads(stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).json_info)
     assert int(info["requests_in_flight"]) == 0
+
+
+def _closed_after(socks: dict[socket.socket, bytes], limit: float) -> list[float]:
+    """Seconds from now until the server closes each socket, sending each its bytes every
+    0.1 s meanwhile (b"": a silent client); fails past `limit`."""
+    started = time.monotonic()
+    took: dict[socket.socket, float] = {}
+    for sock in socks:
+        sock.setblocking(False)
+    while len(took) < len(socks):
+        assert time.monotonic() - started < limit, f"still open after {limit} s: {took}"
+        for sock, trickle in socks.items():
+            if sock in took:
+                continue
+            try:
+                if sock.recv(1024) == b"" or (trickle and not sock.send(trickle)):
+                    took[sock] = time.monotonic() - started
+            except BlockingIOError:
+                pass
+            except OSError:  # reset: closed too
+                took[sock] = time.monotonic() - started
+        time.sleep(0.1)  # the trickle's pace, not synchronisation
+    return [took[sock] for sock in socks]
+
+
+def test_clients_slow_to_send_a_request_head_are_cut_off(mesh) -> None:
+    """A connection that sends nothing, and one that sends its head a byte at a time, are
+    closed once --http-read-timeout has passed (uvicorn alone keeps both for ever, and a few
+    thousand of them take every file descriptor); a client that sends in time is served."""
+    name = f"gateway-timed-{uuid.uuid4().hex[:6]}"
+    proc = mesh.start_gateway(name, http_read_timeout=1)
+    try:
+        host, port = proc.http_address.removeprefix("http://").rsplit(":", 1)
+        silent = socket.create_connection((host, int(port)))
+        slow = socket.create_connection((host, int(port)))
+        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
+        with silent, slow:
+            took = _closed_after({silent: b"", slow: b"X"}, 10)
+        print(f"\nsilent and trickling connections closed after {took} s (timeout 1 s)")
+        assert all(0.8 <= t for t in took), took
+        r = httpx.post(f"{proc.http_address}/generate", timeout=30, content=orjson.dumps(
+            {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}))
+        assert r.status_code == 200, r.text
+    finally:
+        proc.stop(10)
+        del mesh.services[name]

@@ -41,6 +41,7 @@ from meshlm.gateway.api.gateway import GatewayAPI
 from meshlm.gateway.api.weights import FOLLOW_INTERVAL
 from meshlm.gateway.front.auth import ApiKeyInterceptor, ApiKeys
 from meshlm.gateway.front.http_app import build_http_app
+from meshlm.gateway.front.http_protocol import timed_http
 from meshlm.gateway.front.reclaim import Reclaimer
 from meshlm.gateway.front.servicer import SglangServicer
 from meshlm.gateway.mesh.dependencies import ROLES, Dependencies
@@ -49,7 +50,12 @@ from meshlm.gateway.mesh.inbox import InboxServicer, RequestTable
 from meshlm.gateway.mesh.membership import split_entries
 from meshlm.gateway.mesh.registry import RidRegistry
 from meshlm.gateway.mesh.replicas import Replicas
-from meshlm.gateway.protocol.bounds import DEFAULT_BODY_BYTES, DEFAULT_GRPC_RECEIVE_BYTES, Bounds
+from meshlm.gateway.protocol.bounds import (
+    DEFAULT_BODY_BYTES,
+    DEFAULT_GRPC_RECEIVE_BYTES,
+    DEFAULT_READ_TIMEOUT,
+    Bounds,
+)
 from meshlm.gateway.protocol.reasoning import PARSERS as REASONING_PARSERS
 from meshlm.gateway.protocol.tool_parsers import PARSERS
 from meshlm.v1 import gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, tokenizer_pb2
@@ -124,6 +130,10 @@ class GatewayConfig(ServiceConfig):
     http_max_body_bytes: int = cfg.field(DEFAULT_BODY_BYTES, "largest HTTP request body; past "
                                                              "it 413 before the body is read "
                                                              "(0 = no limit)")
+    http_read_timeout: float = cfg.field(DEFAULT_READ_TIMEOUT, "seconds an HTTP client may take "
+                                         "to send a request's head (its connection closes) "
+                                         "and between two pieces of its body (408); 0 = no "
+                                         "limit")
     grpc_max_receive_bytes: int = cfg.field(DEFAULT_GRPC_RECEIVE_BYTES, "largest public gRPC "
                                             "request message; past it grpc answers "
                                             "RESOURCE_EXHAUSTED (0 = 64 MiB, what the "
@@ -169,7 +179,8 @@ def _http_server(config: GatewayConfig, app: Any) -> uvicorn.Server:
             kwargs.update(ssl_ca_certs=config.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
     uv_config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
                                timeout_graceful_shutdown=int(config.shutdown_grace),
-                               http="httptools", loop="none", **kwargs)  # type: ignore[arg-type]
+                               http=timed_http(config.http_read_timeout), loop="none",
+                               **kwargs)  # type: ignore[arg-type]
     return uvicorn.Server(uv_config)
 
 
@@ -229,6 +240,7 @@ async def serve(config: GatewayConfig) -> None:
                              lambda: _engine_loads(channels, deps.addresses["scheduler"]),
                              registry_degraded=lambda: registry.degraded)
     bounds = Bounds(max_body_bytes=config.http_max_body_bytes,
+                    read_timeout=config.http_read_timeout,
                     max_prompt_chars=config.max_prompt_chars, max_batch=config.max_batch,
                     max_inflight=config.max_inflight)
     api = GatewayAPI(GatewayCore(identity, deps, table, registry, channels, bounds), submit,

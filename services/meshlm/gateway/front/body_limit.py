@@ -6,9 +6,15 @@ dropped. A body within it is read here and handed to the app in one piece, so no
 holds more than the limit. After a 413 the server reads and discards the rest of the upload
 (uvicorn does), so a client that sends its whole body first still gets the answer. Once a big
 body's request is over, its memory is reclaimed (`front/reclaim.py`).
+
+A body whose pieces come more than `read_timeout` apart is answered 408 (a client trickling
+its upload would hold the request, and its memory, for ever); the request's head is held to
+the same time by the protocol (`front/http_protocol.py`).
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import grpc
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,29 +31,36 @@ ENV = "MESHLM_HTTP_MAX_BODY_BYTES"
 
 
 class BodyLimit:
-    def __init__(self, app: ASGIApp, limit: int, reclaim: Reclaimer | None = None) -> None:
+    def __init__(self, app: ASGIApp, limit: int, reclaim: Reclaimer | None = None,
+                 read_timeout: float = 0.0) -> None:
         self.app = app
         self.limit = limit  # bytes; 0 or less: no limit
         self.reclaim = reclaim or Reclaimer()
+        self.read_timeout = read_timeout if read_timeout > 0 else None  # seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.limit <= 0:
+        if scope["type"] != "http" or (self.limit <= 0 and self.read_timeout is None):
             await self.app(scope, receive, send)
             return
         declared = _content_length(scope)
-        if declared is not None and declared > self.limit:
+        if declared is not None and 0 < self.limit < declared:
             await self._refuse(scope, send, declared, "content-length")
             return
         chunks: list[bytes] = []
         size, more = 0, True
         while more:
-            message = await receive()
+            try:
+                async with asyncio.timeout(self.read_timeout):
+                    message = await receive()
+            except TimeoutError:
+                await self._too_slow(scope, send, size)
+                return
             if message["type"] != "http.request":  # the client left: the app sees it
                 await self.app(scope, _replay(message, receive), send)
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
+            if 0 < self.limit < size:
                 chunks.clear()
                 await self._refuse(scope, send, size, "received")
                 self.reclaim.after(size)
@@ -71,6 +84,18 @@ class BodyLimit:
                    f"(raise it with {FLAG} or {ENV})")
         response = error_response(Shape.NATIVE, MeshError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                                           message), status=413)
+        await response(scope, _no_body, send)
+
+
+    async def _too_slow(self, scope: Scope, send: Send, size: int) -> None:
+        """408: the body's next piece did not come within read_timeout."""
+        log.info("http_body_timeout", path=scope.get("path", ""), bytes=size,
+                 timeout=self.read_timeout)
+        message = (f"request body: nothing more came for {self.read_timeout:g} s after "
+                   f"{size} bytes (raise the limit with --http-read-timeout or "
+                   f"MESHLM_HTTP_READ_TIMEOUT)")
+        response = error_response(Shape.NATIVE, MeshError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                          message), status=408)
         await response(scope, _no_body, send)
 
 

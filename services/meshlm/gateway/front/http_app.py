@@ -100,7 +100,8 @@ def build_http_app(api: Any, metrics: ServiceMetrics | None = None,
               **{r.path: Shape.ANTHROPIC for r in anthropic if isinstance(r, Route)},
               **NATIVE_OWN_SHAPES, **OPENAI_OWN_SHAPES}
     middleware = [Middleware(ApiKeyMiddleware, keys=keys)] if keys else []
-    middleware += [Middleware(BodyLimit, limit=bounds.max_body_bytes, reclaim=reclaim),
+    middleware += [Middleware(BodyLimit, limit=bounds.max_body_bytes, reclaim=reclaim,
+                              read_timeout=bounds.read_timeout),
                    Middleware(HttpErrors, shapes=shapes)]
     return BodySendApp(
         routes=routes, exception_handlers={404: _not_found, 405: _method_not_allowed},

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 MIB = 1024 * 1024
 DEFAULT_BODY_BYTES = 16 * MIB
 DEFAULT_GRPC_RECEIVE_BYTES = 16 * MIB
+DEFAULT_READ_TIMEOUT = 30.0  # seconds (nginx's client_header_timeout and body timeout: 60)
 PROMPT_CHARS_PER_TOKEN = 32
 
 
@@ -39,6 +40,7 @@ class Bounds:
     max_prompt_chars: int = 0
     max_batch: int = 0
     max_inflight: int = 1024
+    read_timeout: float = DEFAULT_READ_TIMEOUT  # an HTTP request's head, its body's pieces
 
     def prompt_chars(self, max_model_len: int) -> int:
         """Characters a text prompt may have, for a model of this context length."""

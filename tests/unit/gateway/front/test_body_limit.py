@@ -4,6 +4,7 @@ chunked upload passes the limit), bodies within it reach the route whole; and /g
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -135,3 +136,30 @@ async def test_the_app_refuses_bodies_over_its_bound() -> None:
                                  base_url="http://gw") as c:
         for path in ("/generate", "/v1/chat/completions", "/v1/runtime/text_generate"):
             _refusal(await c.post(path, content=b"{" + b" " * LIMIT + b"}"))
+
+
+async def test_a_body_whose_next_piece_does_not_come_in_time_is_answered_408() -> None:
+    """A piece, then nothing: 408 naming the time and its flag, after `read_timeout`; with no
+    size limit the time still holds."""
+    stalled = asyncio.Event()
+
+    async def trickle() -> AsyncIterator[bytes]:
+        yield b'{"text": '
+        await stalled.wait()  # never set: the client stops sending
+        yield b""
+
+    for limit in (LIMIT, 0):
+        app = BodyLimit(Starlette(routes=[Route("/echo", _echo, methods=["POST"])]), limit,
+                        read_timeout=0.2)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as c:
+            r = await asyncio.wait_for(c.post("/echo", content=trickle()), 5)
+        assert r.status_code == 408, r.text
+        error = r.json()["error"]
+        assert error["type"] == "DEADLINE_EXCEEDED"
+        assert "nothing more came for 0.2 s after 9 bytes" in error["message"]
+        assert "--http-read-timeout" in error["message"]
+        # In time, the same body reaches the route whole.
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as c:
+            assert (await c.post("/echo", content=_chunks(3, 100))).json() == {"bytes": 300}

@@ -76,27 +76,29 @@ class BodyLimit:
             self.reclaim.after(size)
 
     async def _refuse(self, scope: Scope, send: Send, size: int, how: str) -> None:
-        """413 with a native error body naming the limit and how to raise it."""
+        """413 naming the limit and how to raise it."""
         log.info("http_body_too_large", path=scope.get("path", ""), limit=self.limit,
                  bytes=size, by=how)
-        message = (f"request body: {'declared ' if how == 'content-length' else 'over '}"
-                   f"{size} bytes, more than this gateway's limit of {self.limit} bytes "
-                   f"(raise it with {FLAG} or {ENV})")
-        response = error_response(Shape.NATIVE, MeshError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                                          message), status=413)
-        await response(scope, _no_body, send)
-
+        await _answer(scope, send, 413, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"request body: {'declared ' if how == 'content-length' else 'over '}"
+                      f"{size} bytes, more than this gateway's limit of {self.limit} bytes "
+                      f"(raise it with {FLAG} or {ENV})")
 
     async def _too_slow(self, scope: Scope, send: Send, size: int) -> None:
         """408: the body's next piece did not come within read_timeout."""
         log.info("http_body_timeout", path=scope.get("path", ""), bytes=size,
                  timeout=self.read_timeout)
-        message = (f"request body: nothing more came for {self.read_timeout:g} s after "
-                   f"{size} bytes (raise the limit with --http-read-timeout or "
-                   f"MESHLM_HTTP_READ_TIMEOUT)")
-        response = error_response(Shape.NATIVE, MeshError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                                          message), status=408)
-        await response(scope, _no_body, send)
+        await _answer(scope, send, 408, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      f"request body: nothing more came for {self.read_timeout:g} s after "
+                      f"{size} bytes (raise the limit with --http-read-timeout or "
+                      f"MESHLM_HTTP_READ_TIMEOUT)")
+
+
+async def _answer(scope: Scope, send: Send, status: int, code: grpc.StatusCode,
+                  message: str) -> None:
+    """The request's answer, a native error body, before its body was read (whole)."""
+    await error_response(Shape.NATIVE, MeshError(code, message), status=status)(
+        scope, _no_body, send)
 
 
 async def _no_body() -> Message:

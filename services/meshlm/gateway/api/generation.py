@@ -287,17 +287,20 @@ class GenerationRPCs:
 
     def on_rejections(self, batch: tokenizer_pb2.RejectionBatch, tokenizer: str) -> None:
         """Requests a tokenizer refused (e.g. prompt too long) fail with its status; those it
-        sent to a scheduler whose stream it lost, and that have had no output, end
-        UNAVAILABLE (what the stream carried is gone, and which it was is not known)."""
+        sent to a scheduler whose stream it lost, and that still have had no output
+        LOST_STREAM_GRACE later, end UNAVAILABLE (what the stream carried is gone, and which
+        it was is not known)."""
         for rejection in batch.rejections:
             self.core.table.fail(rejection.rid, MeshError.from_number(
                 rejection.status.code, rejection.status.message))
         for scheduler in batch.lost_schedulers:
-            def came_that_way(req: PendingRequest, scheduler: str = scheduler) -> bool:
-                return (req.tokenizer == tokenizer and req.scheduler == scheduler
-                        and not req.first_output)
-            self._end(came_that_way, f"the stream from the tokenizer at {tokenizer} to the "
-                                     f"scheduler at {scheduler} was lost", abort=True)
+            rids = {rid for rid, req in self.core.table.requests.items()
+                    if req.tokenizer == tokenizer and req.scheduler == scheduler}
+            why = (f"the stream from the tokenizer at {tokenizer} to the scheduler at "
+                   f"{scheduler} was lost")
+            asyncio.get_running_loop().call_later(
+                LOST_STREAM_GRACE, self._end,
+                lambda req, rids=rids: req.rid in rids and not req.first_output, why, True)
 
     def on_too_large(self, request: tokenizer_pb2.GenerateRequest,
                      error: MessageTooLarge) -> None:
@@ -334,6 +337,14 @@ class GenerationRPCs:
                 if abort:
                     self.core.background.spawn(abort_in_scheduler(
                         self.core.channels, req.scheduler, [req.rid]))
+
+
+# A tokenizer's stream to a scheduler is lost when the scheduler dies, too: its health watch
+# then ends its requests and keeps new ones off it within milliseconds. Ended at once on the
+# tokenizer's word instead, a client's retry could reach the dead scheduler in between, so the
+# requests the lost stream may have carried are ended this long after the word, if still
+# waiting: the ones a scheduler that still serves will never see.
+LOST_STREAM_GRACE = 1.0  # seconds
 
 
 def _before_output_on(tokenizer: str) -> Callable[[PendingRequest], bool]:
